@@ -1,0 +1,25 @@
+"""Specs: frozen descriptions of the kernels to generate. Imports nothing else of flashgen."""
+
+from .attention import HEAD_DIMS, AttentionSpec, MergeSpec
+from .parts import (
+    KV_DTYPES,
+    MERGE_DTYPES,
+    Q_DTYPES,
+    ALiBi,
+    BlockSparse,
+    Causal,
+    CustomMask,
+    NoMask,
+    Paged,
+    Ragged,
+    RoPE,
+    SlidingWindow,
+    SpecError,
+    canonical_dtype,
+)
+
+__all__ = [
+    "HEAD_DIMS", "AttentionSpec", "MergeSpec", "KV_DTYPES", "MERGE_DTYPES", "Q_DTYPES", "ALiBi",
+    "BlockSparse", "Causal", "CustomMask", "NoMask", "Paged", "Ragged", "RoPE", "SlidingWindow",
+    "SpecError", "canonical_dtype",
+]

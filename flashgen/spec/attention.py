@@ -1,0 +1,155 @@
+"""AttentionSpec: what attention a kernel computes, independent of any batch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from .parts import (
+    DTYPE_SHORT,
+    KV_DTYPES,
+    KV_LAYOUTS,
+    MASKS,
+    MERGE_DTYPES,
+    POS_ENCODINGS,
+    Q_DTYPES,
+    Causal,
+    NoMask,
+    Paged,
+    SpecError,
+    canonical_dtype,
+)
+
+HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+def _names(classes: tuple[type, ...]) -> str:
+    return ", ".join(f"{c.__name__}(...)" for c in classes)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The attention a kernel computes.
+
+    Structural fields (head dims, dtypes, KV layout and page size, mask kind, positional-encoding kind,
+    soft-cap on/off) change the generated code and form the kernel key. Numbers (``sm_scale``, a window's
+    ``left``, RoPE ``theta``/``scale``, the ``soft_cap`` value) are runtime parameters: specs that differ
+    only in them share one kernel.
+
+    Example::
+
+        spec = AttentionSpec(head_dim=128, dtype="bfloat16", kv_layout=Paged(16), mask=Causal())
+        spec.uri  # 'd128_vo128_bf16_kvbf16_paged16nhd_causal_nopos_nocap'
+    """
+
+    head_dim: int
+    head_dim_vo: int | None = None
+    dtype: str = "bfloat16"
+    kv_dtype: str | None = None
+    kv_layout: object = field(default_factory=lambda: Paged(16))
+    mask: object = field(default_factory=NoMask)
+    pos_encoding: object | None = None
+    soft_cap: float | None = None
+    sm_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        # normalise equivalent spellings so that equal specs compare, hash and key equal
+        dtype = canonical_dtype(self.dtype, "dtype", Q_DTYPES)
+        object.__setattr__(self, "dtype", dtype)
+        kv_dtype = dtype if self.kv_dtype is None else canonical_dtype(self.kv_dtype, "kv_dtype", KV_DTYPES)
+        object.__setattr__(self, "kv_dtype", kv_dtype)
+        if self.head_dim_vo is None:
+            object.__setattr__(self, "head_dim_vo", self.head_dim)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``SpecError`` naming the first invalid field and the values it allows."""
+        for name in ("head_dim", "head_dim_vo"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in HEAD_DIMS:
+                raise SpecError(f"{name}: got {value!r}, expected one of {', '.join(map(str, HEAD_DIMS))}")
+        canonical_dtype(self.dtype, "dtype", Q_DTYPES)
+        canonical_dtype(self.kv_dtype, "kv_dtype", KV_DTYPES)
+        if not isinstance(self.kv_layout, KV_LAYOUTS):
+            raise SpecError(f"kv_layout: got {self.kv_layout!r}, expected one of {_names(KV_LAYOUTS)}")
+        self.kv_layout.validate()
+        if not isinstance(self.mask, MASKS):
+            raise SpecError(f"mask: got {self.mask!r}, expected one of {_names(MASKS)}")
+        self.mask.validate()
+        if self.pos_encoding is not None:
+            if not isinstance(self.pos_encoding, POS_ENCODINGS):
+                raise SpecError(
+                    f"pos_encoding: got {self.pos_encoding!r}, expected None or one of {_names(POS_ENCODINGS)}"
+                )
+            self.pos_encoding.validate()
+        for name in ("soft_cap", "sm_scale"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+                raise SpecError(f"{name}: got {value!r}, expected None or a finite number > 0")
+
+    # ------------------------------------------------------------------------------------------ identity
+
+    def kernel_fields(self) -> dict[str, object]:
+        """The structural fields, the only ones that change code (and so the kernel key)."""
+        return {
+            "head_dim": self.head_dim,
+            "head_dim_vo": self.head_dim_vo,
+            "dtype": self.dtype,
+            "kv_dtype": self.kv_dtype,
+            "kv_layout": self.kv_layout.uri,
+            "mask": self.mask.uri,
+            "pos_encoding": "nopos" if self.pos_encoding is None else self.pos_encoding.uri,
+            "soft_cap": self.soft_cap is not None,
+        }
+
+    @property
+    def uri(self) -> str:
+        """A readable name, unique per structural variant; built here and nowhere else."""
+        f = self.kernel_fields()
+        return "_".join(
+            (
+                f"d{f['head_dim']}",
+                f"vo{f['head_dim_vo']}",
+                DTYPE_SHORT[f["dtype"]],
+                "kv" + DTYPE_SHORT[f["kv_dtype"]],
+                f["kv_layout"],
+                f["mask"],
+                f["pos_encoding"],
+                "cap" if f["soft_cap"] else "nocap",
+            )
+        )
+
+    @property
+    def default_sm_scale(self) -> float:
+        return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def is_causal(self) -> bool:
+        return isinstance(self.mask, Causal)
+
+    def replace(self, **changes: object) -> "AttentionSpec":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return AttentionSpec(**values)
+
+
+@dataclass(frozen=True)
+class MergeSpec:
+    """The merge-state kernels' only structural choice: the dtype of the partial outputs."""
+
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "dtype", MERGE_DTYPES))
+
+    def validate(self) -> None:
+        canonical_dtype(self.dtype, "dtype", MERGE_DTYPES)
+
+    def kernel_fields(self) -> dict[str, object]:
+        return {"dtype": self.dtype}
+
+    @property
+    def uri(self) -> str:
+        return DTYPE_SHORT[self.dtype]

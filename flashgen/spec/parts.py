@@ -1,0 +1,201 @@
+"""The parts of an AttentionSpec: KV layouts, masks, positional encodings, dtypes.
+
+Every part is a frozen dataclass. Structural choices (which part, page size, order, block shape) change
+the generated code; numbers such as a window size or RoPE theta are runtime parameters and never reach
+the kernel key (see ``AttentionSpec.kernel_fields``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class SpecError(ValueError):
+    """An invalid spec: the message names the field and the allowed values."""
+
+
+# ---------------------------------------------------------------------------------------------- dtypes
+
+Q_DTYPES = ("float16", "bfloat16")
+KV_DTYPES = Q_DTYPES + ("float8_e4m3fn", "float8_e5m2")
+MERGE_DTYPES = Q_DTYPES + ("float32",)
+
+# short names used in uris; also accepted as input spellings
+DTYPE_SHORT = {
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float32": "f32",
+    "float8_e4m3fn": "e4m3",
+    "float8_e5m2": "e5m2",
+}
+_ALIASES = {
+    "fp16": "float16",
+    "half": "float16",
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "float": "float32",
+    "f32": "float32",
+    "e4m3": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "e5m2": "float8_e5m2",
+    "fp8_e5m2": "float8_e5m2",
+}
+
+
+def canonical_dtype(value: object, field: str, allowed: tuple[str, ...]) -> str:
+    """Return the canonical name of a dtype given as a string or a ``torch.dtype``.
+
+    >>> canonical_dtype("bf16", "dtype", Q_DTYPES)
+    'bfloat16'
+    """
+    name = str(value)
+    if name.startswith("torch."):
+        name = name[len("torch."):]
+    name = _ALIASES.get(name, name)
+    if name not in allowed:
+        raise SpecError(f"{field}: got {value!r}, expected one of {', '.join(allowed)}")
+    return name
+
+
+def _check_int(value: object, field: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(f"{field}: got {value!r}, expected an integer >= {minimum}")
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+
+KV_ORDERS = ("NHD", "HND")
+
+
+@dataclass(frozen=True)
+class Paged:
+    """Paged KV cache: pages of ``page_size`` tokens (any size >= 1).
+
+    order "NHD": a page is ``[page_size, num_kv_heads, head_dim]``; "HND": ``[num_kv_heads, page_size, head_dim]``.
+    """
+
+    page_size: int
+    order: str = "NHD"
+
+    def validate(self) -> None:
+        _check_int(self.page_size, "kv_layout.page_size", 1)
+        if self.order not in KV_ORDERS:
+            raise SpecError(f"kv_layout.order: got {self.order!r}, expected one of {', '.join(KV_ORDERS)}")
+
+    @property
+    def uri(self) -> str:
+        return f"paged{self.page_size}{self.order.lower()}"
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """Ragged (contiguous per request) KV: ``[total_kv, num_kv_heads, head_dim]`` with ``kv_indptr``."""
+
+    def validate(self) -> None:
+        pass
+
+    @property
+    def uri(self) -> str:
+        return "ragged"
+
+
+@dataclass(frozen=True)
+class BlockSparse:
+    """Block-sparse attention: a BSR pattern of ``block_q`` x ``block_kv`` blocks."""
+
+    block_q: int
+    block_kv: int
+
+    def validate(self) -> None:
+        _check_int(self.block_q, "kv_layout.block_q", 1)
+        _check_int(self.block_kv, "kv_layout.block_kv", 1)
+
+    @property
+    def uri(self) -> str:
+        return f"bsr{self.block_q}x{self.block_kv}"
+
+
+KV_LAYOUTS = (Paged, Ragged, BlockSparse)
+
+
+# ---------------------------------------------------------------------------------------------- masks
+
+
+@dataclass(frozen=True)
+class NoMask:
+    def validate(self) -> None:
+        pass
+
+    uri = "nomask"
+
+
+@dataclass(frozen=True)
+class Causal:
+    """Causal mask aligned to the end of the KV: query i of a request with qo_len < kv_len sees
+    keys ``0 .. kv_len - qo_len + i`` (chunked prefill, decode)."""
+
+    def validate(self) -> None:
+        pass
+
+    uri = "causal"
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """Causal sliding window: a query sees itself and ``left`` keys before it (runtime value)."""
+
+    left: int
+
+    def validate(self) -> None:
+        _check_int(self.left, "mask.left", 0)
+
+    uri = "window"
+
+
+@dataclass(frozen=True)
+class CustomMask:
+    """A per-request bit mask given at plan time (packed bits, as FlashInfer's packed_custom_mask)."""
+
+    def validate(self) -> None:
+        pass
+
+    uri = "custom"
+
+
+MASKS = (NoMask, Causal, SlidingWindow, CustomMask)
+
+
+# ---------------------------------------------------------------------------------------------- positional encodings
+
+
+@dataclass(frozen=True)
+class RoPE:
+    """Llama-style rotary embedding applied in the kernel to q and k by absolute position.
+
+    ``theta`` and ``scale`` (position interpolation: positions are divided by ``scale``) are runtime values.
+    """
+
+    theta: float = 10000.0
+    scale: float = 1.0
+
+    def validate(self) -> None:
+        for field in ("theta", "scale"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise SpecError(f"pos_encoding.{field}: got {value!r}, expected a number > 0")
+
+    uri = "rope"
+
+
+@dataclass(frozen=True)
+class ALiBi:
+    """ALiBi linear biases with the standard per-head slopes (any head count)."""
+
+    def validate(self) -> None:
+        pass
+
+    uri = "alibi"
+
+
+POS_ENCODINGS = (RoPE, ALiBi)
