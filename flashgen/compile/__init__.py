@@ -1,0 +1,9 @@
+"""Leaf service: the CUDA toolchain (nvcc probe, arch) and ninja builds."""
+
+from .ninja_build import CUBIN, RESOURCE_LOG, SOURCE, CompileError, nvcc_flags, run_ninja, write_build_ninja
+from .toolchain import Nvcc, ToolchainError, choose_arch, device_arch, find_nvcc, normalize_arch
+
+__all__ = [
+    "CUBIN", "RESOURCE_LOG", "SOURCE", "CompileError", "nvcc_flags", "run_ninja", "write_build_ninja", "Nvcc",
+    "ToolchainError", "choose_arch", "device_arch", "find_nvcc", "normalize_arch",
+]

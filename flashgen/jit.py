@@ -1,0 +1,196 @@
+"""Build-and-load: the one place that composes codegen, cache, compile and runtime.
+
+Contract of ``build(spec, op)``:
+1. In-process fast path: a dict keyed by (op, spec, arch, device) returns the loaded ``Kernel`` (µs).
+2. Render the source from the spec and compute the content key (sources, header tree, nvcc version, arch,
+   flags, flashgen version). Look the key up in the read-only extra caches, then the writable cache; a
+   sound entry is loaded without taking a lock.
+3. On a miss: if ``FLASHGEN_DISABLE_JIT=1`` raise ``MissingKernelError`` naming the spec. Otherwise take the
+   entry's file lock, look again (another process may have built it meanwhile), compile with ninja + nvcc
+   into a temporary folder and publish it atomically; then load it.
+Without nvcc, kernels already in a cache (an AOT cache shipped with a deployment) are still found: they
+are matched by their content key, which leaves the compiler out.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__, knobs
+from .cache import CacheStore, Entry, KeyInputs, kernel_key, read_entry, read_header_tree
+from .codegen import EntryPoint, family, include_dir
+from .compile import CUBIN, SOURCE, ToolchainError, choose_arch, find_nvcc, nvcc_flags, run_ninja, write_build_ninja
+
+
+class MissingKernelError(RuntimeError):
+    """JIT is disabled (``FLASHGEN_DISABLE_JIT=1``) and the kernel is in no cache."""
+
+
+# counts real compiles in this process: a warm call must leave it unchanged
+stats = {"compiles": 0}
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """Everything needed to look up or compile one kernel."""
+
+    op: str
+    spec: object  # the family's projected spec
+    uri: str
+    arch: str
+    source: str
+    entry_points: tuple[EntryPoint, ...]
+    content_key: str  # sources + headers + arch + flashgen version (no compiler)
+    key: str | None  # content + nvcc version + flags; None when no nvcc is available
+
+
+@functools.lru_cache(maxsize=4)
+def _header_tree(path: str) -> dict[str, bytes]:
+    return read_header_tree(Path(path))
+
+
+def render(spec: object, op: str) -> str:
+    """The CUDA source that ``build(spec, op)`` would compile."""
+    return family(op).render(spec)
+
+
+def prepare(spec: object, op: str, arch: str | None = None, device: int | None = None) -> BuildRequest:
+    """Render and key (spec, op) for ``arch`` (default: ``FLASHGEN_CUDA_ARCH``, else ``device``'s arch)."""
+    fam = family(op)
+    projected = fam.project(spec)
+    arch = choose_arch(arch, device)
+    source = fam.render(projected)
+    headers = _header_tree(str(include_dir()))
+    content = KeyInputs({SOURCE: source}, headers, "", arch, (), __version__)
+    try:
+        nvcc = find_nvcc()
+        full = KeyInputs({SOURCE: source}, headers, nvcc.banner, arch, tuple(nvcc_flags(arch)), __version__)
+        key = kernel_key(full)
+    except ToolchainError:
+        key = None
+    return BuildRequest(op, projected, fam.uri(projected), arch, source, fam.entry_points(projected),
+                        kernel_key(content), key)
+
+
+def default_store() -> CacheStore:
+    return CacheStore(knobs.cache_dir(), knobs.extra_cache_dirs())
+
+
+def _lookup_by_content(store: CacheStore, req: BuildRequest) -> Entry | None:
+    for root in (*store.extra_roots, store.root):
+        for path in sorted((root / req.arch).glob(f"{req.uri}-*")):
+            entry, _ = read_entry(path)
+            if entry is not None and entry.manifest.get("content_key") == req.content_key:
+                return entry
+    return None
+
+
+def _compile(store: CacheStore, req: BuildRequest) -> Entry:
+    nvcc = find_nvcc()  # raises ToolchainError with a clear message when absent
+    build_dir = store.new_build_dir(req.arch, req.uri, req.key)
+    (build_dir / SOURCE).write_text(req.source)
+    write_build_ninja(build_dir, nvcc, nvcc_flags(req.arch), include_dir())
+    start = time.perf_counter()
+    run_ninja(build_dir, req.uri)
+    stats["compiles"] += 1
+    manifest = {
+        "op": req.op,
+        "content_key": req.content_key,
+        "nvcc_version": nvcc.version,
+        "flags": nvcc_flags(req.arch),
+        "flashgen_version": __version__,
+        "entry_points": [e.name for e in req.entry_points],
+        "compile_seconds": round(time.perf_counter() - start, 3),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    return store.publish(build_dir, req.arch, req.uri, req.key, manifest, CUBIN)
+
+
+def ensure_compiled(spec: object, op: str, arch: str | None = None, store: CacheStore | None = None) -> Entry:
+    """The cache entry for (spec, op, arch), compiling it on a miss. Needs nvcc, not a GPU."""
+    return _ensure(prepare(spec, op, arch), store or default_store())
+
+
+def _ensure(req: BuildRequest, store: CacheStore) -> Entry:
+    if req.key is not None:
+        entry = store.lookup(req.arch, req.uri, req.key)
+    else:
+        entry = _lookup_by_content(store, req)
+    if entry is not None:
+        return entry
+    if knobs.disable_jit():
+        raise MissingKernelError(
+            f"kernel {req.uri} (op {req.op!r}, arch {req.arch}) is not in the cache and FLASHGEN_DISABLE_JIT=1; "
+            f"spec: {req.spec!r}; looked in {', '.join(str(r) for r in (*store.extra_roots, store.root))}"
+        )
+    if req.key is None:
+        find_nvcc()  # raises the ToolchainError that explains what is missing
+    with store.lock(req.arch, req.uri, req.key):
+        entry = store.lookup(req.arch, req.uri, req.key)  # built by another process while we waited?
+        return entry if entry is not None else _compile(store, req)
+
+
+@dataclass
+class Kernel:
+    """A loaded kernel module: its entry points by name, ready to launch."""
+
+    op: str
+    uri: str
+    arch: str
+    device: int
+    entry: Entry
+    functions: dict = field(default_factory=dict)
+
+    def __getitem__(self, name: str):
+        return self.functions[name]
+
+    @property
+    def path(self) -> Path:
+        return self.entry.path
+
+    @property
+    def manifest(self) -> dict:
+        return self.entry.manifest
+
+
+_loaded: dict[tuple, Kernel] = {}
+_load_lock = threading.Lock()
+
+
+def build(spec: object, op: str, device: int | None = None, arch: str | None = None) -> Kernel:
+    """A loaded ``Kernel`` for (spec, op) on ``device`` (default: torch's current device).
+
+    Example::
+
+        kernel = flashgen.build(MergeSpec("bfloat16"), "merge_states")
+        kernel["merge_states"].launch(grid, block, 0, stream, *params)
+    """
+    if device is None:
+        import torch
+
+        device = torch.cuda.current_device()
+    cache_key = (op, spec, arch, device)
+    kernel = _loaded.get(cache_key)
+    if kernel is not None:
+        return kernel
+    with _load_lock:
+        kernel = _loaded.get(cache_key)
+        if kernel is None:
+            kernel = _load(spec, op, device, arch)
+            _loaded[cache_key] = kernel
+    return kernel
+
+
+def _load(spec: object, op: str, device: int, arch: str | None) -> Kernel:
+    from .runtime import Module
+
+    req = prepare(spec, op, arch, device)
+    entry = _ensure(req, default_store())
+    module = Module(entry.cubin, device)
+    functions = {e.name: module.function(e.name, e.params.format, e.params.size) for e in req.entry_points}
+    return Kernel(op, req.uri, req.arch, device, entry, functions)
+
