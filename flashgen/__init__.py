@@ -1,7 +1,16 @@
-"""flashgen: a JIT attention-kernel compiler for LLM inference."""
+"""flashgen: a JIT attention-kernel compiler for LLM inference.
+
+Describe the attention in an ``AttentionSpec``; ``render`` gives the CUDA source, ``build`` a loaded kernel
+(compiled with ninja + nvcc on a cache miss, cached on disk).
+"""
 
 __version__ = "0.1.0"
 
+from .api import merge_state, merge_state_in_place, merge_states  # noqa: E402
+from .cache import CacheStore  # noqa: E402
+from .codegen import TemplateError  # noqa: E402
+from .compile import CompileError, ToolchainError  # noqa: E402
+from .jit import Kernel, MissingKernelError, build, ensure_compiled, render  # noqa: E402
 from .spec import (  # noqa: E402
     ALiBi,
     AttentionSpec,
@@ -16,3 +25,10 @@ from .spec import (  # noqa: E402
     SlidingWindow,
     SpecError,
 )
+
+__all__ = [
+    "merge_state", "merge_state_in_place", "merge_states", "CacheStore", "TemplateError", "CompileError",
+    "ToolchainError", "Kernel", "MissingKernelError", "build", "ensure_compiled", "render", "ALiBi",
+    "AttentionSpec", "BlockSparse", "Causal", "CustomMask", "MergeSpec", "NoMask", "Paged", "Ragged", "RoPE",
+    "SlidingWindow", "SpecError",
+]

@@ -1,6 +1,7 @@
 """Specs: frozen descriptions of the kernels to generate. Imports nothing else of flashgen."""
 
 from .attention import HEAD_DIMS, AttentionSpec, MergeSpec
+from .serialize import spec_from_dict, spec_to_dict
 from .parts import (
     KV_DTYPES,
     MERGE_DTYPES,
@@ -21,5 +22,5 @@ from .parts import (
 __all__ = [
     "HEAD_DIMS", "AttentionSpec", "MergeSpec", "KV_DTYPES", "MERGE_DTYPES", "Q_DTYPES", "ALiBi",
     "BlockSparse", "Causal", "CustomMask", "NoMask", "Paged", "Ragged", "RoPE", "SlidingWindow",
-    "SpecError", "canonical_dtype",
+    "SpecError", "canonical_dtype", "spec_from_dict", "spec_to_dict",
 ]

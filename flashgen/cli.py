@@ -1,0 +1,135 @@
+"""The ``flashgen`` command: info, build (AOT), cache list/verify/clean, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from . import __version__, knobs
+from .spec import MergeSpec, spec_from_dict
+
+# the kernels `flashgen build` compiles when given no plan
+DEFAULT_BUILDS = tuple(("merge_states", MergeSpec(d)) for d in ("float16", "bfloat16", "float32"))
+
+
+def _store():
+    from .jit import default_store
+
+    return default_store()
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .compile import ToolchainError, device_arch, find_nvcc
+
+    print(f"flashgen {__version__}")
+    try:
+        nvcc = find_nvcc()
+        print(f"nvcc        {nvcc.version} at {nvcc.path}")
+    except ToolchainError as exc:
+        print(f"nvcc        not found ({exc})")
+    arch = device_arch()
+    if arch is None:
+        print("gpu         none visible (builds need an explicit arch: --arch sm_90a or FLASHGEN_CUDA_ARCH)")
+    else:
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        print(f"gpu         {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB")
+    print(f"arch        {knobs.cuda_arch() or arch or '(none)'}")
+    store = _store()
+    print(f"cache       {store.root} ({len(store.entry_dirs())} kernels, {store.size_bytes() / 2**20:.1f} MiB)")
+    for root in store.extra_roots:
+        print(f"extra cache {root} (read-only, {len(store.entry_dirs(root))} kernels)")
+    return 0
+
+
+def _plan_builds(path: Path) -> list[tuple[str, object]]:
+    """A build plan: JSON list of {"op": ..., "spec": {...}} (see plans/)."""
+    items = json.loads(path.read_text())
+    return [(item["op"], spec_from_dict(item["spec"])) for item in items]
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from .compile import choose_arch
+    from .jit import ensure_compiled
+
+    arch = choose_arch(args.arch)
+    builds = [b for plan in args.plan for b in _plan_builds(Path(plan))] if args.plan else list(DEFAULT_BUILDS)
+    store = _store()
+
+    def one(item):
+        op, spec = item
+        start = time.perf_counter()
+        entry = ensure_compiled(spec, op, arch, store)
+        return entry, time.perf_counter() - start
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for (op, _), (entry, seconds) in zip(builds, pool.map(one, builds)):
+            print(f"{arch}  {entry.uri:<48} {seconds:7.2f} s  {entry.path}")
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from .cache import read_entry
+
+    store = _store()
+    if args.action == "list":
+        for path in store.entry_dirs():
+            entry, problem = read_entry(path)
+            status = "ok" if entry else f"BAD: {problem}"
+            size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+            print(f"{path.parent.name}  {path.name:<60} {size / 1024:8.0f} KiB  {status}")
+        return 0
+    if args.action == "verify":
+        bad = store.verify()
+        for path, problem in bad:
+            print(f"BAD {path}: {problem}")
+        print(f"{len(store.entry_dirs())} entries, {len(bad)} bad")
+        return 1 if bad else 0
+    removed = store.clean(only_corrupt=args.corrupt)
+    print(f"removed {len(removed)} entries from {store.root}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.arch)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flashgen", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="toolchain, GPU, arch and cache").set_defaults(func=cmd_info)
+    build = sub.add_parser("build", help="compile kernels into the cache (needs nvcc, not a GPU)")
+    build.add_argument("--arch", help="target arch, e.g. sm_90a (default: FLASHGEN_CUDA_ARCH, else the GPU's)")
+    build.add_argument("--plan", action="append", default=[], help="a JSON build plan (repeatable); default: the built-in kernels")
+    build.add_argument("-j", "--jobs", type=int, default=2, help="parallel compiles")
+    build.set_defaults(func=cmd_build)
+    cache = sub.add_parser("cache", help="list, verify or clean the kernel cache")
+    cache.add_argument("action", choices=("list", "verify", "clean"))
+    cache.add_argument("--corrupt", action="store_true", help="clean: remove only entries that fail verification")
+    cache.set_defaults(func=cmd_cache)
+    demo = sub.add_parser("demo", help="the main job: info, build the default kernels, and on a GPU run and check them")
+    demo.add_argument("--arch", help="target arch when no GPU is visible (default sm_90a)")
+    demo.set_defaults(func=cmd_demo)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except Exception as exc:  # the command line shows the error, not a traceback
+        from .compile import CompileError, ToolchainError
+        from .jit import MissingKernelError
+        from .spec import SpecError
+
+        if isinstance(exc, (CompileError, ToolchainError, MissingKernelError, SpecError, FileNotFoundError)):
+            print(f"flashgen {args.command}: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
