@@ -1,0 +1,138 @@
+"""Foundation figures on a GPU: warm load from a new process, in-process lookup, host cost of one launch,
+merge_states bandwidth against the device copy rate measured in the same run.
+
+    python3 benchmarks/bench_foundation.py --out results.json   # writes results.json and results.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import flashgen  # noqa: E402
+from flashgen import jit  # noqa: E402
+from flashgen.spec import MergeSpec  # noqa: E402
+
+NEW_PROCESS = """
+import time, torch
+torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+t0 = time.perf_counter()
+from flashgen import jit
+from flashgen.spec import MergeSpec
+k = jit.build(MergeSpec("bfloat16"), "merge_states")
+t1 = time.perf_counter()
+print((t1 - t0) * 1e3, jit.stats["compiles"])
+"""
+
+
+def median_time_ms(fn, iters=50, warmup=5):
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def host_us(fn, n=2000):
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="foundation.json")
+    args = parser.parse_args()
+    results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        cwd=REPO).stdout.strip() or os.environ.get("FLASHGEN_COMMIT", "?")}
+
+    # cold compile (this machine's cores) then warm load from a fresh process
+    t0 = time.perf_counter()
+    jit.ensure_compiled(MergeSpec("bfloat16"), "merge_states")
+    results["compile_or_hit_s"] = time.perf_counter() - t0
+    loads = []
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", NEW_PROCESS], capture_output=True, text=True, cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, check=True).stdout.split()
+        assert out[1] == "0", "the warm load compiled"
+        loads.append(float(out[0]))
+    results["warm_load_new_process_ms"] = sorted(loads)[1]
+
+    spec = MergeSpec("bfloat16")
+    jit.build(spec, "merge_states")
+    n = 100000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        jit.build(spec, "merge_states")
+    results["in_process_lookup_us"] = (time.perf_counter() - t0) / n * 1e6
+
+    # host cost of one launch: raw Function.launch and the whole merge_states call, on a tiny problem
+    v = torch.randn(1, 2, 1, 128, device="cuda", dtype=torch.bfloat16)
+    s = torch.randn(1, 2, 1, device="cuda")
+    v_out, s_out = flashgen.merge_states(v, s)
+    fn = jit.build(spec, "merge_states")["merge_states"]
+    stream = torch.cuda.current_stream().cuda_stream
+    args_ = (v.data_ptr(), s.data_ptr(), v_out.data_ptr(), s_out.data_ptr(), 1, 2, 1, 128, 16)
+    results["launch_host_us"] = host_us(lambda: fn.launch((1, 1, 1), (256, 1, 1), 0, stream, *args_))
+    results["merge_states_call_host_us"] = host_us(lambda: flashgen.merge_states(v, s))
+    results["torch_add_host_us"] = host_us(lambda: torch.add(s, s))
+
+    # bandwidth: copy rate, then merge_states at a large size (bytes read + written)
+    buf = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(buf)
+    copy_ms = median_time_ms(lambda: dst.copy_(buf))
+    results["copy_GBps"] = 2 * buf.numel() / copy_ms / 1e6
+    del buf, dst
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        tokens, states, heads, dim = 16384, 4, 32, 128
+        v = torch.randn(tokens, states, heads, dim, device="cuda").to(dtype)
+        s = torch.randn(tokens, states, heads, device="cuda")
+        ms = median_time_ms(lambda: flashgen.merge_states(v, s))
+        nbytes = v.numel() * v.element_size() + s.numel() * 4 + tokens * heads * (dim * v.element_size() + 4)
+        gbps = nbytes / ms / 1e6
+        rows.append({"dtype": str(dtype), "shape": [tokens, states, heads, dim], "us": ms * 1e3, "GBps": gbps,
+                     "pct_copy": 100 * gbps / results["copy_GBps"]})
+    results["merge_states"] = rows
+
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    lines = [f"# Foundation figures ({results['device']}, {results['date']}, commit {results['commit']})", "",
+             "| measure | value |", "|---|---|"]
+    for key in ("warm_load_new_process_ms", "in_process_lookup_us", "launch_host_us", "merge_states_call_host_us",
+                "torch_add_host_us", "copy_GBps"):
+        lines.append(f"| {key} | {results[key]:.2f} |")
+    lines += ["", "| merge_states | shape | µs | GB/s | % of copy |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['shape']} | {r['us']:.1f} | {r['GBps']:.0f} | {r['pct_copy']:.1f} |")
+    md = "\n".join(lines) + "\n"
+    Path(args.out).with_suffix(".md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def flashgen(*args, cache: Path, **env):
+    return subprocess.run([sys.executable, "-m", "flashgen.cli", *args], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "FLASHGEN_CACHE_DIR": str(cache), **env})
+
+
+def test_info_runs(tmp_path):
+    out = flashgen("info", cache=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "nvcc" in out.stdout and str(tmp_path) in out.stdout
+
+
+@pytest.mark.nvcc
+def test_build_list_verify_clean(tmp_path):
+    built = flashgen("build", "--arch", "sm_90a", cache=tmp_path)
+    assert built.returncode == 0, built.stderr
+    assert len(built.stdout.strip().splitlines()) == 3 and built.stdout.count("sm_90a  merge_states_") == 3
+    listed = flashgen("cache", "list", cache=tmp_path)
+    assert listed.stdout.count(" ok") == 3
+    assert flashgen("cache", "verify", cache=tmp_path).returncode == 0
+    cubin = next((tmp_path / "sm_90a").glob("merge_states_f16-*")) / "kernel.cubin"
+    cubin.write_bytes(b"\x7fELF garbage")
+    bad = flashgen("cache", "verify", cache=tmp_path)
+    assert bad.returncode == 1 and "BAD" in bad.stdout
+    assert flashgen("cache", "clean", "--corrupt", cache=tmp_path).returncode == 0
+    assert flashgen("cache", "list", cache=tmp_path).stdout.count(" ok") == 2
+    flashgen("cache", "clean", cache=tmp_path)
+    assert flashgen("cache", "list", cache=tmp_path).stdout.strip() == ""
+
+
+def test_build_without_gpu_or_arch_is_a_clear_error(tmp_path):
+    out = flashgen("build", cache=tmp_path, CUDA_VISIBLE_DEVICES="", FLASHGEN_CUDA_ARCH="")
+    assert out.returncode == 2
+    assert "explicit arch" in out.stderr
+
+
+@pytest.mark.nvcc
+def test_build_from_a_plan_file(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text('[{"op": "merge_states", "spec": {"type": "MergeSpec", "dtype": "float16"}}]')
+    out = flashgen("build", "--arch", "sm_80", "--plan", str(plan), cache=tmp_path / "c")
+    assert out.returncode == 0, out.stderr
+    assert "sm_80  merge_states_f16" in out.stdout
