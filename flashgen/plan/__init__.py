@@ -1,0 +1,36 @@
+"""Planner: host-side work partitions for the attention kernels (imports only ``flashgen.spec``).
+
+- ``page_table``: validate and convert CSR / block-table page tables.
+- ``plan``: the ``Plan`` type (int32 arrays in one host buffer, one async copy to the device).
+- ``split_kv``: split-KV work items for decode and prefill, CUDA-graph fixed-capacity mode.
+- ``cascade``: shared-prefix levels, each planned over its own pages, merged.
+- ``block_sparse``: a BSR pattern as a page plan.
+"""
+
+from .host import PlanError, host_array
+from .page_table import (
+    PageTableError,
+    block_table_to_csr,
+    csr_to_block_table,
+    kv_lens_from_csr,
+    validate_block_table,
+    validate_csr,
+    validate_indptr,
+)
+from .plan import Plan, PlanField
+from .split_kv import (
+    SPLIT_KV_SCHEMA,
+    SplitKVInfo,
+    choose_kv_chunk,
+    default_tile_rows,
+    plan_decode,
+    plan_prefill,
+    plan_split_kv,
+)
+
+__all__ = [
+    "PlanError", "host_array", "PageTableError", "block_table_to_csr", "csr_to_block_table",
+    "kv_lens_from_csr", "validate_block_table", "validate_csr", "validate_indptr", "Plan", "PlanField",
+    "SPLIT_KV_SCHEMA", "SplitKVInfo", "choose_kv_chunk", "default_tile_rows", "plan_decode", "plan_prefill",
+    "plan_split_kv",
+]

@@ -1,0 +1,43 @@
+"""Host-array intake for the planner: everything it reads must already live on the host.
+
+Planning never synchronises with a GPU. A CUDA tensor handed to a planning call would force a
+device-to-host copy (a sync), so it is refused with an error that names the argument instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class PlanError(ValueError):
+    """A planning input is invalid; the message names the argument (and position, where there is one)."""
+
+
+def host_array(name: str, value: object, ndim: int = 1, error: type[PlanError] = PlanError) -> np.ndarray:
+    """Return ``value`` as an int64 numpy array with ``ndim`` dimensions, without touching a GPU.
+
+    Accepts numpy arrays, Python sequences and CPU torch tensors of an integer dtype; raises ``error``.
+
+    >>> host_array("kv_indptr", [0, 2, 5])
+    array([0, 2, 5])
+    """
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise error(
+                f"{name}: is a {value.device.type} tensor; planning reads host arrays only (pass the CPU copy "
+                f"you built it from, so that planning never synchronises with the device)"
+            )
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise error(f"{name}: dtype {value.dtype}, expected an integer dtype")
+        array = value.numpy()
+    else:
+        array = np.asarray(value)
+        if array.dtype.kind not in "iu":
+            if array.size == 0 and array.dtype.kind == "f":
+                array = array.astype(np.int64)
+            else:
+                raise error(f"{name}: dtype {array.dtype}, expected an integer dtype")
+    if array.ndim != ndim:
+        raise error(f"{name}: has shape {tuple(array.shape)}, expected {ndim} dimension(s)")
+    return array.astype(np.int64, copy=False)

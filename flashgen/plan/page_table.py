@@ -1,0 +1,184 @@
+"""Page tables: validation and conversion between the two formats in use.
+
+CSR (FlashInfer): ``kv_indptr [batch + 1]``, ``kv_indices [kv_indptr[-1]]``, ``kv_last_page_len [batch]``.
+Request ``b`` owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``; its KV length is
+``(num_pages - 1) * page_size + kv_last_page_len[b]``.
+
+Block table (vLLM, FlashAttention): ``block_table [batch, max_blocks]`` and ``seq_lens [batch]``. Request
+``b`` owns pages ``block_table[b, :ceil(seq_lens[b] / page_size)]``; the entries after those are unused and
+never read (any value, -1 included, is allowed there).
+
+Empty requests: in CSR a request with no pages has KV length 0 and must have ``kv_last_page_len == 0``; a
+request with pages must have ``kv_last_page_len`` in ``1..page_size``. In a block table ``seq_lens[b] == 0``.
+
+All functions are host-side (numpy / CPU torch); errors are ``PageTableError`` naming the array and position.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .host import PlanError, host_array as _host_array
+
+
+class PageTableError(PlanError):
+    """An invalid page table; the message names the array and the first bad position."""
+
+
+def host_array(name: str, value: object, ndim: int = 1) -> np.ndarray:
+    return _host_array(name, value, ndim, PageTableError)
+
+
+def _first(bad: np.ndarray) -> int:
+    return int(np.flatnonzero(bad)[0])
+
+
+def _check_page_size(page_size: int) -> None:
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+        raise PageTableError(f"page_size: got {page_size!r}, expected an integer >= 1")
+
+
+def validate_indptr(name: str, indptr: object, length: int | None = None) -> np.ndarray:
+    """Check an indptr array: 1-D, starts at 0, non-decreasing, and (if given) ends at ``length``.
+
+    Returns it as int64 numpy. Example: ``validate_indptr("qo_indptr", [0, 3, 3, 7])``.
+    """
+    a = host_array(name, indptr)
+    if a.size == 0:
+        raise PageTableError(f"{name}: is empty, expected batch_size + 1 >= 1 entries")
+    if a[0] != 0:
+        raise PageTableError(f"{name}[0] = {int(a[0])}, expected 0")
+    steps = np.diff(a)
+    if (steps < 0).any():
+        i = _first(steps < 0)
+        raise PageTableError(f"{name}[{i + 1}] = {int(a[i + 1])} < {name}[{i}] = {int(a[i])}: must be non-decreasing")
+    if length is not None and a[-1] != length:
+        raise PageTableError(f"{name}[-1] = {int(a[-1])}, expected {length} (the length it indexes)")
+    return a
+
+
+def validate_csr(kv_indptr: object, kv_indices: object, kv_last_page_len: object, page_size: int,
+                 num_pages: int | None = None) -> np.ndarray:
+    """Validate a CSR page table and return the KV lengths ``[batch]`` (int64 numpy).
+
+    ``kv_indptr [batch + 1]``, ``kv_indices [>= kv_indptr[-1]]``, ``kv_last_page_len [batch]``, int32/int64.
+    ``num_pages`` (the pool size) bounds the indices when given.
+
+    >>> validate_csr([0, 2, 2, 3], [4, 1, 0], [5, 0, 16], page_size=16, num_pages=8)
+    array([21,  0, 16])
+    """
+    _check_page_size(page_size)
+    indptr = validate_indptr("kv_indptr", kv_indptr)
+    indices = host_array("kv_indices", kv_indices)
+    last = host_array("kv_last_page_len", kv_last_page_len)
+    batch = indptr.size - 1
+    if last.size != batch:
+        raise PageTableError(f"kv_last_page_len: has {last.size} entries, expected batch_size = {batch} "
+                             f"(len(kv_indptr) - 1)")
+    if indptr[-1] > indices.size:
+        raise PageTableError(f"kv_indptr[-1] = {int(indptr[-1])} > len(kv_indices) = {indices.size}")
+    used = indices[: indptr[-1]]
+    bad = (used < 0) if num_pages is None else ((used < 0) | (used >= num_pages))
+    if bad.any():
+        i = _first(bad)
+        pool = "[0, inf)" if num_pages is None else f"[0, {num_pages})"
+        raise PageTableError(f"kv_indices[{i}] = {int(used[i])} is outside the page pool {pool}")
+    npages = np.diff(indptr)
+    bad = np.where(npages > 0, (last < 1) | (last > page_size), last != 0)
+    if bad.any():
+        b = _first(bad)
+        expect = f"1..{page_size}" if npages[b] > 0 else "0 (the request has no pages)"
+        raise PageTableError(f"kv_last_page_len[{b}] = {int(last[b])}, expected {expect}")
+    return np.where(npages > 0, (npages - 1) * page_size + last, 0)
+
+
+def validate_block_table(block_table: object, seq_lens: object, page_size: int,
+                         num_pages: int | None = None) -> np.ndarray:
+    """Validate a block table and return the KV lengths ``[batch]`` (int64 numpy).
+
+    ``block_table [batch, max_blocks]`` and ``seq_lens [batch]``, int32/int64. Only the used entries
+    ``block_table[b, :ceil(seq_lens[b] / page_size)]`` are checked against the pool ``[0, num_pages)``.
+
+    >>> validate_block_table([[3, 1, -1], [0, -1, -1]], [20, 16], page_size=16, num_pages=4)
+    array([20, 16])
+    """
+    _check_page_size(page_size)
+    table = host_array("block_table", block_table, ndim=2)
+    lens = host_array("seq_lens", seq_lens)
+    batch, max_blocks = table.shape
+    if lens.size != batch:
+        raise PageTableError(f"seq_lens: has {lens.size} entries, expected batch_size = {batch} "
+                             f"(block_table.shape[0])")
+    if (lens < 0).any():
+        b = _first(lens < 0)
+        raise PageTableError(f"seq_lens[{b}] = {int(lens[b])}, expected >= 0")
+    blocks = -(-lens // page_size)
+    if (blocks > max_blocks).any():
+        b = _first(blocks > max_blocks)
+        raise PageTableError(f"seq_lens[{b}] = {int(lens[b])} needs {int(blocks[b])} pages, more than "
+                             f"block_table's {max_blocks} columns (max_blocks * page_size = {max_blocks * page_size})")
+    used = np.arange(max_blocks)[None, :] < blocks[:, None]
+    bad = used & ((table < 0) if num_pages is None else ((table < 0) | (table >= num_pages)))
+    if bad.any():
+        b, j = (int(x) for x in np.argwhere(bad)[0])
+        pool = "[0, inf)" if num_pages is None else f"[0, {num_pages})"
+        raise PageTableError(f"block_table[{b}, {j}] = {int(table[b, j])} is outside the page pool {pool}")
+    return lens
+
+
+def csr_to_block_table(kv_indptr: object, kv_indices: object, kv_last_page_len: object, page_size: int,
+                       max_blocks: int | None = None, pad_value: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Convert a CSR page table to ``(block_table [batch, max_blocks], seq_lens [batch])``, int32 CPU tensors.
+
+    Unused entries are ``pad_value``. ``max_blocks`` defaults to the most pages any request has.
+
+    >>> bt, lens = csr_to_block_table([0, 2, 3], [4, 1, 0], [5, 16], page_size=16)
+    >>> bt.tolist(), lens.tolist()
+    ([[4, 1], [0, 0]], [21, 16])
+    """
+    lens = validate_csr(kv_indptr, kv_indices, kv_last_page_len, page_size)
+    indptr = host_array("kv_indptr", kv_indptr)
+    indices = host_array("kv_indices", kv_indices)
+    npages = np.diff(indptr)
+    width = int(npages.max(initial=0)) if max_blocks is None else max_blocks
+    if npages.size and npages.max() > width:
+        b = _first(npages > width)
+        raise PageTableError(f"kv_indptr: request {b} has {int(npages[b])} pages, more than max_blocks = {width}")
+    table = np.full((npages.size, width), pad_value, dtype=np.int32)
+    rows = np.repeat(np.arange(npages.size), npages)
+    cols = np.arange(indptr[-1]) - np.repeat(indptr[:-1], npages)
+    table[rows, cols] = indices[: indptr[-1]]
+    return torch.from_numpy(table), torch.from_numpy(lens.astype(np.int32))
+
+
+def block_table_to_csr(block_table: object, seq_lens: object, page_size: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Convert ``(block_table, seq_lens)`` to CSR ``(kv_indptr, kv_indices, kv_last_page_len)``, int32 CPU.
+
+    >>> indptr, indices, last = block_table_to_csr([[4, 1, 9], [0, 7, 7]], [21, 16], page_size=16)
+    >>> indptr.tolist(), indices.tolist(), last.tolist()
+    ([0, 2, 3], [4, 1, 0], [5, 16])
+    """
+    lens = validate_block_table(block_table, seq_lens, page_size)
+    table = host_array("block_table", block_table, ndim=2)
+    npages = -(-lens // page_size)
+    indptr = np.zeros(lens.size + 1, dtype=np.int32)
+    np.cumsum(npages, out=indptr[1:])
+    used = np.arange(table.shape[1])[None, :] < npages[:, None]
+    last = np.where(npages > 0, lens - (npages - 1) * page_size, 0)
+    return (torch.from_numpy(indptr), torch.from_numpy(table[used].astype(np.int32)),
+            torch.from_numpy(last.astype(np.int32)))
+
+
+def kv_lens_from_csr(kv_indptr: object, kv_last_page_len: object, page_size: int) -> np.ndarray:
+    """KV lengths ``[batch]`` (int64 numpy) of a CSR page table, without validating the indices (fast path).
+
+    >>> kv_lens_from_csr([0, 2, 2], [5, 0], 16)
+    array([21,  0])
+    """
+    npages = np.diff(host_array("kv_indptr", kv_indptr))
+    last = host_array("kv_last_page_len", kv_last_page_len)
+    if last.size != npages.size:
+        raise PageTableError(f"kv_last_page_len: has {last.size} entries, expected {npages.size}")
+    return np.where(npages > 0, (npages - 1) * page_size + last, 0)

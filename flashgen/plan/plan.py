@@ -1,0 +1,119 @@
+"""The ``Plan`` type: named int32 arrays packed in one host buffer, copied to the device in one async copy.
+
+A plan is a schema (field name -> offset and length in int32 elements) over one flat int32 host tensor,
+plus a small frozen ``info`` record of Python ints (sizes, grid) that wrappers read on the host. Field
+offsets are aligned to 4 elements (16 bytes) so kernels may use vector loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from .host import PlanError
+
+_ALIGN = 4
+
+
+@dataclass(frozen=True)
+class PlanField:
+    """One array of a plan: ``host[offset : offset + length]``."""
+
+    name: str
+    offset: int
+    length: int
+
+
+def _new_host_buffer(numel: int) -> torch.Tensor:
+    # pinned memory makes the copy truly asynchronous; without CUDA a plain CPU tensor is all there is
+    if torch.cuda.is_available():
+        return torch.empty(numel, dtype=torch.int32, pin_memory=True)
+    return torch.empty(numel, dtype=torch.int32)
+
+
+class Plan:
+    """Planner output: ``kind``, a typed ``schema``, one int32 ``host`` buffer and an ``info`` record.
+
+    Read a field on the host with ``plan["request_idx"]`` (an int32 torch view) or ``plan.numpy(name)``;
+    ``plan.to_device(buf)`` copies the whole buffer with one ``copy_(non_blocking=True)`` and returns
+    named views of ``buf``. Nothing here synchronises with a device.
+
+    Example::
+
+        plan = plan_decode(kv_lens=[100, 5000], num_qo_heads=32, num_kv_heads=8)
+        dev = torch.empty(plan.numel, dtype=torch.int32, device="cuda")
+        views = plan.to_device(dev)        # views["kv_start"] is a device int32 tensor
+    """
+
+    def __init__(self, kind: str, schema: Mapping[str, PlanField], host: torch.Tensor, info: Any):
+        self.kind = kind
+        self.schema = dict(schema)
+        self.host = host
+        self.info = info
+
+    @classmethod
+    def pack(cls, kind: str, arrays: Mapping[str, np.ndarray], info: Any,
+             host_buffer: torch.Tensor | None = None) -> "Plan":
+        """Pack ``arrays`` (name -> 1-D integer numpy array, in schema order) into one int32 host buffer.
+
+        ``host_buffer``: an int32 CPU tensor (pinned, ideally) to reuse, at least ``numel`` long; without
+        one a new buffer is allocated (pinned when CUDA is available, which costs far more than planning).
+        """
+        schema: dict[str, PlanField] = {}
+        offset = 0
+        for name, array in arrays.items():
+            schema[name] = PlanField(name, offset, int(array.size))
+            offset += -(-int(array.size) // _ALIGN) * _ALIGN
+        if host_buffer is None:
+            host_buffer = _new_host_buffer(offset)
+        elif host_buffer.dtype != torch.int32 or host_buffer.device.type != "cpu" or host_buffer.numel() < offset:
+            raise PlanError(f"host_buffer: needs an int32 CPU tensor of at least {offset} elements, got "
+                            f"{host_buffer.dtype} {host_buffer.device} with {host_buffer.numel()}")
+        flat = host_buffer.numpy()
+        for name, field in schema.items():
+            flat[field.offset: field.offset + field.length] = arrays[name]
+        return cls(kind, schema, host_buffer[:offset], info)
+
+    # -------------------------------------------------------------------------------------- host access
+
+    @property
+    def numel(self) -> int:
+        """Number of int32 elements in the buffer (what a device buffer must hold)."""
+        return self.host.numel()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        field = self.schema[name]
+        return self.host[field.offset: field.offset + field.length]
+
+    def numpy(self, name: str) -> np.ndarray:
+        """A numpy (int32) view of field ``name`` of the host buffer."""
+        field = self.schema[name]
+        return self.host.numpy()[field.offset: field.offset + field.length]
+
+    def sub(self, prefix: str, kind: str, info: Any) -> "Plan":
+        """The fields named ``prefix + name`` as a plan of their own (sharing this host buffer)."""
+        schema = {name[len(prefix):]: PlanField(name[len(prefix):], f.offset, f.length)
+                  for name, f in self.schema.items() if name.startswith(prefix)}
+        return Plan(kind, schema, self.host, info)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{n}[{f.length}]" for n, f in self.schema.items())
+        return f"Plan({self.kind}: {fields}; {self.info})"
+
+    # -------------------------------------------------------------------------------------- device copy
+
+    def to_device(self, device_buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copy the plan into ``device_buffer`` (int32, >= ``numel``) with one async copy; return named views.
+
+        The copy is ``device_buffer[:numel].copy_(host, non_blocking=True)`` on the current stream; with a
+        pinned host buffer it does not block the host. Keep the host buffer alive (and unmodified) until
+        the stream has consumed it.
+        """
+        if device_buffer.dtype != torch.int32 or device_buffer.numel() < self.numel:
+            raise PlanError(f"device_buffer: needs int32 with at least {self.numel} elements, got "
+                            f"{device_buffer.dtype} with {device_buffer.numel()}")
+        device_buffer[: self.numel].copy_(self.host, non_blocking=True)
+        return {name: device_buffer[f.offset: f.offset + f.length] for name, f in self.schema.items()}
