@@ -21,7 +21,7 @@ def _states(tokens, num_states, heads, dim, dtype, empty_every=5):
     s = torch.randn(tokens, num_states, heads, device="cuda") * 5
     if num_states:
         s[::empty_every, 0] = float("-inf")  # empty partials
-    s[::13] = float("-inf")  # rows with every partial empty
+    s[1::13] = float("-inf")  # rows with every partial empty (and, with one token, none)
     v[s.isinf()] = float("nan")  # an empty partial's v is garbage and must not be read
     return v, s
 
@@ -30,7 +30,9 @@ def _check(out, lse, ref_v, ref_s, dtype):
     assert not out.isnan().any() and not lse.isnan().any()
     assert torch.equal(lse.isneginf(), ref_s.isneginf())
     finite = ref_s.isfinite()
-    assert (lse.double()[finite] - ref_s[finite]).abs().max().item() < 1e-5 * (1 + ref_s[finite].abs().max().item())
+    if finite.any():
+        lse_err = (lse.double()[finite] - ref_s[finite]).abs().max().item()
+        assert lse_err < 1e-5 * (1 + ref_s[finite].abs().max().item())
     # the same math in the output dtype (fp32 merge, rounded once) bounds the kernel's error
     same = ref_v.to(dtype).double()
     err_same = (same - ref_v).abs().max().item()

@@ -7,6 +7,7 @@ import torch
 
 from ..spec import MergeSpec
 from .checks import check_shape, check_tensor
+from .device import current_stream
 
 V_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK_THREADS = 256
@@ -14,14 +15,15 @@ _functions: dict[tuple[torch.dtype, int], tuple] = {}
 
 
 def _entry(dtype: torch.dtype, device: torch.device):
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    """(merge_state, merge_states, stream) for tensors of ``dtype`` on ``device``."""
+    index = device.index
     found = _functions.get((dtype, index))
     if found is None:
         from ..jit import build
 
         kernel = build(MergeSpec(str(dtype)), "merge_states", device=index)
         found = _functions[(dtype, index)] = (kernel["merge_state"], kernel["merge_states"])
-    return found
+    return found[0], found[1], current_stream(index)
 
 
 def _launch_shape(num_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -75,8 +77,8 @@ def _launch_pair(v_a, s_a, v_b, s_b, v_out, s_out, mask) -> None:
     if tokens * heads == 0:
         return
     threads_per_row, blocks = _launch_shape(tokens * heads, head_dim, v_a.dtype)
-    fn = _entry(v_a.dtype, v_a.device)[0]
-    fn.launch((blocks, 1, 1), (_BLOCK_THREADS, 1, 1), 0, torch.cuda.current_stream(v_a.device).cuda_stream,
+    fn, _, stream = _entry(v_a.dtype, v_a.device)
+    fn.launch((blocks, 1, 1), (_BLOCK_THREADS, 1, 1), 0, stream,
               v_a.data_ptr(), s_a.data_ptr(), v_b.data_ptr(), s_b.data_ptr(), v_out.data_ptr(), s_out.data_ptr(),
               0 if mask is None else mask.data_ptr(), tokens * heads, heads, head_dim, threads_per_row)
 
@@ -100,8 +102,8 @@ def merge_states(v: torch.Tensor, s: torch.Tensor):
     if tokens * heads == 0:
         return v_out, s_out
     threads_per_row, blocks = _launch_shape(tokens * heads, head_dim, v.dtype)
-    fn = _entry(v.dtype, v.device)[1]
-    fn.launch((blocks, 1, 1), (_BLOCK_THREADS, 1, 1), 0, torch.cuda.current_stream(v.device).cuda_stream,
+    _, fn, stream = _entry(v.dtype, v.device)
+    fn.launch((blocks, 1, 1), (_BLOCK_THREADS, 1, 1), 0, stream,
               v.data_ptr(), s.data_ptr(), v_out.data_ptr(), s_out.data_ptr(), tokens, num_states, heads,
               head_dim, threads_per_row)
     return v_out, s_out

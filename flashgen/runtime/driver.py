@@ -53,6 +53,17 @@ def ensure_context(device: int) -> None:
         check(_cu.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
 
 
+_streams: dict[int, object] = {}
+
+
+def stream_handle(stream: int):
+    """A cached ``CUstream`` for a raw stream address (building one per launch costs a microsecond)."""
+    handle = _streams.get(stream)
+    if handle is None:
+        handle = _streams[stream] = _cu.CUstream(stream)
+    return handle
+
+
 class Function:
     """One entry point of a loaded module, with its params packer."""
 
@@ -81,8 +92,9 @@ class Function:
                *params) -> None:
         """Launch with the params struct's fields in declaration order (pointers as integer addresses)."""
         self._packer.pack_into(self._buffer, 0, *params)
+        handle = _streams.get(stream) or stream_handle(stream)
         err = self._launch(self.handle, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_mem,
-                           stream, self._arg_address, 0)[0]
+                           handle, self._arg_address, 0)[0]
         if err != _SUCCESS:
             check((err,), f"cuLaunchKernel({self.name})")
 

@@ -12,6 +12,8 @@
 
 namespace flashgen {
 
+constexpr int STATES_IN_FLIGHT = 4;
+
 struct RowGroup {
   int lane_in_row, row_in_warp, rows_per_warp, threads_per_row;
   int64_t first_row, row_stride;  // first_row - row_in_warp is the same for the whole warp
@@ -86,13 +88,23 @@ __device__ __forceinline__ void merge_states(const Params& p) {
     for (int col = g.lane_in_row * V::N; col < p.head_dim; col += g.threads_per_row * V::N) {
       V acc;
       acc.fill(0.f);
-      for (int k = 0; k < p.num_states && m != -INFINITY; ++k) {
-        const float w = expf(p.s[s_base + k * p.num_heads] - m) * inv_sum;
-        if (w == 0.f) continue;  // an empty partial may hold garbage (even NaN): never read it
-        V x;
-        x.load(p.v + (s_base + k * p.num_heads) * p.head_dim + col);
+      // states in batches of STATES_IN_FLIGHT: issue every load of a batch before using any of them
+      for (int k0 = 0; k0 < p.num_states; k0 += STATES_IN_FLIGHT) {
+        V x[STATES_IN_FLIGHT];
+        float w[STATES_IN_FLIGHT];
 #pragma unroll
-        for (int i = 0; i < V::N; ++i) acc.v[i] += w * x.v[i];
+        for (int j = 0; j < STATES_IN_FLIGHT; ++j) {
+          const int k = k0 + j;
+          w[j] = k < p.num_states && m != -INFINITY ? expf(p.s[s_base + k * p.num_heads] - m) * inv_sum : 0.f;
+          // an empty partial (weight 0) may hold garbage, even NaN: never read it
+          if (w[j] != 0.f) x[j].load(p.v + (s_base + k * p.num_heads) * p.head_dim + col);
+          else x[j].fill(0.f);
+        }
+#pragma unroll
+        for (int j = 0; j < STATES_IN_FLIGHT; ++j) {
+#pragma unroll
+          for (int i = 0; i < V::N; ++i) acc.v[i] += w[j] * x[j].v[i];
+        }
       }
       acc.store(p.v_out + row * p.head_dim + col);
     }
