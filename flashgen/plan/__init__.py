@@ -7,6 +7,8 @@
 - ``block_sparse``: a BSR pattern as a page plan.
 """
 
+from .block_sparse import BlockSparseInfo, bsr_page_table, plan_block_sparse
+from .cascade import CascadeInfo, plan_cascade
 from .host import PlanError, host_array
 from .page_table import (
     PageTableError,
@@ -29,6 +31,7 @@ from .split_kv import (
 )
 
 __all__ = [
+    "BlockSparseInfo", "bsr_page_table", "plan_block_sparse", "CascadeInfo", "plan_cascade",
     "PlanError", "host_array", "PageTableError", "block_table_to_csr", "csr_to_block_table",
     "kv_lens_from_csr", "validate_block_table", "validate_csr", "validate_indptr", "Plan", "PlanField",
     "SPLIT_KV_SCHEMA", "SplitKVInfo", "choose_kv_chunk", "default_tile_rows", "plan_decode", "plan_prefill",

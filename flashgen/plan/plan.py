@@ -99,6 +99,12 @@ class Plan:
                   for name, f in self.schema.items() if name.startswith(prefix)}
         return Plan(kind, schema, self.host, info)
 
+    def level(self, level: int) -> "Plan":
+        """Level ``level`` of a cascade plan, as a split-KV plan sharing this host buffer."""
+        if self.kind != "cascade":
+            raise PlanError(f"level: a {self.kind} plan has no levels")
+        return self.sub(f"level{level}.", "split_kv", self.info.levels[level])
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}[{f.length}]" for n, f in self.schema.items())
         return f"Plan({self.kind}: {fields}; {self.info})"

@@ -1,0 +1,192 @@
+"""Planner properties: schema and buffer, chunk heuristic, coverage, fixed capacity, cascade, block-sparse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+
+from flashgen.plan import (SPLIT_KV_SCHEMA, PlanError, choose_kv_chunk, plan_block_sparse, plan_cascade,
+                           plan_decode, plan_prefill, plan_split_kv)
+from flashgen.testing.executor import coverage
+
+
+def test_plan_is_one_int32_buffer_with_aligned_schema():
+    plan = plan_prefill([0, 5, 6, 6], [100, 7000, 3], num_qo_heads=8, num_kv_heads=2, num_sms=16)
+    assert plan.kind == "split_kv" and plan.host.dtype == torch.int32 and plan.host.dim() == 1
+    assert list(plan.schema) == list(SPLIT_KV_SCHEMA)
+    ends = 0
+    for name, field in plan.schema.items():
+        assert field.offset % 4 == 0 and field.offset >= ends
+        ends = field.offset + field.length
+        assert plan[name].data_ptr() == plan.host.data_ptr() + 4 * field.offset  # a view, not a copy
+    assert plan.numel >= ends
+    info = plan.info
+    assert info.grid == (info.num_items, 2) and info.group_size == 4
+    assert plan["qo_indptr"].tolist() == [0, 5, 6, 6] and plan["kv_len"].tolist() == [100, 7000, 3]
+    assert plan["num_chunks"].tolist()[1] > 1 and plan["num_chunks"].tolist()[2] == 0  # no queries, no items
+
+
+def test_to_device_is_one_non_blocking_copy():
+    plan = plan_decode([5, 900, 40], num_qo_heads=4, num_kv_heads=1)
+    calls = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if getattr(func, "__name__", "") == "copy_":
+                calls.append(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
+            return func(*args, **kwargs)
+
+    device = torch.zeros(plan.numel + 10, dtype=torch.int32)  # stands in for a CUDA buffer
+    with Spy():
+        views = plan.to_device(device)
+    assert calls == [True]
+    for name in plan.schema:
+        assert torch.equal(views[name], plan[name])
+        assert views[name].data_ptr() >= device.data_ptr()
+    with pytest.raises(PlanError, match="device_buffer"):
+        plan.to_device(torch.zeros(3, dtype=torch.int32))
+
+
+def test_host_buffer_is_reused():
+    buf = torch.zeros(4096, dtype=torch.int32)
+    plan = plan_decode([5, 900], num_qo_heads=4, num_kv_heads=4, host_buffer=buf)
+    assert plan.host.data_ptr() == buf.data_ptr()
+    with pytest.raises(PlanError, match="host_buffer"):
+        plan_decode([5, 900], num_qo_heads=4, num_kv_heads=4, host_buffer=torch.zeros(3, dtype=torch.int32))
+
+
+def test_chunk_heuristic_worked_examples():
+    # FA3's example (see choose_kv_chunk): 2 splits beat 3 splits
+    assert choose_kv_chunk(np.array([4096]), np.array([48]), 1, num_sms=108) == 2048
+    # a mixed decode batch splits only the long request
+    lens = np.array([100] * 255 + [8000])
+    chunk = choose_kv_chunk(lens, np.ones(256, np.int64), 8)
+    assert 100 <= chunk < 8000 and chunk % 16 == 0
+    # a batch that already fills the machine with equal work is not split
+    assert choose_kv_chunk(np.full(512, 1000), np.ones(512, np.int64), 8) >= 1000
+    # one long request on an empty machine is split to fill it
+    assert choose_kv_chunk(np.array([16384]), np.array([1]), 8) <= 16384 // 8
+
+
+def test_long_requests_split_more_and_items_are_balanced():
+    lens = np.array([50, 20000, 3000, 700, 20000, 1])
+    plan = plan_decode(lens, num_qo_heads=32, num_kv_heads=8, num_sms=132)
+    chunks = plan["num_chunks"].numpy()
+    assert chunks[1] == chunks[4] > chunks[2] >= chunks[3] >= chunks[0] == chunks[5] == 1
+    sizes = (plan["kv_end"] - plan["kv_start"]).numpy()
+    assert sizes.max() <= plan.info.kv_chunk
+    assert (np.diff(sizes) <= 0).all()  # longest items first
+
+
+def test_disabled_split_plans_one_chunk_per_request():
+    plan = plan_decode([50, 20000, 3], num_qo_heads=32, num_kv_heads=8, enable_split=False)
+    assert plan["num_chunks"].tolist() == [1, 1, 1] and (plan["chunk_idx"].numpy() == -1).all()
+    assert plan.info.partial_rows == 0 and plan["merge_indptr"].tolist() == [0, 0, 0, 0]
+
+
+@st.composite
+def batches(draw, max_len=3000):
+    n = draw(st.integers(1, 6))
+    qo = draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))
+    kv = draw(st.lists(st.one_of(st.just(0), st.just(1), st.integers(0, max_len)), min_size=n, max_size=n))
+    group = draw(st.sampled_from([1, 4, 7]))
+    num_kv_heads = draw(st.sampled_from([1, 2]))
+    options = dict(tile_rows=draw(st.sampled_from([None, 4, 16, 64])), num_sms=draw(st.sampled_from([4, 16, 132])),
+                   kv_granularity=draw(st.sampled_from([1, 3, 16, 64])))
+    return np.concatenate([[0], np.cumsum(qo)]), np.array(kv), group * num_kv_heads, num_kv_heads, options
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches())
+def test_every_request_head_and_kv_position_is_covered_exactly_once(batch):
+    qo_indptr, kv_lens, hq, hkv, options = batch
+    plan = plan_prefill(qo_indptr, kv_lens, num_qo_heads=hq, num_kv_heads=hkv, **options)
+    for counts in coverage(plan):
+        assert (counts == 1).all()
+    info = plan.info
+    merge = plan["merge_indptr"].numpy()
+    chunks = plan["num_chunks"].numpy()
+    expect = np.repeat(np.where(chunks > 1, chunks, 0), np.diff(qo_indptr))
+    assert np.diff(merge).tolist() == expect.tolist() and info.partial_rows == merge[-1]
+    # every real qo tile has items; items of empty-KV requests have an empty range
+    req = plan["request_idx"].numpy()
+    for r in np.flatnonzero((np.diff(qo_indptr) > 0) & (kv_lens == 0)):
+        assert ((plan["kv_end"].numpy() - plan["kv_start"].numpy())[req == r] == 0).all()
+        assert (req == r).sum() == -(-(np.diff(qo_indptr)[r] * hq // hkv) // info.tile_rows)
+
+
+@settings(max_examples=30, deadline=None)
+@given(batches(), st.integers(0, 40))
+def test_fixed_capacity_arrays_do_not_depend_on_the_batch(batch, spare):
+    qo_indptr, kv_lens, hq, hkv, options = batch
+    options["tile_rows"] = options["tile_rows"] or 16
+    max_batch, max_total_q = len(kv_lens) + spare, int(qo_indptr[-1]) + spare
+    fixed = dict(max_batch_size=max_batch, max_total_q=max_total_q, num_qo_heads=hq, num_kv_heads=hkv, **options)
+    plan = plan_prefill(qo_indptr, kv_lens, **fixed)
+    empty = plan_prefill([0], [], **fixed)
+    assert {n: f.length for n, f in plan.schema.items()} == {n: f.length for n, f in empty.schema.items()}
+    assert plan.info.grid == empty.info.grid and plan.info.partial_capacity == empty.info.partial_capacity
+    assert plan.info.partial_rows <= plan.info.partial_capacity
+    pad = slice(plan.info.num_items, None)
+    assert (plan["request_idx"][pad] == -1).all() and (plan["kv_start"][pad] == 0).all()
+    assert (plan["kv_end"][pad] == 0).all()
+    assert (plan["qo_indptr"][len(kv_lens):] == int(qo_indptr[-1])).all()
+    assert (plan["merge_indptr"][int(qo_indptr[-1]):] == plan.info.partial_rows).all()
+    for counts in coverage(plan):
+        assert (counts == 1).all()
+
+
+def test_fixed_capacity_errors():
+    with pytest.raises(PlanError, match="max_batch_size = 2"):
+        plan_decode([1, 2, 3], num_qo_heads=4, num_kv_heads=4, max_batch_size=2)
+    with pytest.raises(PlanError, match="max_total_q = 4"):
+        plan_prefill([0, 5], [9], num_qo_heads=4, num_kv_heads=4, max_batch_size=2, max_total_q=4)
+    with pytest.raises(PlanError, match="capacity of 2"):
+        plan_decode([1, 2, 3], num_qo_heads=4, num_kv_heads=4, max_batch_size=8, capacity=2)
+
+
+def test_planner_input_errors():
+    with pytest.raises(PlanError, match="num_qo_heads: 6 is not a positive multiple of num_kv_heads = 4"):
+        plan_decode([1], num_qo_heads=6, num_kv_heads=4)
+    with pytest.raises(PlanError, match=r"kv_lens\[1\] = -3"):
+        plan_decode([1, -3], num_qo_heads=4, num_kv_heads=4)
+    with pytest.raises(PlanError, match="kv_lens: has 1 entries, expected batch_size = 2"):
+        plan_split_kv([0, 1, 2], [4], num_qo_heads=4, num_kv_heads=4)
+
+
+def test_cascade_levels():
+    plan = plan_cascade([([0, 7], [4096]), ([0, 3, 7], [64, 0]), ([0, 1, 3, 6, 7], [5, 9, 1, 0])],
+                        num_qo_heads=8, num_kv_heads=2)
+    assert plan.kind == "cascade" and plan.info.num_levels == 3 and plan.info.total_q == 7
+    assert plan.level(0)["num_chunks"].tolist()[0] > 1  # the shared prefix, one request, is split
+    for level in range(3):
+        for counts in coverage(plan.level(level)):
+            assert (counts == 1).all()
+    with pytest.raises(PlanError, match=r"levels\[1\]: qo_indptr\[-1\] = 6, expected total_q = 7"):
+        plan_cascade([([0, 7], [10]), ([0, 6], [10])], num_qo_heads=2, num_kv_heads=2)
+
+
+def test_block_sparse_skips_empty_blocks():
+    # 4 block rows x 5 block columns of 3 x 4; N = 18 so the last column block holds 2
+    indptr, indices = [0, 2, 2, 5, 6], [0, 4, 1, 2, 4, 3]
+    plan = plan_block_sparse(indptr, indices, block_q=3, block_kv=4, qo_len=11, kv_len=18,
+                             num_qo_heads=2, num_kv_heads=1, num_sms=4)
+    assert plan.kind == "block_sparse" and plan.info.page_size == 4
+    assert plan["kv_indices"].tolist() == indices and plan["kv_last_page_len"].tolist() == [2, 0, 2, 4]
+    assert plan["kv_len"].tolist() == [6, 0, 10, 4] and plan["qo_indptr"].tolist() == [0, 3, 6, 9, 11]
+    items = plan.info.split_kv.num_items
+    span = (plan["kv_end"] - plan["kv_start"])[:items]
+    assert int(span.sum()) == 6 + 10 + 4  # only the listed blocks' tokens are visited
+    empty_row = plan["request_idx"][:items] == 1
+    assert int(empty_row.sum()) == 1 and int(span[empty_row].sum()) == 0  # one item that only writes zeros
+    with pytest.raises(PlanError, match=r"indices\[1\] = 5 is outside the column blocks \[0, 5\)"):
+        plan_block_sparse([0, 2, 2, 2, 2], [0, 5], block_q=3, block_kv=4, qo_len=11, kv_len=18,
+                          num_qo_heads=2, num_kv_heads=1)
+    with pytest.raises(PlanError, match="sorted and unique"):
+        plan_block_sparse([0, 2, 2, 2, 2], [3, 1], block_q=3, block_kv=4, qo_len=11, kv_len=18,
+                          num_qo_heads=2, num_kv_heads=1)
