@@ -11,7 +11,8 @@ state of ``t``: ``level_o [total_q, num_levels, num_qo_heads, head_dim_vo]``, ``
 num_levels, num_qo_heads]``. The merge schedule is fixed: every token merges its ``num_levels`` states
 along dim 1 (``merge_states``); a group with no KV contributes ``lse = -inf`` (weight 0).
 Masks and positions: levels before the last see all of their KV (no mask); the last level applies the
-spec's causal mask aligned to its own KV end, which equals causal attention over the whole sequence.
+spec's causal mask aligned to its own KV end, which equals causal attention over the whole sequence as
+long as each request's queries lie in its unique suffix (last-level ``kv_len >= qo_len``).
 """
 
 from __future__ import annotations

@@ -144,6 +144,10 @@ def _run_cascade(plan: Plan, spec: AttentionSpec, params, q: torch.Tensor, kv, l
         raise ValueError(f"levels: expected {info.num_levels} page tables, one per cascade level")
     if spec.pos_encoding is not None or not isinstance(spec.mask, NoMask) and not spec.is_causal:
         raise NotImplementedError("cascade plans take no positional encoding and a NoMask or Causal mask")
+    last = plan.level(info.num_levels - 1)
+    if spec.is_causal and (np.diff(last.numpy("qo_indptr")) > last.numpy("kv_len")).any():
+        raise ValueError("levels: with a causal mask each request's queries must lie in its unique suffix "
+                         "(last-level kv_len >= qo_len)")
     states = []
     for level in range(info.num_levels):
         level_spec = spec if level == info.num_levels - 1 else spec.replace(mask=NoMask())
