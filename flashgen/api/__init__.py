@@ -1,5 +1,6 @@
-"""User-facing operations: merge states now; decode/prefill wrappers as they arrive."""
+"""User-facing operations: merge states, batch decode; prefill as it arrives."""
 
+from .decode import BatchDecodeWrapper
 from .merge import merge_state, merge_state_in_place, merge_states
 
-__all__ = ["merge_state", "merge_state_in_place", "merge_states"]
+__all__ = ["BatchDecodeWrapper", "merge_state", "merge_state_in_place", "merge_states"]

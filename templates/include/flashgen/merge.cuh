@@ -113,3 +113,45 @@ __device__ __forceinline__ void merge_states(const Params& p) {
 }
 
 }  // namespace flashgen
+
+namespace flashgen {
+
+// merge_partials: the partial states of split-KV work items, rows merge_indptr[t] .. merge_indptr[t + 1] of
+// tmp_o [rows, num_heads, head_dim] fp32 / tmp_lse [rows, num_heads], merged into o [t] (DTypeO) and lse [t].
+// Tokens with an empty range were written directly by the attention kernel (or are padding): skipped.
+template <typename DTypeO, typename Params>
+__device__ __forceinline__ void merge_partials(const Params& p) {
+  constexpr int N = 8;  // columns per lane: two 16-byte fp32 loads per partial, one 16-byte store (16-bit out)
+  const RowGroup g(p.threads_per_row);
+  const int64_t num_rows = int64_t(p.num_tokens) * p.num_heads;
+  for (int64_t row = g.first_row; row < num_rows; row += g.row_stride) {
+    const int64_t token = row / p.num_heads, head = row - token * p.num_heads;
+    const int first = p.merge_indptr[token], last = p.merge_indptr[token + 1];
+    if (first == last) continue;
+    float m = -INFINITY;
+    for (int k = first; k < last; ++k) m = fmaxf(m, p.tmp_lse[int64_t(k) * p.num_heads + head]);
+    float sum = 0.f;
+    if (m != -INFINITY) {
+      for (int k = first; k < last; ++k) sum += expf(p.tmp_lse[int64_t(k) * p.num_heads + head] - m);
+    }
+    const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+    for (int col = g.lane_in_row * N; col < p.head_dim; col += g.threads_per_row * N) {
+      float acc[N] = {};
+      for (int k = first; k < last && m != -INFINITY; ++k) {
+        const float w = expf(p.tmp_lse[int64_t(k) * p.num_heads + head] - m) * inv_sum;
+        if (w == 0.f) continue;
+        const float* src = p.tmp_o + (int64_t(k) * p.num_heads + head) * p.head_dim + col;
+        const float4 a = *reinterpret_cast<const float4*>(src), b = *reinterpret_cast<const float4*>(src + 4);
+        acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
+        acc[4] += w * b.x; acc[5] += w * b.y; acc[6] += w * b.z; acc[7] += w * b.w;
+      }
+      Vec16<DTypeO> out;
+#pragma unroll
+      for (int i = 0; i < N; ++i) out.v[i] = acc[i];
+      out.store(p.o + row * p.head_dim + col);
+    }
+    if (g.lane_in_row == 0 && p.lse != nullptr) p.lse[row] = m == -INFINITY ? -INFINITY : m + logf(sum);
+  }
+}
+
+}  // namespace flashgen

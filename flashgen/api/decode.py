@@ -1,0 +1,204 @@
+"""BatchDecodeWrapper: plan once per batch shape, run every layer (CUDA-graph safe)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..codegen import family
+from ..codegen.decode import MERGE_THREADS, TILE_KV, decode_smem_bytes, decode_stages
+from ..plan import PlanError, plan_decode
+from ..spec import AttentionSpec, RoPE, SlidingWindow
+from .checks import check_tensor
+from .device import current_stream
+from .kv_inputs import TORCH_DTYPES, kv_view, page_table
+
+_NULL = 0
+
+
+class _Buffer:
+    """A device buffer that grows on demand, or (CUDA-graph mode) is sized once and never moves."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, fixed: bool):
+        self.dtype, self.device, self.fixed, self.tensor = dtype, device, fixed, None
+
+    def get(self, numel: int, what: str) -> torch.Tensor:
+        if self.tensor is None or (self.tensor.numel() < numel and not self.fixed):
+            self.tensor = torch.empty(max(numel, 1), dtype=self.dtype, device=self.device)
+        elif self.tensor.numel() < numel:
+            raise PlanError(f"{what}: needs {numel} elements, more than the {self.tensor.numel()} sized by the "
+                            f"first plan of this CUDA-graph wrapper (raise max_batch_size)")
+        return self.tensor
+
+
+class BatchDecodeWrapper:
+    """Batch decode (one query token per request) over a paged or ragged KV cache.
+
+    Example::
+
+        wrapper = flashgen.BatchDecodeWrapper(AttentionSpec(128, kv_layout=Paged(16)))
+        wrapper.plan(kv_indptr=indptr_cpu, kv_indices=indices_gpu, kv_last_page_len=last_cpu,
+                     num_qo_heads=32, num_kv_heads=8)
+        for layer in range(num_layers):
+            out = wrapper.run(q[layer], kv_cache[layer])   # q [batch, 32, 128] -> out [batch, 32, 128]
+
+    ``use_cuda_graph=True`` with ``max_batch_size``: every buffer and the grid are sized for that batch, so a
+    graph captured around ``run()`` replays correctly after ``plan()`` of any batch up to it (q and out of
+    ``max_batch_size`` rows; page-table device tensors must keep their addresses).
+    """
+
+    def __init__(self, spec: AttentionSpec, workspace: torch.Tensor | None = None, use_cuda_graph: bool = False,
+                 max_batch_size: int | None = None, device: torch.device | int | None = None,
+                 num_sms: int | None = None):
+        self.spec = family("decode").project(spec)
+        family("decode").check(self.spec)
+        if use_cuda_graph and not max_batch_size:
+            raise ValueError("max_batch_size: required with use_cuda_graph=True (the graph's fixed capacity)")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.use_cuda_graph, self.max_batch_size = use_cuda_graph, max_batch_size
+        self.num_sms = num_sms or torch.cuda.get_device_properties(self.device).multi_processor_count
+        fixed = use_cuda_graph
+        self._plan_buf = _Buffer(torch.int32, self.device, fixed)
+        self._indptr_buf = _Buffer(torch.int32, self.device, fixed)
+        self._pages_buf = _Buffer(torch.int32, self.device, fixed)
+        self._tmp_o = _Buffer(torch.float32, self.device, fixed)
+        self._tmp_lse = _Buffer(torch.float32, self.device, fixed)
+        self._kernel = None
+        self._planned = None
+
+    # ------------------------------------------------------------------------------------------ plan
+
+    def plan(self, *, num_qo_heads: int, num_kv_heads: int, kv_indptr=None, kv_indices=None, kv_last_page_len=None,
+             block_table=None, seq_lens=None, sm_scale: float | None = None, rope_theta: float | None = None,
+             rope_scale: float | None = None, window_left: int | None = None, soft_cap: float | None = None,
+             enable_split: bool = True) -> None:
+        """Plan a batch. Lengths (``kv_indptr``, ``kv_last_page_len``, ``seq_lens``) are host arrays: planning
+        never synchronises with the GPU. Page ids (``kv_indices`` or ``block_table``) may be device int32
+        tensors, read in place by the kernel, or host arrays, then validated and copied to the device.
+
+        Runtime values default to the spec's: ``sm_scale`` (1/sqrt(head_dim)), RoPE ``rope_theta`` and
+        ``rope_scale``, the window's ``window_left``, ``soft_cap``.
+        """
+        if num_qo_heads % num_kv_heads:
+            raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
+        table = page_table(self.spec, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
+                           block_table=block_table, seq_lens=seq_lens)
+        batch = table.kv_lens.size
+        if self.use_cuda_graph and batch > self.max_batch_size:
+            raise PlanError(f"kv_lens: batch_size {batch} exceeds max_batch_size = {self.max_batch_size}")
+        options = {"max_batch_size": self.max_batch_size} if self.use_cuda_graph else {}
+        plan = plan_decode(table.kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, tile_rows=16,
+                           kv_granularity=TILE_KV, num_sms=self.num_sms, enable_split=enable_split, **options)
+        info = plan.info
+        views = plan.to_device(self._plan_buf.get(plan.numel, "plan"))
+        indptr_ptr = self._copy_indptr(table.kv_indptr_host)
+        pages_ptr, bt_stride = self._page_ids(table)
+        tmp_o = self._tmp_o.get(info.partial_capacity * num_qo_heads * self.spec.head_dim_vo, "tmp_o")
+        tmp_lse = self._tmp_lse.get(info.partial_capacity * num_qo_heads, "tmp_lse")
+        if self._kernel is None:
+            self._load_kernel()
+        self._planned = {
+            "batch": batch if not self.use_cuda_graph else self.max_batch_size, "info": info,
+            "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads,
+            "split": info.partial_rows > 0 or self.use_cuda_graph,
+            "tables": (indptr_ptr, pages_ptr if table.block_table is None else 0,
+                       pages_ptr if table.block_table is not None else 0),
+            "plan": tuple(views[n].data_ptr() for n in ("qo_indptr", "kv_len", "request_idx", "qo_tile_idx",
+                                                        "chunk_idx", "kv_start", "kv_end", "merge_indptr")),
+            "tmp": (tmp_o.data_ptr(), tmp_lse.data_ptr()),
+            "scalars": (bt_stride, num_qo_heads, num_qo_heads // num_kv_heads) + self._runtime(
+                sm_scale, rope_theta, rope_scale, window_left, soft_cap),
+            "merge_rows": plan.info.max_total_q,
+        }
+        self._keep = (plan, table)  # the host buffers stay alive until the copies have run
+
+    def _copy_indptr(self, indptr) -> int:
+        if indptr is None:
+            return _NULL
+        buf = self._indptr_buf.get(indptr.size if not self.use_cuda_graph else self.max_batch_size + 1, "kv_indptr")
+        host = torch.from_numpy(indptr.astype("int32"))
+        buf[: host.numel()].copy_(host.pin_memory() if torch.cuda.is_available() else host, non_blocking=True)
+        return buf.data_ptr()
+
+    def _page_ids(self, table) -> tuple[int, int]:
+        ids = table.block_table if table.block_table is not None else table.kv_indices
+        if ids is None:
+            return _NULL, 0
+        stride = ids.stride(0) if ids.dim() == 2 else 0
+        if ids.is_cuda:
+            if ids.device != self.device:
+                raise PlanError(f"page table: on {ids.device}, expected {self.device}")
+            if not ids.is_contiguous() and ids.dim() == 1:
+                raise PlanError("kv_indices: expected a contiguous tensor")
+            return ids.data_ptr(), stride
+        buf = self._pages_buf.get(ids.numel(), "page ids")
+        host = ids.to(torch.int32).contiguous()
+        buf[: host.numel()].copy_(host.pin_memory(), non_blocking=True)
+        self._keep_pages = host
+        return buf.data_ptr(), (ids.shape[1] if ids.dim() == 2 else 0)
+
+    def _runtime(self, sm_scale, rope_theta, rope_scale, window_left, soft_cap) -> tuple:
+        spec = self.spec
+        rope = spec.pos_encoding if isinstance(spec.pos_encoding, RoPE) else RoPE()
+        theta = rope.theta if rope_theta is None else rope_theta
+        scale = rope.scale if rope_scale is None else rope_scale
+        window = spec.mask.left if isinstance(spec.mask, SlidingWindow) and window_left is None else (window_left or 0)
+        cap = spec.soft_cap if soft_cap is None else soft_cap
+        if spec.soft_cap is None and soft_cap is not None:
+            raise PlanError("soft_cap: this spec has no soft-cap (set AttentionSpec.soft_cap to enable it)")
+        return (int(window), float(spec.default_sm_scale if sm_scale is None else sm_scale), float(cap or 0.0),
+                1.0 / float(scale), math.log2(float(theta)))
+
+    def _load_kernel(self) -> None:
+        from ..jit import build
+
+        kernel = build(self.spec, "decode", device=self.device.index)
+        self._decode, self._merge = kernel["decode"], kernel["merge_partials"]
+        self._smem = decode_smem_bytes(self.spec.head_dim, self.spec.head_dim_vo,
+                                       decode_stages(self.spec.head_dim, self.spec.head_dim_vo))
+        self._decode.set_max_dynamic_shared_memory(self._smem)
+        self._kernel = kernel
+
+    # ------------------------------------------------------------------------------------------ run
+
+    def run(self, q: torch.Tensor, kv_cache, out: torch.Tensor | None = None, return_lse: bool = False):
+        """Attend ``q [batch, num_qo_heads, head_dim]`` over the planned batch of ``kv_cache``.
+
+        Returns ``out [batch, num_qo_heads, head_dim_vo]`` (q's dtype), and with ``return_lse`` also
+        ``lse [batch, num_qo_heads]`` fp32 (natural log; -inf for an empty request).
+        """
+        planned = self._planned
+        if planned is None:
+            raise RuntimeError("run: call plan() first")
+        hq, spec = planned["num_qo_heads"], self.spec
+        shape = (planned["batch"], hq, spec.head_dim)
+        if q.shape != shape or q.dtype != TORCH_DTYPES[spec.dtype] or not q.is_contiguous() or q.device != self.device:
+            check_tensor("q", q, dtypes=(TORCH_DTYPES[spec.dtype],), ndim=3, device=self.device)
+            raise ValueError(f"q: expected shape {shape}, got {tuple(q.shape)}")
+        kv = kv_view(spec, kv_cache, planned["num_kv_heads"])
+        if out is None:
+            out = torch.empty((shape[0], hq, spec.head_dim_vo), dtype=q.dtype, device=q.device)
+        else:
+            check_tensor("out", out, dtypes=(q.dtype,), ndim=3, device=self.device)
+        lse = torch.empty((shape[0], hq), dtype=torch.float32, device=q.device) if return_lse else None
+        self._launch(q, kv, out, lse)
+        return (out, lse) if return_lse else out
+
+    def _launch(self, q, kv, out, lse) -> None:
+        planned, info = self._planned, self._planned["info"]
+        stream = current_stream(self.device.index)
+        lse_ptr = lse.data_ptr() if lse is not None else 0
+        self._decode.launch((info.capacity, planned["num_kv_heads"], 1), (128, 1, 1), self._smem, stream,
+                            q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), out.data_ptr(), lse_ptr, *planned["tmp"],
+                            *planned["tables"], *planned["plan"], kv.stride_page, kv.stride_token, kv.stride_head,
+                            *planned["scalars"])
+        if planned["split"]:
+            rows = planned["merge_rows"] * planned["num_qo_heads"]
+            threads_per_row = min(32, self.spec.head_dim_vo // 8)
+            blocks = max(1, -(-rows // (MERGE_THREADS // threads_per_row)))
+            self._merge.launch((blocks, 1, 1), (MERGE_THREADS, 1, 1), 0, stream, *planned["tmp"],
+                               planned["plan"][7], out.data_ptr(), lse_ptr, planned["merge_rows"],
+                               planned["num_qo_heads"], self.spec.head_dim_vo, threads_per_row)

@@ -1,0 +1,108 @@
+"""The decode family: batch decode over paged or ragged KV on tensor cores, plus its split-KV merge."""
+
+from __future__ import annotations
+
+from ..spec import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, ALiBi, SlidingWindow, SpecError
+from .family import EntryPoint, KernelFamily, register, struct
+
+CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+DECODE_HEAD_DIMS = (64, 128, 256)
+NUM_WARPS = 4
+TILE_KV = NUM_WARPS * 16  # KV tokens per pipeline stage
+MERGE_THREADS = 256
+SMEM_TARGET = 113 * 1024  # two CTAs per SM on Hopper (227 KB)
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def decode_smem_bytes(head_dim: int, head_dim_vo: int, stages: int, elem: int = 2) -> int:
+    """Shared memory of one CTA: Q tile, ``stages`` K/V tiles, two rings of row offsets (decode.cuh Layout)."""
+    return 16 * head_dim * elem + stages * TILE_KV * (head_dim + head_dim_vo) * elem + 2 * TILE_KV * 8
+
+
+def decode_stages(head_dim: int, head_dim_vo: int) -> int:
+    """Pipeline depth: as many stages (2..4) as fit two CTAs per SM.
+
+    Worked example: head_dim 128 bf16: a stage is 64 tokens x (256 + 256) B = 32 KB; 4 KB of Q and 1 KB of
+    offsets leave room for 3 stages under 113 KB (101 KB), so 3. head_dim 256: 64 KB a stage -> 2 (137 KB,
+    one CTA per SM); head_dim 64: 16 KB a stage -> 4.
+    """
+    for stages in (4, 3):
+        if decode_smem_bytes(head_dim, head_dim_vo, stages) <= SMEM_TARGET:
+            return stages
+    return 2
+
+
+class DecodeFamily(KernelFamily):
+    op = "decode"
+    template = "decode.cu.j2"
+
+    def project(self, spec: object) -> AttentionSpec:
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
+        if isinstance(spec.mask, Causal):  # a decode query is the last token: causal sees every key
+            spec = spec.replace(mask=NoMask())
+        return spec
+
+    def check(self, spec: AttentionSpec) -> None:
+        for name in ("head_dim", "head_dim_vo"):
+            if getattr(spec, name) not in DECODE_HEAD_DIMS:
+                raise SpecError(f"{name}: got {getattr(spec, name)}, decode supports {DECODE_HEAD_DIMS}")
+        if spec.kv_dtype != spec.dtype:
+            raise SpecError(f"kv_dtype: got {spec.kv_dtype}, decode supports kv_dtype == dtype ({spec.dtype}) "
+                            "so far; fp8 KV is not implemented yet")
+        if not isinstance(spec.kv_layout, (Paged, Ragged)):
+            raise SpecError(f"kv_layout: got {spec.kv_layout!r}, decode supports Paged(...) or Ragged()")
+        if not isinstance(spec.mask, (NoMask, SlidingWindow)):
+            raise SpecError(f"mask: got {spec.mask!r}, decode supports NoMask(), Causal() or SlidingWindow(left)")
+        if isinstance(spec.pos_encoding, RoPE) and spec.head_dim != spec.head_dim_vo:
+            raise SpecError("pos_encoding: RoPE in decode needs head_dim == head_dim_vo")
+
+    def context(self, spec: AttentionSpec) -> dict:
+        paged = isinstance(spec.kv_layout, Paged)
+        stages = decode_stages(spec.head_dim, spec.head_dim_vo)
+        return {
+            "DTypeQ": CPP_TYPES[spec.dtype],
+            "DTypeKV": CPP_TYPES[spec.kv_dtype],
+            "DTypeO": CPP_TYPES[spec.dtype],
+            "HEAD_DIM": spec.head_dim,
+            "HEAD_DIM_VO": spec.head_dim_vo,
+            "PAGE_SIZE": spec.kv_layout.page_size if paged else 1,
+            "NUM_WARPS": NUM_WARPS,
+            "STAGES": stages,
+            "SMEM_BYTES": decode_smem_bytes(spec.head_dim, spec.head_dim_vo, stages),
+            "PAGED": _flag(paged),
+            "ROPE": _flag(isinstance(spec.pos_encoding, RoPE)),
+            "ALIBI": _flag(isinstance(spec.pos_encoding, ALiBi)),
+            "SOFT_CAP": _flag(spec.soft_cap is not None),
+            "WINDOW": _flag(isinstance(spec.mask, SlidingWindow)),
+            "MERGE_THREADS": MERGE_THREADS,
+        }
+
+    def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
+        q, kv = CPP_TYPES[spec.dtype], CPP_TYPES[spec.kv_dtype]
+        i32 = "const int32_t*"
+        decode = struct(
+            "DecodeParams",
+            (f"const {q}*", "q"), (f"const {kv}*", "k"), (f"const {kv}*", "v"), (f"{q}*", "o"), ("float*", "lse"),
+            ("float*", "tmp_o"), ("float*", "tmp_lse"),
+            (i32, "kv_indptr"), (i32, "kv_indices"), (i32, "block_table"),
+            (i32, "qo_indptr"), (i32, "kv_len"), (i32, "request_idx"), (i32, "qo_tile_idx"), (i32, "chunk_idx"),
+            (i32, "kv_start"), (i32, "kv_end"), (i32, "merge_indptr"),
+            ("int64_t", "stride_page"), ("int64_t", "stride_token"), ("int64_t", "stride_head"),
+            ("int32_t", "block_table_stride"), ("int32_t", "num_qo_heads"), ("int32_t", "group_size"),
+            ("int32_t", "window_left"),
+            ("float", "sm_scale"), ("float", "soft_cap"), ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"),
+        )
+        merge = struct(
+            "MergePartialsParams",
+            ("const float*", "tmp_o"), ("const float*", "tmp_lse"), (i32, "merge_indptr"), (f"{q}*", "o"),
+            ("float*", "lse"), ("int32_t", "num_tokens"), ("int32_t", "num_heads"), ("int32_t", "head_dim"),
+            ("int32_t", "threads_per_row"),
+        )
+        return (EntryPoint("decode", decode), EntryPoint("merge_partials", merge))
+
+
+register(DecodeFamily())

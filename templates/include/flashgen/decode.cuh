@@ -1,0 +1,318 @@
+// Batch decode on tensor cores: one query token per request, the q heads of one GQA group as the rows of
+// an m16n8k16 tile, so each K/V byte is read once for the whole group.
+//
+// One CTA runs one work item of the split-KV plan: (request, qo tile, kv chunk [kv_start, kv_end)) for the
+// kv head blockIdx.y. NUM_WARPS warps share a KV tile of NUM_WARPS * 16 tokens, each warp taking 16 of its
+// rows, with its own online-softmax state; the warps' states are merged through shared memory at the end.
+// K/V tiles flow through a STAGES-deep cp.async pipeline into swizzled shared memory. Page ids are loaded
+// into registers two tiles ahead of their copy, so small pages never stall the copy engine.
+//
+// Config (rendered by codegen): DTypeQ, DTypeKV, DTypeO, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS,
+// STAGES, SMEM_BYTES, PAGED, ROPE, ALIBI, SOFT_CAP, WINDOW.
+#pragma once
+#include <flashgen/kv_rows.cuh>
+#include <flashgen/logits.cuh>
+#include <flashgen/mma.cuh>
+
+namespace flashgen::decode {
+
+template <class C>
+struct Layout {
+  using DTypeQ = typename C::DTypeQ;
+  using DTypeKV = typename C::DTypeKV;
+  static constexpr int TILE = C::NUM_WARPS * 16;
+  static constexpr int THREADS = C::NUM_WARPS * 32;
+  static constexpr int K_CHUNKS = C::HEAD_DIM * int(sizeof(DTypeKV)) / 16;  // 16-byte chunks per row
+  static constexpr int V_CHUNKS = C::HEAD_DIM_VO * int(sizeof(DTypeKV)) / 16;
+  static constexpr int Q_CHUNKS = C::HEAD_DIM * int(sizeof(DTypeQ)) / 16;
+  static constexpr int Q_BYTES = 16 * C::HEAD_DIM * int(sizeof(DTypeQ));
+  static constexpr int K_STAGE = TILE * C::HEAD_DIM * int(sizeof(DTypeKV));
+  static constexpr int V_STAGE = TILE * C::HEAD_DIM_VO * int(sizeof(DTypeKV));
+  static constexpr int OFFSETS_BYTES = 2 * TILE * 8;
+  static constexpr int K_OFFSET = Q_BYTES;
+  static constexpr int V_OFFSET = K_OFFSET + C::STAGES * K_STAGE;
+  static constexpr int ROW_OFFSETS = V_OFFSET + C::STAGES * V_STAGE;
+  static constexpr int TOTAL = ROW_OFFSETS + OFFSETS_BYTES;
+  // epilogue, over the K/V stages: per warp o [16][HEAD_DIM_VO] fp32 and (m, l) [16][2]
+  static constexpr int EPILOGUE = C::NUM_WARPS * 16 * (C::HEAD_DIM_VO + 2) * 4;
+  static_assert(TOTAL == C::SMEM_BYTES, "codegen and the kernel disagree on the shared-memory size");
+  static_assert(EPILOGUE <= C::STAGES * (K_STAGE + V_STAGE), "epilogue does not fit over the pipeline");
+  static_assert(K_CHUNKS >= 8 && V_CHUNKS >= 8 && Q_CHUNKS >= 8, "rows of at least 128 bytes (swizzle)");
+  static_assert(C::HEAD_DIM % 32 == 0 && C::HEAD_DIM_VO % 16 == 0, "head dims in mma tiles");
+};
+
+// element index of (row, 16-byte chunk) in a swizzled tile whose rows have `chunks` chunks of 8 elements
+__device__ __forceinline__ int tile_index(int row, int chunk, int chunks) { return row * chunks * 8 + swizzle(row, chunk) * 8; }
+
+template <class C, class Params>
+__device__ __forceinline__ void run(const Params& p) {
+  using L = Layout<C>;
+  using DTypeQ = typename C::DTypeQ;
+  using DTypeKV = typename C::DTypeKV;
+  using DTypeO = typename C::DTypeO;
+  constexpr int D = C::HEAD_DIM, DV = C::HEAD_DIM_VO, TILE = L::TILE, S = C::STAGES;
+
+  const int item = blockIdx.x, kv_head = blockIdx.y;
+  const int request = p.request_idx[item];
+  if (request < 0) return;  // padding item of a fixed-capacity plan
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int kv_len = p.kv_len[request];
+  const int q_pos = kv_len - 1;
+  int kv_start = p.kv_start[item];
+  const int kv_end = p.kv_end[item];
+  if constexpr (C::WINDOW) kv_start = max(kv_start, q_pos - p.window_left);
+  const int token = p.qo_indptr[request];
+  const int row0 = p.qo_tile_idx[item] * 16;               // first packed row (q head within the group)
+  const int rows_valid = min(16, p.group_size - row0);
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  DTypeQ* q_smem = reinterpret_cast<DTypeQ*>(smem);
+  DTypeKV* k_smem = reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET);
+  DTypeKV* v_smem = reinterpret_cast<DTypeKV*>(smem + L::V_OFFSET);
+  int64_t* row_offsets = reinterpret_cast<int64_t*>(smem + L::ROW_OFFSETS);  // [2][TILE]
+
+  // ---- Q: 16 rows (padded with zeros) into shared memory, RoPE applied on the way
+  const int q_head0 = kv_head * p.group_size + row0;
+  for (int job = tid; job < 16 * L::Q_CHUNKS / 2; job += L::THREADS) {
+    const int r = job / (L::Q_CHUNKS / 2), c = job % (L::Q_CHUNKS / 2);
+    float lo[8], hi[8];
+    if (r < rows_valid) {
+      const DTypeQ* src = p.q + (int64_t(token) * p.num_qo_heads + q_head0 + r) * D;
+      const uint4 a = *reinterpret_cast<const uint4*>(src + c * 8);
+      const uint4 b = *reinterpret_cast<const uint4*>(src + D / 2 + c * 8);
+      const uint32_t* aw = reinterpret_cast<const uint32_t*>(&a);
+      const uint32_t* bw = reinterpret_cast<const uint32_t*>(&b);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 x = unpack2<DTypeQ>(aw[i]), y = unpack2<DTypeQ>(bw[i]);
+        lo[2 * i] = x.x; lo[2 * i + 1] = x.y; hi[2 * i] = y.x; hi[2 * i + 1] = y.y;
+      }
+      if constexpr (C::ROPE) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) rope_rotate(lo[i], hi[i], float(q_pos), c * 8 + i, D, p.rope_rcp_scale, p.rope_log2_theta);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) lo[i] = hi[i] = 0.f;
+    }
+    uint4 a, b;
+    uint32_t* aw = reinterpret_cast<uint32_t*>(&a);
+    uint32_t* bw = reinterpret_cast<uint32_t*>(&b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      aw[i] = pack2<DTypeQ>(lo[2 * i], lo[2 * i + 1]);
+      bw[i] = pack2<DTypeQ>(hi[2 * i], hi[2 * i + 1]);
+    }
+    *reinterpret_cast<uint4*>(q_smem + tile_index(r, c, L::Q_CHUNKS)) = a;
+    *reinterpret_cast<uint4*>(q_smem + tile_index(r, c + L::Q_CHUNKS / 2, L::Q_CHUNKS)) = b;
+  }
+
+  // ---- the KV pipeline
+  const KVRows<C::PAGED, C::PAGE_SIZE> rows(p, request);
+  const int num_tiles = kv_end > kv_start ? (kv_end - kv_start + TILE - 1) / TILE : 0;
+  const DTypeKV* k_head = p.k + int64_t(kv_head) * p.stride_head;
+  const DTypeKV* v_head = p.v + int64_t(kv_head) * p.stride_head;
+
+  auto page_of = [&](int tile) -> int32_t {  // thread tid < TILE owns row tid of every tile
+    const int pos = kv_start + tile * TILE + tid;
+    return (tid < TILE && tile < num_tiles && pos < kv_end) ? rows.page(pos) : 0;
+  };
+  auto store_offset = [&](int tile, int32_t page_id) {
+    const int pos = kv_start + tile * TILE + tid;
+    if (tid < TILE) row_offsets[(tile & 1) * TILE + tid] = (tile < num_tiles && pos < kv_end) ? rows.offset(pos, page_id) : -1;
+  };
+  auto issue = [&](int tile) {
+    if (tile < num_tiles) {
+      const int64_t* offsets = row_offsets + (tile & 1) * TILE;
+      DTypeKV* ks = k_smem + (tile % S) * TILE * D;
+      DTypeKV* vs = v_smem + (tile % S) * TILE * DV;
+      for (int job = tid; job < TILE * L::K_CHUNKS; job += L::THREADS) {
+        const int r = job / L::K_CHUNKS, c = job % L::K_CHUNKS;
+        const int64_t off = offsets[r];
+        cp_async_16(ks + tile_index(r, c, L::K_CHUNKS), off < 0 ? k_head : k_head + off + c * 8, off < 0);
+      }
+      for (int job = tid; job < TILE * L::V_CHUNKS; job += L::THREADS) {
+        const int r = job / L::V_CHUNKS, c = job % L::V_CHUNKS;
+        const int64_t off = offsets[r];
+        cp_async_16(vs + tile_index(r, c, L::V_CHUNKS), off < 0 ? v_head : v_head + off + c * 8, off < 0);
+      }
+    }
+    cp_async_commit();  // always commit, so group counting stays uniform
+  };
+
+  // prologue: tiles 0 .. S-2 in flight, offsets of tile S-1 stored, page ids of tile S in registers
+  for (int tile = 0; tile < S - 1; ++tile) {
+    store_offset(tile, page_of(tile));
+    __syncthreads();
+    issue(tile);
+  }
+  store_offset(S - 1, page_of(S - 1));
+  int32_t next_page = page_of(S);
+
+  // ---- per-warp online softmax state: rows g and g + 8 of the tile
+  float o[DV / 8][4];
+#pragma unroll
+  for (int j = 0; j < DV / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  LogitsTransform<C::ALIBI, C::SOFT_CAP> transform{p.sm_scale, p.soft_cap, p.soft_cap > 0.f ? 1.f / p.soft_cap : 0.f, 0.f};
+  float slope[2] = {0.f, 0.f};
+  if constexpr (C::ALIBI) {
+    slope[0] = alibi_slope(q_head0 + g, p.num_qo_heads);
+    slope[1] = alibi_slope(q_head0 + g + 8, p.num_qo_heads);
+  }
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    cp_async_wait<S - 2>();
+    __syncthreads();
+    issue(tile + S - 1);
+    store_offset(tile + S, next_page);
+    next_page = page_of(tile + S + 1);
+
+    const DTypeKV* ks = k_smem + (tile % S) * TILE * D;
+    const DTypeKV* vs = v_smem + (tile % S) * TILE * DV;
+    const int n0 = warp * 16;  // this warp's 16 rows of the tile
+
+    // S = Q K^T for 16 q rows x 16 kv rows
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    const int mat = lane / 8, mrow = lane % 8;
+    if constexpr (C::ROPE) {
+      const int kv_row_lo = n0 + g, kv_row_hi = n0 + 8 + g;
+      const float pos_lo = float(kv_start + tile * TILE + kv_row_lo), pos_hi = float(kv_start + tile * TILE + kv_row_hi);
+#pragma unroll
+      for (int j = 0; j < D / 32; ++j) {  // k-steps j and j + D/32 hold the two halves of each rotated pair
+        uint32_t qa[4], qb[4], ka[4], kb[4];
+        ldmatrix_x4(qa, q_smem + tile_index(lane % 16, 2 * j + lane / 16, L::Q_CHUNKS));
+        ldmatrix_x4(qb, q_smem + tile_index(lane % 16, 2 * (j + D / 32) + lane / 16, L::Q_CHUNKS));
+        ldmatrix_x4(ka, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * j + (mat % 2), L::K_CHUNKS));
+        ldmatrix_x4(kb, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * (j + D / 32) + (mat % 2), L::K_CHUNKS));
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {  // reg r: n-tile r / 2 (row g or 8 + g), d = 16j + 2t4 + 8 (r % 2) + {0, 1}
+          float2 lo = unpack2<DTypeKV>(ka[r]), hi = unpack2<DTypeKV>(kb[r]);
+          const float pos = r < 2 ? pos_lo : pos_hi;
+          const int d = 16 * j + 2 * t4 + 8 * (r % 2);
+          rope_rotate(lo.x, hi.x, pos, d, D, p.rope_rcp_scale, p.rope_log2_theta);
+          rope_rotate(lo.y, hi.y, pos, d + 1, D, p.rope_rcp_scale, p.rope_log2_theta);
+          ka[r] = pack2<DTypeKV>(lo.x, lo.y);
+          kb[r] = pack2<DTypeKV>(hi.x, hi.y);
+        }
+        mma_16816<DTypeKV>(s[0], qa, ka[0], ka[1]);
+        mma_16816<DTypeKV>(s[1], qa, ka[2], ka[3]);
+        mma_16816<DTypeKV>(s[0], qb, kb[0], kb[1]);
+        mma_16816<DTypeKV>(s[1], qb, kb[2], kb[3]);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) {
+        uint32_t qa[4], kf[4];
+        ldmatrix_x4(qa, q_smem + tile_index(lane % 16, 2 * j + lane / 16, L::Q_CHUNKS));
+        ldmatrix_x4(kf, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * j + (mat % 2), L::K_CHUNKS));
+        mma_16816<DTypeKV>(s[0], qa, kf[0], kf[1]);
+        mma_16816<DTypeKV>(s[1], qa, kf[2], kf[3]);
+      }
+    }
+
+    // logits transform, mask, online softmax (base 2)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pos = kv_start + tile * TILE + n0 + 8 * nt + 2 * t4 + (e % 2);
+        transform.slope = slope[e / 2];
+        s[nt][e] = pos < kv_end ? transform(s[nt][e], pos - q_pos) : -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      const float m_new = fmaxf(m[h], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float scale = exp2f(m[h] - m_use);
+      m[h] = m_new;
+      l[h] *= scale;
+#pragma unroll
+      for (int j = 0; j < DV / 8; ++j) {
+        o[j][2 * h] *= scale;
+        o[j][2 * h + 1] *= scale;
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        s[nt][2 * h] = exp2f(s[nt][2 * h] - m_use);
+        s[nt][2 * h + 1] = exp2f(s[nt][2 * h + 1] - m_use);
+        l[h] += s[nt][2 * h] + s[nt][2 * h + 1];
+      }
+    }
+
+    // O += P V: P from the S accumulators (C layout -> A layout), V fragments by ldmatrix.trans
+    uint32_t pa[4] = {pack2<DTypeKV>(s[0][0], s[0][1]), pack2<DTypeKV>(s[0][2], s[0][3]),
+                      pack2<DTypeKV>(s[1][0], s[1][1]), pack2<DTypeKV>(s[1][2], s[1][3])};
+#pragma unroll
+    for (int c = 0; c < DV / 16; ++c) {
+      uint32_t vf[4];
+      ldmatrix_x4_trans(vf, vs + tile_index(n0 + 8 * (mat % 2) + mrow, 2 * c + mat / 2, L::V_CHUNKS));
+      mma_16816<DTypeKV>(o[2 * c], pa, vf[0], vf[1]);
+      mma_16816<DTypeKV>(o[2 * c + 1], pa, vf[2], vf[3]);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline's shared memory is reused below
+
+  // ---- merge the warps' states and write
+  float* o_part = reinterpret_cast<float*>(smem + L::K_OFFSET);      // [NUM_WARPS][16][DV]
+  float* ml_part = o_part + C::NUM_WARPS * 16 * DV;                  // [NUM_WARPS][16][2]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
+    const int r = g + 8 * h;
+    if (t4 == 0) {
+      ml_part[(warp * 16 + r) * 2] = m[h];
+      ml_part[(warp * 16 + r) * 2 + 1] = l[h];
+    }
+#pragma unroll
+    for (int j = 0; j < DV / 8; ++j) {
+      *reinterpret_cast<float2*>(o_part + (warp * 16 + r) * DV + 8 * j + 2 * t4) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+    }
+  }
+  __syncthreads();
+
+  const bool split = p.chunk_idx[item] >= 0;
+  const int64_t out_row = split ? int64_t(p.merge_indptr[token] + p.chunk_idx[item]) : int64_t(token);
+  constexpr int COLS = 8;  // output columns per thread job
+  for (int job = tid; job < 16 * DV / COLS; job += L::THREADS) {
+    const int r = job / (DV / COLS), col = (job % (DV / COLS)) * COLS;
+    if (r >= rows_valid) continue;
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < C::NUM_WARPS; ++w) m_all = fmaxf(m_all, ml_part[(w * 16 + r) * 2]);
+    float acc[COLS] = {}, l_all = 0.f;
+    if (m_all != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < C::NUM_WARPS; ++w) {
+        const float wgt = exp2f(ml_part[(w * 16 + r) * 2] - m_all);
+        l_all += wgt * ml_part[(w * 16 + r) * 2 + 1];
+#pragma unroll
+        for (int i = 0; i < COLS; ++i) acc[i] += wgt * o_part[(w * 16 + r) * DV + col + i];
+      }
+    }
+    const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
+    const float lse = l_all > 0.f ? (m_all + log2f(l_all)) * LN2 : -INFINITY;
+    const int64_t head = q_head0 + r;
+    if (split) {
+      float* dst = p.tmp_o + (out_row * p.num_qo_heads + head) * DV + col;
+#pragma unroll
+      for (int i = 0; i < COLS; i += 4) *reinterpret_cast<float4*>(dst + i) = make_float4(acc[i] * inv, acc[i + 1] * inv, acc[i + 2] * inv, acc[i + 3] * inv);
+      if (col == 0) p.tmp_lse[out_row * p.num_qo_heads + head] = lse;
+    } else {
+      uint4 packed;
+      uint32_t* w = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+      for (int i = 0; i < COLS / 2; ++i) w[i] = pack2<DTypeO>(acc[2 * i] * inv, acc[2 * i + 1] * inv);
+      *reinterpret_cast<uint4*>(p.o + (out_row * p.num_qo_heads + head) * DV + col) = packed;
+      if (col == 0 && p.lse != nullptr) p.lse[out_row * p.num_qo_heads + head] = lse;
+    }
+  }
+}
+
+}  // namespace flashgen::decode

@@ -1,0 +1,196 @@
+"""GPU tests of batch decode against the fp64 reference: fresh random inputs, NaN-poisoned outputs and
+NaN in every cache slot no request owns."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import flashgen
+from flashgen import ALiBi, AttentionSpec, Paged, Ragged, RoPE, SlidingWindow
+from flashgen.plan import PlanError, csr_to_block_table
+from flashgen.testing.layouts import paged_kv_cache
+from flashgen.testing.reference import reference_attention
+from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
+
+pytestmark = pytest.mark.cuda
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def make_batch(spec: AttentionSpec, kv_lens, num_kv_heads: int, group: int, *, combined=False, seed=None):
+    gen = torch.Generator().manual_seed(seed if seed is not None else int(np.random.randint(1 << 30)))
+    dtype = DTYPES[spec.dtype]
+    ks = [torch.randn(n, num_kv_heads, spec.head_dim, generator=gen).to(dtype) for n in kv_lens]
+    vs = [torch.randn(n, num_kv_heads, spec.head_dim_vo, generator=gen).to(dtype) for n in kv_lens]
+    q = torch.randn(len(kv_lens), num_kv_heads * group, spec.head_dim, generator=gen).to(dtype)
+    if isinstance(spec.kv_layout, Paged):
+        kv, indptr, indices, last = paged_kv_cache(ks, vs, spec.kv_layout.page_size, order=spec.kv_layout.order,
+                                                   combined=combined, generator=gen)
+        table = {"kv_indptr": indptr, "kv_indices": indices, "kv_last_page_len": last}
+    else:
+        kv = (torch.cat(ks), torch.cat(vs))
+        table = {"kv_indptr": torch.tensor(np.concatenate([[0], np.cumsum(kv_lens)]), dtype=torch.int32)}
+    return q, kv, table
+
+
+def to_cuda(kv):
+    return tuple(x.cuda() for x in kv) if isinstance(kv, tuple) else kv.cuda()
+
+
+def check(spec, q, kv, table, out, lse=None, **runtime):
+    qo_indptr = list(range(q.shape[0] + 1))
+    ref, ref_lse = reference_attention(spec, q, kv, qo_indptr=qo_indptr, **table, **runtime)
+    low, low_lse = same_dtype_reference(spec, q, kv, qo_indptr=qo_indptr, **table, **runtime)
+    assert_attention_close(out.cpu(), ref, low)
+    if lse is not None:
+        assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+
+
+def run_decode(spec, q, kv, table, num_kv_heads, *, device_pages=True, return_lse=True, plan_kwargs=None, **runtime):
+    wrapper = flashgen.BatchDecodeWrapper(spec)
+    tab = dict(table)
+    if device_pages and "kv_indices" in tab:
+        tab["kv_indices"] = tab["kv_indices"].cuda()
+    wrapper.plan(num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads, **tab, **runtime, **(plan_kwargs or {}))
+    out = torch.full((q.shape[0], q.shape[1], spec.head_dim_vo), float("nan"), dtype=q.dtype, device="cuda")
+    result = wrapper.run(q.cuda(), to_cuda(kv), out=out, return_lse=return_lse)
+    return result if return_lse else (result, None)
+
+
+MIXED = [0, 1, 17, 300, 1000, 64, 2049, 5]
+
+
+@pytest.mark.parametrize("page_size,group,order,combined", [
+    (1, 4, "NHD", False), (3, 1, "HND", True), (16, 4, "NHD", True), (17, 7, "NHD", False),
+    (64, 8, "HND", False), (256, 4, "NHD", False), (16, 1, "HND", False), (5, 8, "NHD", True),
+])
+def test_paged_csr(page_size, group, order, combined):
+    spec = AttentionSpec(128, kv_layout=Paged(page_size, order))
+    q, kv, table = make_batch(spec, MIXED, 2, group, combined=combined)
+    out, lse = run_decode(spec, q, kv, table, 2)
+    check(spec, q, kv, table, out, lse)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 33])
+def test_paged_block_table(page_size):
+    spec = AttentionSpec(128, kv_layout=Paged(page_size))
+    q, kv, table = make_batch(spec, MIXED, 2, 4)
+    page_size_ = spec.kv_layout.page_size
+    block_table, seq_lens = csr_to_block_table(table["kv_indptr"], table["kv_indices"], table["kv_last_page_len"],
+                                               page_size_)
+    bt = {"block_table": block_table, "seq_lens": seq_lens}
+    wrapper = flashgen.BatchDecodeWrapper(spec)
+    wrapper.plan(num_qo_heads=8, num_kv_heads=2, block_table=block_table.cuda(), seq_lens=seq_lens)
+    out = wrapper.run(q.cuda(), to_cuda(kv))
+    check(spec, q, kv, bt, out)
+
+
+@pytest.mark.parametrize("spec_kwargs,runtime", [
+    ({"pos_encoding": RoPE(10000.0, 1.0)}, {}),
+    ({"pos_encoding": RoPE(500000.0, 8.0)}, {"rope_theta": 1e6, "rope_scale": 2.0}),
+    ({"pos_encoding": ALiBi()}, {}),
+    ({"soft_cap": 30.0}, {}),
+    ({"soft_cap": 5.0}, {"soft_cap": 2.0}),
+    ({"mask": SlidingWindow(100)}, {}),
+    ({"mask": SlidingWindow(7)}, {"window_left": 1500}),
+    ({"sm_scale": 0.3}, {}),
+    ({"dtype": "float16"}, {}),
+    ({"dtype": "float16", "pos_encoding": RoPE(), "soft_cap": 20.0, "mask": SlidingWindow(64)}, {}),
+])
+def test_options(spec_kwargs, runtime):
+    spec = AttentionSpec(128, kv_layout=Paged(16), **spec_kwargs)
+    q, kv, table = make_batch(spec, MIXED, 2, 4)
+    out, lse = run_decode(spec, q, kv, table, 2, **runtime)
+    check(spec, q, kv, table, out, lse, **runtime)
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 4), (256, 2), (64, 16), (128, 20)])
+def test_head_dims_and_large_groups(head_dim, group):
+    spec = AttentionSpec(head_dim, kv_layout=Paged(16))
+    q, kv, table = make_batch(spec, [700, 3, 1], 1, group)
+    out, lse = run_decode(spec, q, kv, table, 1)
+    check(spec, q, kv, table, out, lse)
+
+
+def test_ragged():
+    spec = AttentionSpec(128, kv_layout=Ragged())
+    q, kv, table = make_batch(spec, MIXED, 2, 4)
+    out, lse = run_decode(spec, q, kv, table, 2)
+    check(spec, q, kv, table, out, lse)
+
+
+def test_host_page_ids_are_validated_and_copied():
+    spec = AttentionSpec(128, kv_layout=Paged(16))
+    q, kv, table = make_batch(spec, [40, 100], 2, 4)
+    out, lse = run_decode(spec, q, kv, table, 2, device_pages=False)
+    check(spec, q, kv, table, out, lse)
+
+
+def test_split_and_unsplit_agree():
+    spec = AttentionSpec(128, kv_layout=Paged(16))
+    q, kv, table = make_batch(spec, [16000, 3, 900], 2, 4)
+    split, lse_split = run_decode(spec, q, kv, table, 2)
+    whole, lse_whole = run_decode(spec, q, kv, table, 2, plan_kwargs={"enable_split": False})
+    check(spec, q, kv, table, split, lse_split)
+    check(spec, q, kv, table, whole, lse_whole)
+    torch.testing.assert_close(split.float(), whole.float(), atol=2e-2, rtol=0)
+
+
+def test_cuda_graph_replay_after_replanning():
+    spec = AttentionSpec(128, kv_layout=Paged(16))
+    max_batch, heads, group, pool_pages = 16, 2, 4, 1200
+    wrapper = flashgen.BatchDecodeWrapper(spec, use_cuda_graph=True, max_batch_size=max_batch)
+    pool_q = torch.empty(max_batch, heads * group, 128, dtype=torch.bfloat16, device="cuda")
+    pool_kv = tuple(torch.empty(pool_pages, 16, heads, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    indices_buf = torch.zeros(pool_pages, dtype=torch.int32, device="cuda")
+
+    def load(lens):
+        """A fresh batch written into the same q, cache and page-id storage, then planned."""
+        q, kv, table = make_batch(spec, lens, heads, group)
+        pages = kv[0].shape[0]
+        assert pages <= pool_pages
+        for pool, part in zip(pool_kv, kv):
+            pool[:pages].copy_(part)
+        indices_buf[: table["kv_indices"].numel()].copy_(table["kv_indices"])
+        pool_q[: len(lens)].copy_(q)
+        wrapper.plan(num_qo_heads=heads * group, num_kv_heads=heads, kv_indptr=table["kv_indptr"],
+                     kv_indices=indices_buf, kv_last_page_len=table["kv_last_page_len"])
+        return q, kv, table
+
+    load([5000, 17, 1, 300])
+    wrapper.run(pool_q, pool_kv)  # warm up (compile, load) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = wrapper.run(pool_q, pool_kv, return_lse=True)
+    for lens in ([9000, 2, 700, 33, 1, 64, 4000, 12, 5, 6, 7, 8], [1], [5000, 17, 1, 300], [0] * 16):
+        q, kv, table = load(lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        check(spec, q, kv, table, out[: len(lens)], lse[: len(lens)])
+
+
+def test_bad_arguments_are_named():
+    spec = AttentionSpec(128, kv_layout=Paged(16))
+    q, kv, table = make_batch(spec, [40, 100], 2, 4)
+    wrapper = flashgen.BatchDecodeWrapper(spec)
+    bad = dict(table, kv_indices=table["kv_indices"] + 1000)
+    with pytest.raises(PlanError, match="kv_indices"):
+        wrapper.plan(num_qo_heads=8, num_kv_heads=2, **bad)
+    with pytest.raises(PlanError, match="kv_last_page_len"):
+        wrapper.plan(num_qo_heads=8, num_kv_heads=2, **dict(table, kv_last_page_len=table["kv_last_page_len"] + 16))
+    with pytest.raises(PlanError, match="kv_indptr: is a cuda tensor"):
+        wrapper.plan(num_qo_heads=8, num_kv_heads=2, **dict(table, kv_indptr=table["kv_indptr"].cuda()))
+    with pytest.raises(PlanError, match="num_qo_heads"):
+        wrapper.plan(num_qo_heads=7, num_kv_heads=2, **table)
+    wrapper.plan(num_qo_heads=8, num_kv_heads=2, **table)
+    with pytest.raises(ValueError, match="^q: expected shape"):
+        wrapper.run(q[:1].cuda(), to_cuda(kv))
+    with pytest.raises(TypeError, match="^q: expected dtype"):
+        wrapper.run(q.half().cuda(), to_cuda(kv))
+    with pytest.raises(ValueError, match=r"^kv_cache \(k\): expected shape"):
+        wrapper.run(q.cuda(), (kv[0][:, :8].cuda(), kv[1][:, :8].cuda()))
+    with pytest.raises(TypeError, match=r"^kv_cache \(k\): expected dtype"):
+        wrapper.run(q.cuda(), (kv[0].half().cuda(), kv[1].half().cuda()))
+    with pytest.raises(flashgen.SpecError, match="kv_dtype"):
+        flashgen.BatchDecodeWrapper(AttentionSpec(128, kv_dtype="float8_e4m3fn"))
