@@ -90,20 +90,22 @@ __device__ __forceinline__ void merge_states(const Params& p) {
       acc.fill(0.f);
       // states in batches of STATES_IN_FLIGHT: issue every load of a batch before using any of them
       for (int k0 = 0; k0 < p.num_states; k0 += STATES_IN_FLIGHT) {
-        V x[STATES_IN_FLIGHT];
+        uint4 raw[STATES_IN_FLIGHT];  // raw 16-byte loads: converted only when used, to save registers
         float w[STATES_IN_FLIGHT];
 #pragma unroll
         for (int j = 0; j < STATES_IN_FLIGHT; ++j) {
           const int k = k0 + j;
           w[j] = k < p.num_states && m != -INFINITY ? expf(p.s[s_base + k * p.num_heads] - m) * inv_sum : 0.f;
           // an empty partial (weight 0) may hold garbage, even NaN: never read it
-          if (w[j] != 0.f) x[j].load(p.v + (s_base + k * p.num_heads) * p.head_dim + col);
-          else x[j].fill(0.f);
+          raw[j] = w[j] != 0.f ? *reinterpret_cast<const uint4*>(p.v + (s_base + k * p.num_heads) * p.head_dim + col)
+                               : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int j = 0; j < STATES_IN_FLIGHT; ++j) {
+          V x;
+          x.convert(raw[j]);
 #pragma unroll
-          for (int i = 0; i < V::N; ++i) acc.v[i] += w[j] * x[j].v[i];
+          for (int i = 0; i < V::N; ++i) acc.v[i] += w[j] * x.v[i];
         }
       }
       acc.store(p.v_out + row * p.head_dim + col);

@@ -13,8 +13,9 @@ struct Vec16 {
   static constexpr int N = 16 / sizeof(T);
   float v[N];
 
-  __device__ __forceinline__ void load(const T* ptr) {
-    uint4 raw = *reinterpret_cast<const uint4*>(ptr);
+  __device__ __forceinline__ void load(const T* ptr) { convert(*reinterpret_cast<const uint4*>(ptr)); }
+
+  __device__ __forceinline__ void convert(const uint4& raw) {
     const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
     for (int i = 0; i < N; ++i) v[i] = to_float(e[i]);

@@ -1,0 +1,244 @@
+"""Batch decode benchmark: flashgen against torch SDPA (flash, cuDNN), FlexAttention and FlashInfer, in one run.
+
+bf16, 32 q heads / 8 kv heads, head_dim 128. For each (batch, kv_len) and page size the KV cache is a pool
+of pages in random order (paged layouts), the page table CSR. Every timed call follows an L2 flush; the
+median of --reps calls is reported, with GB/s of K+V read and % of the device copy rate measured in the
+same run. Output: JSON, a markdown table (same stem) and a PNG plot (bandwidth vs page size).
+
+    python3 benchmarks/bench_decode.py --out benchmarks/results/decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import flashgen  # noqa: E402
+from flashgen import AttentionSpec, Paged  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+BYTES_PER_TOKEN = 2 * HKV * D * 2  # K + V, bf16
+_flush = None
+
+
+def timed(fn, reps: int) -> float:
+    """Median µs of ``fn`` over ``reps`` calls, each after an L2 flush (flush not timed)."""
+    global _flush
+    if _flush is None:
+        _flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        _flush.zero_()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_rate() -> float:
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = timed(lambda: dst.copy_(src), 20)
+    del src, dst
+    return 2 * 2 * 2**30 / us / 1e3  # GB/s, bytes read + written
+
+
+def paged_table(batch: int, kv_len: int, page_size: int, gen: torch.Generator):
+    pages_per = -(-kv_len // page_size)
+    total = batch * pages_per
+    indices = torch.randperm(total, generator=gen).to(torch.int32)
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per
+    last = torch.full((batch,), kv_len - (pages_per - 1) * page_size, dtype=torch.int32)
+    return total, indptr, indices, last
+
+
+def bench_flashgen(q, pool, batch, kv_len, page_size, gen, reps):
+    spec = AttentionSpec(D, kv_layout=Paged(page_size))
+    total, indptr, indices, last = paged_table(batch, kv_len, page_size, gen)
+    cache = pool[: total * page_size * BYTES_PER_TOKEN // 2].view(total, 2, page_size, HKV, D)
+    wrapper = flashgen.BatchDecodeWrapper(spec)
+    t0 = time.perf_counter()
+    wrapper.plan(num_qo_heads=HQ, num_kv_heads=HKV, kv_indptr=indptr, kv_indices=indices.cuda(), kv_last_page_len=last)
+    plan_us = (time.perf_counter() - t0) * 1e6
+    out = torch.empty_like(q)
+    us = timed(lambda: wrapper.run(q, cache, out=out), reps)
+    torch.cuda.synchronize()
+    n = 200
+    t0 = time.perf_counter()
+    for _ in range(n):
+        wrapper.run(q, cache, out=out)
+    host_us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us, {"plan_us": plan_us, "run_host_us": host_us}
+
+
+def bench_flashinfer(q, pool, batch, kv_len, page_size, gen, reps, use_tensor_cores):
+    import flashinfer
+
+    total, indptr, indices, last = paged_table(batch, kv_len, page_size, gen)
+    cache = pool[: total * page_size * BYTES_PER_TOKEN // 2].view(total, 2, page_size, HKV, D)
+    workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=use_tensor_cores)
+    wrapper.plan(indptr.cuda(), indices.cuda(), last.cuda(), HQ, HKV, D, page_size, q_data_type=torch.bfloat16)
+    return timed(lambda: wrapper.run(q, cache), reps)
+
+
+def bench_sdpa(q, pool, batch, kv_len, backend, reps):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    k = pool[: batch * kv_len * HKV * D].view(batch, HKV, kv_len, D)
+    v = pool[batch * kv_len * HKV * D: 2 * batch * kv_len * HKV * D].view(batch, HKV, kv_len, D)
+    q4 = q.view(batch, HQ, 1, D)
+    kind = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+    def call():
+        with sdpa_kernel(kind):
+            torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+    return timed(call, reps)
+
+
+_flex = None
+
+
+def bench_flex(q, pool, batch, kv_len, reps):
+    global _flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _flex is None:
+        _flex = torch.compile(flex_attention, dynamic=False)
+    k = pool[: batch * kv_len * HKV * D].view(batch, HKV, kv_len, D)
+    v = pool[batch * kv_len * HKV * D: 2 * batch * kv_len * HKV * D].view(batch, HKV, kv_len, D)
+    q4 = q.view(batch, HQ, 1, D)
+    return timed(lambda: _flex(q4, k, v, enable_gqa=True), reps)
+
+
+def configs(max_kv_gb: float):
+    for batch in (1, 16, 64, 256):
+        for kv_len in (1024, 4096, 16384, 65536):
+            if batch * kv_len * BYTES_PER_TOKEN <= max_kv_gb * 1e9:
+                yield batch, kv_len
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="decode.json")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--max-kv-gb", type=float, default=18.0)
+    parser.add_argument("--page-sizes", default="1,16,64,256")
+    parser.add_argument("--peers", default="sdpa,flex,flashinfer")
+    args = parser.parse_args()
+    page_sizes = [int(p) for p in args.page_sizes.split(",")]
+    peers = set(args.peers.split(",")) if args.peers else set()
+    gen = torch.Generator().manual_seed(0)
+    copy_gbps = copy_rate()
+    print(f"copy rate {copy_gbps:.0f} GB/s", flush=True)
+    max_tokens = max(b * n for b, n in configs(args.max_kv_gb))
+    pool = torch.randn(max_tokens * BYTES_PER_TOKEN // 2 + 2**20, device="cuda", dtype=torch.bfloat16)
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not importable here"
+        print(f"flashinfer not importable: {exc!r}")
+        peers.discard("flashinfer")
+    rows = []
+    for batch, kv_len in configs(args.max_kv_gb):
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+        gbytes = batch * kv_len * BYTES_PER_TOKEN / 1e9
+
+        def record(peer, page_size, us, **extra):
+            gbps = gbytes / us * 1e6
+            rows.append({"peer": peer, "batch": batch, "kv_len": kv_len, "page_size": page_size, "us": us,
+                         "GBps": gbps, "pct_copy": 100 * gbps / copy_gbps, **extra})
+            print(f"B={batch:4} L={kv_len:6} page={page_size!s:5} {peer:14} {us:9.1f} us "
+                  f"{gbps:7.0f} GB/s {100 * gbps / copy_gbps:6.1f} %", flush=True)
+
+        for page_size in page_sizes:
+            us, extra = bench_flashgen(q, pool, batch, kv_len, page_size, gen, args.reps)
+            record("flashgen", page_size, us, **extra)
+            if "flashinfer" in peers:
+                for tc in (True, False):
+                    try:
+                        us = bench_flashinfer(q, pool, batch, kv_len, page_size, gen, args.reps, tc)
+                        record("flashinfer-tc" if tc else "flashinfer-cc", page_size, us)
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"flashinfer failed: {exc!r}")
+                        peers.discard("flashinfer")
+                        break
+        if "sdpa" in peers:
+            for backend in ("flash", "cudnn"):
+                record(f"sdpa-{backend}", "contig", bench_sdpa(q, pool, batch, kv_len, backend, args.reps))
+        if "flex" in peers:
+            try:
+                record("flex", "contig", bench_flex(q, pool, batch, kv_len, args.reps))
+            except Exception as exc:  # noqa: BLE001
+                print(f"flex failed: {exc!r}")
+                peers.discard("flex")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO).stdout.strip()
+    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit,
+              "copy_GBps": copy_gbps, "shape": {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": D},
+              "rows": rows}
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(markdown(result))
+    plot(result, out.with_suffix(".png"))
+    print(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    rows = result["rows"]
+    peers = sorted({(r["peer"], str(r["page_size"])) for r in rows}, key=lambda x: (x[0] != "flashgen", x))
+    lines = [f"# Decode, {result['device']}, {result['date']}, commit {result['commit']}",
+             f"bf16, {HQ} q / {HKV} kv heads, d={D}; copy rate {result['copy_GBps']:.0f} GB/s; "
+             "cells: % of copy rate (µs)", "",
+             "| B | L | " + " | ".join(f"{p} p{s}" for p, s in peers) + " |",
+             "|---|---|" + "---|" * len(peers)]
+    for batch, kv_len in sorted({(r["batch"], r["kv_len"]) for r in rows}):
+        cells = []
+        for peer, size in peers:
+            hit = [r for r in rows if (r["peer"], str(r["page_size"]), r["batch"], r["kv_len"]) == (peer, size, batch, kv_len)]
+            cells.append(f"{hit[0]['pct_copy']:.0f} ({hit[0]['us']:.0f})" if hit else "–")
+        lines.append(f"| {batch} | {kv_len} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    rows = [r for r in result["rows"] if isinstance(r["page_size"], int) and r["batch"] >= 64 and r["kv_len"] >= 4096]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for peer in sorted({r["peer"] for r in rows}):
+        for batch, kv_len in sorted({(r["batch"], r["kv_len"]) for r in rows}):
+            pts = sorted((r["page_size"], r["pct_copy"]) for r in rows if r["peer"] == peer and (r["batch"], r["kv_len"]) == (batch, kv_len))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{peer} B={batch} L={kv_len}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("page size (tokens)")
+    ax.set_ylabel("% of copy bandwidth")
+    ax.set_title(f"Decode bandwidth vs page size ({result['device']})")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
