@@ -14,7 +14,7 @@ causal/window masks or positional encodings (the reference handles those densely
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,8 +25,7 @@ from .plan import Plan
 from .split_kv import SplitKVInfo, _check_heads, choose_kv_chunk, default_tile_rows, split_kv_arrays
 
 
-@dataclass(frozen=True)
-class BlockSparseInfo:
+class BlockSparseInfo(NamedTuple):
     """Sizes of a block-sparse plan; ``split_kv`` describes its work items."""
 
     split_kv: SplitKVInfo

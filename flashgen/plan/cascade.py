@@ -17,7 +17,7 @@ long as each request's queries lie in its unique suffix (last-level ``kv_len >= 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 from typing import Sequence
 
 import numpy as np
@@ -28,8 +28,7 @@ from .plan import Plan
 from .split_kv import SplitKVInfo, _batch_inputs, _check_heads, choose_kv_chunk, default_tile_rows, split_kv_arrays
 
 
-@dataclass(frozen=True)
-class CascadeInfo:
+class CascadeInfo(NamedTuple):
     """Sizes of a cascade plan: ``levels[l]`` describes the split-KV plan of level ``l``."""
 
     num_levels: int
@@ -71,7 +70,9 @@ def plan_cascade(levels: Sequence[tuple[object, object]], *, num_qo_heads: int, 
         level_arrays, info = split_kv_arrays(qo, lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                                              tile_rows=rows, kv_chunk=chunk, max_batch_size=qo.size - 1,
                                              max_total_q=total_q, capacity=None)
-        arrays.update({f"level{level}.{name}": values for name, values in level_arrays.items()})
+        for key, values in level_arrays.items():
+            names = tuple(f"level{level}.{name}" for name in (key if isinstance(key, tuple) else (key,)))
+            arrays[names if isinstance(key, tuple) else names[0]] = values
         infos.append(info)
     return Plan.pack("cascade", arrays, CascadeInfo(len(levels), total_q, tuple(infos)), host_buffer)
 

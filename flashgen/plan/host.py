@@ -10,12 +10,15 @@ import numpy as np
 import torch
 
 
+_INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
 class PlanError(ValueError):
     """A planning input is invalid; the message names the argument (and position, where there is one)."""
 
 
 def host_array(name: str, value: object, ndim: int = 1, error: type[PlanError] = PlanError) -> np.ndarray:
-    """Return ``value`` as an int64 numpy array with ``ndim`` dimensions, without touching a GPU.
+    """Return ``value`` as an int32 or int64 numpy array with ``ndim`` dimensions, without touching a GPU.
 
     Accepts numpy arrays, Python sequences and CPU torch tensors of an integer dtype; raises ``error``.
 
@@ -23,12 +26,12 @@ def host_array(name: str, value: object, ndim: int = 1, error: type[PlanError] =
     array([0, 2, 5])
     """
     if isinstance(value, torch.Tensor):
-        if value.device.type != "cpu":
+        if value.is_cuda or value.device.type != "cpu":
             raise error(
                 f"{name}: is a {value.device.type} tensor; planning reads host arrays only (pass the CPU copy "
                 f"you built it from, so that planning never synchronises with the device)"
             )
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        if value.dtype not in _INT_DTYPES:
             raise error(f"{name}: dtype {value.dtype}, expected an integer dtype")
         array = value.numpy()
     else:
@@ -40,4 +43,4 @@ def host_array(name: str, value: object, ndim: int = 1, error: type[PlanError] =
                 raise error(f"{name}: dtype {array.dtype}, expected an integer dtype")
     if array.ndim != ndim:
         raise error(f"{name}: has shape {tuple(array.shape)}, expected {ndim} dimension(s)")
-    return array.astype(np.int64, copy=False)
+    return array if array.dtype in (np.int32, np.int64) else array.astype(np.int64)

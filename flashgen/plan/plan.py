@@ -7,8 +7,8 @@ offsets are aligned to 4 elements (16 bytes) so kernels may use vector loads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
+import functools
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -18,8 +18,7 @@ from .host import PlanError
 _ALIGN = 4
 
 
-@dataclass(frozen=True)
-class PlanField:
+class PlanField(NamedTuple):
     """One array of a plan: ``host[offset : offset + length]``."""
 
     name: str
@@ -32,6 +31,17 @@ def _new_host_buffer(numel: int) -> torch.Tensor:
     if torch.cuda.is_available():
         return torch.empty(numel, dtype=torch.int32, pin_memory=True)
     return torch.empty(numel, dtype=torch.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def _schema(layout: tuple[tuple[tuple[str, ...], int], ...]) -> tuple[dict[str, PlanField], int]:
+    schema = {}
+    offset = 0
+    for names, length in layout:
+        for name in names:
+            schema[name] = PlanField(name, offset, length)
+            offset += -(-length // _ALIGN) * _ALIGN
+    return schema, offset
 
 
 class Plan:
@@ -50,32 +60,50 @@ class Plan:
 
     def __init__(self, kind: str, schema: Mapping[str, PlanField], host: torch.Tensor, info: Any):
         self.kind = kind
-        self.schema = dict(schema)
+        self.schema = schema  # shared between plans of one shape: never mutate
         self.host = host
         self.info = info
 
     @classmethod
-    def pack(cls, kind: str, arrays: Mapping[str, np.ndarray], info: Any,
-             host_buffer: torch.Tensor | None = None) -> "Plan":
-        """Pack ``arrays`` (name -> 1-D integer numpy array, in schema order) into one int32 host buffer.
+    def pack(cls, kind: str, arrays: Mapping[Any, Any], info: Any, host_buffer: torch.Tensor | None = None) -> "Plan":
+        """Pack ``arrays`` into one int32 host buffer, in the mapping's order.
 
-        ``host_buffer``: an int32 CPU tensor (pinned, ideally) to reuse, at least ``numel`` long; without
-        one a new buffer is allocated (pinned when CUDA is available, which costs far more than planning).
+        A value is a 1-D integer numpy array, or ``(values, length, pad)``: a field of ``length`` elements
+        holding ``values`` and then ``pad``. A key may also be a tuple of names with a 2-D ``values``
+        (one row per name) and a ``pad`` per row: equal-length fields written in one go. ``host_buffer``:
+        an int32 CPU tensor (pinned, ideally) to reuse, at least ``numel`` long; without one a buffer is
+        allocated (pinned when CUDA is available, which costs far more than planning itself).
         """
-        schema: dict[str, PlanField] = {}
-        offset = 0
-        for name, array in arrays.items():
-            schema[name] = PlanField(name, offset, int(array.size))
-            offset += -(-int(array.size) // _ALIGN) * _ALIGN
+        fills = []
+        layout = []
+        for key, value in arrays.items():
+            values, length, pad = value if isinstance(value, tuple) else (value, value.size, 0)
+            names = key if isinstance(key, tuple) else (key,)
+            layout.append((names, length))
+            fills.append((values, length, pad))
+        schema, numel = _schema(tuple(layout))
         if host_buffer is None:
-            host_buffer = _new_host_buffer(offset)
-        elif host_buffer.dtype != torch.int32 or host_buffer.device.type != "cpu" or host_buffer.numel() < offset:
-            raise PlanError(f"host_buffer: needs an int32 CPU tensor of at least {offset} elements, got "
+            host_buffer = _new_host_buffer(numel)
+        elif host_buffer.dtype != torch.int32 or host_buffer.device.type != "cpu" or host_buffer.numel() < numel:
+            raise PlanError(f"host_buffer: needs an int32 CPU tensor of at least {numel} elements, got "
                             f"{host_buffer.dtype} {host_buffer.device} with {host_buffer.numel()}")
         flat = host_buffer.numpy()
-        for name, field in schema.items():
-            flat[field.offset: field.offset + field.length] = arrays[name]
-        return cls(kind, schema, host_buffer[:offset], info)
+        for (names, length), (values, _, pad) in zip(layout, fills):
+            start = schema[names[0]].offset
+            size = values.shape[-1]
+            if size > length:
+                raise PlanError(f"{names[0]}: {size} values do not fit its length {length}")
+            if len(names) == 1:
+                flat[start: start + size] = values
+                if length > size:
+                    flat[start + size: start + length] = pad
+                continue
+            stride = -(-length // _ALIGN) * _ALIGN
+            block = flat[start: start + stride * len(names)].reshape(len(names), stride)
+            block[:, :size] = values
+            if length > size:
+                block[:, size:length] = np.reshape(pad, (-1, 1))
+        return cls(kind, schema, host_buffer[:numel], info)
 
     # -------------------------------------------------------------------------------------- host access
 

@@ -13,7 +13,7 @@ request's items write partial states that a merge combines (see ``SPLIT_KV_SCHEM
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -41,8 +41,7 @@ SPLIT_KV_SCHEMA = {
 }
 
 
-@dataclass(frozen=True)
-class SplitKVInfo:
+class SplitKVInfo(NamedTuple):
     """Host-side sizes of a split-KV plan. ``grid = (capacity, num_kv_heads)``.
 
     ``partial_capacity`` is the number of partial rows the tmp buffers must hold: ``tmp_o [partial_capacity,
@@ -81,13 +80,14 @@ def default_tile_rows(max_packed_rows: int) -> int:
     return 16 if max_packed_rows <= 16 else 64 if max_packed_rows <= 64 else 128
 
 
-def _split_candidates(max_len: int, granularity: int) -> np.ndarray:
-    # chunk lengths for 1..16 splits of the longest request, then ~15 % steps up to 1024 splits
-    most = max(1, -(-max_len // granularity))
-    splits = np.unique(np.concatenate([np.arange(1, 17), np.geomspace(17, 1024, 30).astype(np.int64)]))
-    splits = splits[splits <= most]
-    chunks = -(-(-(-max_len // splits)) // granularity) * granularity
-    return np.unique(chunks)[::-1]  # descending: fewest splits first
+def _split_candidates(max_len: int, work: int, num_kv_heads: int, num_sms: int, granularity: int) -> np.ndarray:
+    # split counts of the longest request: 1, the balanced count s0 +- 2, and 2, 4, 8 x s0 (for batches
+    # whose short items already fill waves, finer chunks of the long ones pack better)
+    per_sm = max(granularity, work * num_kv_heads // num_sms)
+    s0 = -(-max_len // per_sm)
+    splits = {1, *range(max(1, s0 - 2), s0 + 3), 2 * s0, 4 * s0, 8 * s0}
+    chunks = {-(-(-(-max_len // s)) // granularity) * granularity for s in splits}
+    return np.array(sorted(chunks, reverse=True))  # descending: fewest splits first
 
 
 def choose_kv_chunk(kv_lens: np.ndarray, qo_tiles: np.ndarray, num_kv_heads: int, *, num_sms: int = 132,
@@ -97,95 +97,137 @@ def choose_kv_chunk(kv_lens: np.ndarray, qo_tiles: np.ndarray, num_kv_heads: int
     ``kv_lens [batch]`` and ``qo_tiles [batch]`` (qo tiles per request) are int numpy arrays. Model: an item
     costs its KV length plus ``item_overhead`` tokens (launch, prologue, partial write and merge); CTAs run
     in waves of ``num_sms``; a schedule of items no longer than ``longest`` takes about
-    ``waves * longest`` with ``waves = ceil(total_cost * num_kv_heads / (num_sms * longest))``. The
-    chunk with the smallest estimate wins; ties (within 1 %) go to the longer chunk (fewer items, less
-    merging). ``max_items`` caps the number of items (the fixed capacity of a CUDA-graph plan).
+    ``waves * longest`` with ``waves = ceil(total_cost * num_kv_heads / (num_sms * longest))``. Candidates
+    split the longest request 1 time, ``s0 - 2 .. s0 + 2`` and ``2, 4, 8 x s0`` times, where ``s0`` is the
+    split count that makes its chunks as long as a perfectly balanced SM's share of the work. The chunk
+    with the smallest estimate wins; ties (within 1 %) go to the longer chunk (fewer items, less merging).
+    ``max_items`` caps the number of items (the fixed capacity of a CUDA-graph plan).
 
     Worked example (FA3's): 48 qo tiles of one request, 1 kv head, kv_len 4096, 108 SMs, overhead 64.
-    Unsplit: 48 items, 1 wave of 4160. 2 splits: chunk 2048, 96 items, 1 wave -> 2112 (96/108 = 0.89 of
-    the SMs busy). 3 splits: chunk 1376, 144 items, 2 waves -> 2880 (144/216 = 0.67). 4 splits: 2 waves of
-    1088 -> 2176. 9 splits: 4 waves of 528 -> 2112, a tie that goes to 2 splits (fewer items): chunk 2048.
-    A mixed decode batch (255 requests of 100 tokens, one of 8000, 8 kv heads, 132 SMs) gets chunk 288:
-    only the long request splits (28 chunks), and its chunks are no longer than the wave of short items.
+    A balanced SM's share is 48 * 4096 / 108 = 1820 tokens, so s0 = 3. Unsplit: 48 items, 1 wave of 4160.
+    2 splits: chunk 2048, 96 items, 1 wave -> 2112 (96/108 = 0.89 of the SMs busy). 3 splits: chunk 1376,
+    144 items, 2 waves -> 2880 (144/216 = 0.67). 4 splits: 2 waves of 1088 -> 2176. 2 splits win: 2048.
+    A mixed decode batch (255 requests of 100 tokens, one of 8000, 8 kv heads, 132 SMs) gets chunk 1008:
+    only the long request splits (8 chunks), and the estimate drops from 8064 (unsplit) to 3216.
     """
-    live = qo_tiles > 0
-    lens, tiles = kv_lens[live], qo_tiles[live]
-    max_len = int(lens.max(initial=0))
+    return _choose(kv_lens, qo_tiles, num_kv_heads, num_sms, granularity, item_overhead, max_items)[0]
+
+
+def _choose(kv_lens, qo_tiles, num_kv_heads, num_sms, granularity, item_overhead, max_items):
+    # returns (kv_chunk, chunks per request or None); chunks counts requests without queries too
+    # qo_tiles None: one tile per request (decode)
+    live = kv_lens if qo_tiles is None else kv_lens * (qo_tiles > 0)
+    max_len = int(live.max(initial=0))
     if max_len <= granularity:
-        return granularity
-    chunk = _split_candidates(max_len, granularity)
-    nchunks = np.maximum(1, -(-lens[None, :] // chunk[:, None]))
-    items = nchunks @ tiles
-    total = int(tiles @ lens) + item_overhead * items
-    longest = np.minimum(chunk, max_len) + item_overhead
-    waves = -(-(total * num_kv_heads) // (num_sms * longest))
-    estimate = (waves * longest).astype(np.float64)
-    if max_items is not None:
-        estimate[items > max_items] = np.inf
-        if not np.isfinite(estimate).any():
-            raise PlanError(f"capacity: {int(items[0])} work items are needed even unsplit, more than the "
-                            f"capacity of {max_items}")
-    good = np.flatnonzero(estimate <= estimate.min() * 1.01)
-    return int(chunk[good[0]])
+        return granularity, None
+    work = int(kv_lens.sum() if qo_tiles is None else qo_tiles @ kv_lens)
+    chunk = _split_candidates(max_len, work, num_kv_heads, num_sms, granularity)
+    # chunk counts of every candidate in float64 (exact for lengths < 2**40; SIMD, unlike integer division)
+    nchunks = np.ceil(np.maximum(kv_lens, 1) / chunk[:, None].astype(np.float64))
+    items = (nchunks.sum(axis=1) if qo_tiles is None else nchunks @ qo_tiles).astype(np.int64).tolist()
+    best, best_estimate, best_at = None, None, None
+    for at, (c, n) in enumerate(zip(chunk.tolist(), items)):
+        if max_items is not None and n > max_items:
+            continue
+        longest = min(c, max_len) + item_overhead
+        estimate = -(-((work + item_overhead * n) * num_kv_heads) // (num_sms * longest)) * longest
+        if best is None or estimate < best_estimate / 1.01:  # ties (within 1 %) keep the longer chunk
+            best, best_estimate, best_at = c, estimate, at
+    if best is None:
+        raise PlanError(f"capacity: {min(items)} work items are needed even unsplit, more than the "
+                        f"capacity of {max_items}")
+    return best, nchunks[best_at].astype(np.int64)
 
 
 # ---------------------------------------------------------------------------------------------- builder
 
 
-def _items(qo_len: np.ndarray, kv_lens: np.ndarray, group_size: int, tile_rows: int, kv_chunk: int):
+def _decode_items(kv_lens: np.ndarray, chunks: np.ndarray, kv_chunk: int) -> np.ndarray:
+    # one qo tile per request (decode, group_size <= tile_rows): the general path minus the tile arithmetic
+    batch = kv_lens.size
+    ends = np.cumsum(chunks)
+    n = int(ends[-1]) if batch else 0
+    items = np.empty((5, n), dtype=np.int32)  # request_idx, qo_tile_idx, chunk_idx, kv_start, kv_end
+    items[1] = 0
+    if n == batch:  # nothing split
+        items[0] = np.arange(batch)
+        items[2] = -1
+        items[3] = 0
+        items[4] = kv_lens
+        return items
+    items[0] = np.repeat(np.arange(batch), chunks)
+    chunk = np.arange(n) - np.repeat(ends - chunks, chunks)
+    np.multiply(chunk, kv_chunk, out=items[3])
+    np.minimum(items[3] + kv_chunk, np.repeat(kv_lens, chunks), out=items[4])
+    np.subtract(chunk, np.repeat(chunks == 1, chunks), out=items[2])  # unsplit: chunk 0 - 1 = -1
+    return items
+
+
+def _items(qo_len: np.ndarray, kv_lens: np.ndarray, chunks: np.ndarray, group_size: int, tile_rows: int,
+           kv_chunk: int):
     tiles = -(-(qo_len * group_size) // tile_rows)
-    chunks = np.where(tiles > 0, np.maximum(1, -(-kv_lens // kv_chunk)), 0)
     per_request = tiles * chunks
-    first = np.cumsum(per_request) - per_request
-    request = np.repeat(np.arange(qo_len.size), per_request)
-    local = np.arange(request.size) - first[request]
+    ends = np.cumsum(per_request)
+    n = int(ends[-1]) if ends.size else 0
+    items = np.empty((5, n), dtype=np.int64)
+    request = items[0]
+    request[:] = np.repeat(np.arange(qo_len.size), per_request)
+    local = np.arange(n) - (ends - per_request)[request]
     c = chunks[request]
-    tile = local // c
-    chunk = local - tile * c
-    kv_start = chunk * kv_chunk
-    kv_end = np.minimum(kv_start + kv_chunk, kv_lens[request])
-    order = np.argsort(kv_start - kv_end, kind="stable")  # longest items first (LPT order)
-    items = {"request_idx": request, "qo_tile_idx": tile, "chunk_idx": np.where(c > 1, chunk, -1),
-             "kv_start": kv_start, "kv_end": kv_end}
-    return {k: v[order] for k, v in items.items()}, chunks
+    np.floor_divide(local, c, out=items[1])
+    chunk = local - items[1] * c
+    np.multiply(chunk, kv_chunk, out=items[3])
+    np.minimum(items[3] + kv_chunk, kv_lens[request], out=items[4])
+    items[2] = np.where(c > 1, chunk, -1)
+    return items
 
 
-def _padded(values: np.ndarray, length: int, pad: int) -> np.ndarray:
-    out = np.full(length, pad, dtype=np.int64)
-    out[: values.size] = values
-    return out
+ITEM_FIELDS = ("request_idx", "qo_tile_idx", "chunk_idx", "kv_start", "kv_end")
+_ITEM_PADS = np.array([-1, 0, 0, 0, 0])
 
 
 def split_kv_arrays(qo_indptr: np.ndarray, kv_lens: np.ndarray, *, num_qo_heads: int, num_kv_heads: int,
                     tile_rows: int, kv_chunk: int, max_batch_size: int, max_total_q: int,
-                    capacity: int | None, partial_capacity: int | None = None):
-    """The arrays of ``SPLIT_KV_SCHEMA`` (int64 numpy, schema order) and the ``SplitKVInfo``; internal."""
+                    capacity: int | None, partial_capacity: int | None = None, decode: bool = False,
+                    chunks: np.ndarray | None = None):
+    """The fields of ``SPLIT_KV_SCHEMA`` for ``Plan.pack`` and the ``SplitKVInfo``; internal.
+
+    Vectorised numpy: a numpy call costs ~1-3 us on a small host, so a plan is a few dozen of them.
+    """
     group_size = num_qo_heads // num_kv_heads
-    qo_len = np.diff(qo_indptr)
-    items, chunks = _items(qo_len, kv_lens, group_size, tile_rows, kv_chunk)
-    num_items = items["request_idx"].size
+    if chunks is None:
+        chunks = np.maximum((kv_lens + (kv_chunk - 1)) // kv_chunk, 1)
+    if decode and group_size <= tile_rows:
+        items = _decode_items(kv_lens, chunks, kv_chunk)
+    else:
+        qo_len = qo_indptr[1:] - qo_indptr[:-1]
+        chunks = chunks * (qo_len > 0)
+        items = _items(qo_len, kv_lens, chunks, group_size, tile_rows, kv_chunk)
+    num_items = items.shape[1]
     cap = num_items if capacity is None else capacity
     if num_items > cap:
         raise PlanError(f"capacity: the batch needs {num_items} work items, more than the capacity of {cap}")
-    merge_count = np.repeat(np.where(chunks > 1, chunks, 0), qo_len)
-    merge_indptr = np.zeros(qo_len.sum() + 1, dtype=np.int64)
-    np.cumsum(merge_count, out=merge_indptr[1:])
+    items = items[:, np.argsort(items[3] - items[4], kind="stable")]  # longest items first (LPT order)
+    total_q = int(qo_indptr[-1])
+    merge_count = chunks * (chunks > 1)
+    merge_indptr = np.empty(total_q + 1, dtype=np.int64)
+    merge_indptr[0] = 0
+    np.cumsum(merge_count if decode else np.repeat(merge_count, qo_len), out=merge_indptr[1:])
     partial_rows = int(merge_indptr[-1])
-    arrays = {
-        "qo_indptr": _padded(qo_indptr, max_batch_size + 1, int(qo_indptr[-1])),
-        "kv_len": _padded(kv_lens, max_batch_size, 0),
-        "num_chunks": _padded(chunks, max_batch_size, 0),
-        "merge_indptr": _padded(merge_indptr, max_total_q + 1, partial_rows),
+    fields = {
+        "qo_indptr": (qo_indptr, max_batch_size + 1, total_q),
+        "kv_len": (kv_lens, max_batch_size, 0),
+        "num_chunks": (chunks, max_batch_size, 0),
+        "merge_indptr": (merge_indptr, max_total_q + 1, partial_rows),
+        ITEM_FIELDS: (items, cap, _ITEM_PADS),
     }
-    for name, values in items.items():
-        arrays[name] = _padded(values, cap, -1 if name == "request_idx" else 0)
     info = SplitKVInfo(
-        batch_size=qo_len.size, max_batch_size=max_batch_size, total_q=int(qo_indptr[-1]),
-        max_total_q=max_total_q, num_items=num_items, capacity=cap, num_qo_heads=num_qo_heads,
-        num_kv_heads=num_kv_heads, group_size=group_size, tile_rows=tile_rows, kv_chunk=kv_chunk,
-        partial_rows=partial_rows, partial_capacity=partial_rows if partial_capacity is None else partial_capacity,
+        batch_size=kv_lens.size, max_batch_size=max_batch_size, total_q=total_q, max_total_q=max_total_q,
+        num_items=num_items, capacity=cap, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        group_size=group_size, tile_rows=tile_rows, kv_chunk=kv_chunk, partial_rows=partial_rows,
+        partial_capacity=partial_rows if partial_capacity is None else partial_capacity,
         fixed_capacity=capacity is not None)
-    return arrays, info
+    return fields, info
 
 
 def _check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
@@ -230,34 +272,47 @@ def plan_split_kv(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_
     """
     _check_heads(num_qo_heads, num_kv_heads)
     qo, lens = _batch_inputs(qo_indptr, kv_lens)
+    return _plan(qo, lens, False, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead,
+                 enable_split, max_batch_size, max_total_q, capacity, host_buffer)
+
+
+def _plan(qo, lens, decode, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead,
+          enable_split, max_batch_size, max_total_q, capacity, host_buffer) -> Plan:
     group_size = num_qo_heads // num_kv_heads
+    batch, total_q = lens.size, int(qo[-1])
+    qo_len = None if decode else qo[1:] - qo[:-1]
     fixed = max_batch_size is not None
     if fixed:
         max_total_q = max_batch_size if max_total_q is None else max_total_q
-        if qo.size - 1 > max_batch_size:
-            raise PlanError(f"qo_indptr: batch_size {qo.size - 1} exceeds max_batch_size = {max_batch_size}")
-        if qo[-1] > max_total_q:
-            raise PlanError(f"qo_indptr[-1] = {int(qo[-1])} exceeds max_total_q = {max_total_q}")
-        packed_bound = max_total_q * group_size
+        if batch > max_batch_size:
+            raise PlanError(f"qo_indptr: batch_size {batch} exceeds max_batch_size = {max_batch_size}")
+        if total_q > max_total_q:
+            raise PlanError(f"qo_indptr[-1] = {total_q} exceeds max_total_q = {max_total_q}")
+        decode_shape = max_total_q == max_batch_size
     else:
-        max_batch_size, max_total_q = qo.size - 1, int(qo[-1])
-        packed_bound = int(np.diff(qo).max(initial=0)) * group_size
+        max_batch_size, max_total_q, decode_shape = batch, total_q, decode
     if tile_rows is None:
-        tile_rows = default_tile_rows(group_size if fixed and max_total_q == max_batch_size else packed_bound)
-    tiles = -(-(np.diff(qo) * group_size) // tile_rows)
+        longest_q = 1 if decode_shape else (max_total_q if fixed else int(qo_len.max(initial=0)))
+        tile_rows = default_tile_rows(longest_q * group_size)
+    one_tile = decode and group_size <= tile_rows
+    if one_tile:
+        tiles = None
+    else:
+        tiles = -(-((np.ones(batch, np.int64) if decode else qo_len) * group_size) // tile_rows)
     partial_capacity = None
     if fixed:
         min_items = -(-(max_total_q * group_size) // tile_rows) + max_batch_size
         capacity = min_items + 2 * -(-num_sms // num_kv_heads) if capacity is None else capacity
         partial_capacity = capacity * -(-tile_rows // group_size)
+    chunks = None
     if enable_split:
-        kv_chunk = choose_kv_chunk(lens, tiles, num_kv_heads, num_sms=num_sms, granularity=kv_granularity,
-                                   item_overhead=item_overhead, max_items=capacity)
+        kv_chunk, chunks = _choose(lens, tiles, num_kv_heads, num_sms, kv_granularity, item_overhead, capacity)
     else:
         kv_chunk = max(kv_granularity, -(-int(lens.max(initial=0)) // kv_granularity) * kv_granularity)
     arrays, info = split_kv_arrays(qo, lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                                    tile_rows=tile_rows, kv_chunk=kv_chunk, max_batch_size=max_batch_size,
-                                   max_total_q=max_total_q, capacity=capacity, partial_capacity=partial_capacity)
+                                   max_total_q=max_total_q, capacity=capacity, partial_capacity=partial_capacity,
+                                   decode=decode, chunks=chunks)
     return Plan.pack("split_kv", arrays, info, host_buffer)
 
 
@@ -269,9 +324,22 @@ def plan_decode(kv_lens: object, *, num_qo_heads: int, num_kv_heads: int, **opti
     >>> plan_decode([300, 9000, 12], num_qo_heads=32, num_kv_heads=8).info.grid[1]
     8
     """
+    _check_heads(num_qo_heads, num_kv_heads)
     lens = host_array("kv_lens", kv_lens)
-    return plan_split_kv(np.arange(lens.size + 1), lens, num_qo_heads=num_qo_heads,
-                         num_kv_heads=num_kv_heads, **options)
+    if lens.size and lens.min() < 0:
+        b = int(np.argmin(lens))
+        raise PlanError(f"kv_lens[{b}] = {int(lens[b])}, expected >= 0")
+    return _plan(np.arange(lens.size + 1), lens, True, num_qo_heads, num_kv_heads, *_options(options))
+
+
+def _options(options: dict) -> list:
+    names = ("tile_rows", "kv_granularity", "num_sms", "item_overhead", "enable_split", "max_batch_size",
+             "max_total_q", "capacity", "host_buffer")
+    unknown = set(options) - set(names)
+    if unknown:
+        raise TypeError(f"unexpected option(s): {', '.join(sorted(unknown))}")
+    defaults = (None, 16, 132, 64, True, None, None, None, None)
+    return [options.get(name, default) for name, default in zip(names, defaults)]
 
 
 def plan_prefill(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_kv_heads: int,
