@@ -119,6 +119,9 @@ def bench_flex(q, pool, batch, kv_len, reps):
     from torch.nn.attention.flex_attention import flex_attention
 
     if _flex is None:
+        # one compiled entry per shape: raise dynamo's limit, or it falls back to eager after 8 shapes
+        torch._dynamo.config.cache_size_limit = 256
+        torch._dynamo.config.accumulated_cache_size_limit = 4096
         _flex = torch.compile(flex_attention, dynamic=False)
     k = pool[: batch * kv_len * HKV * D].view(batch, HKV, kv_len, D)
     v = pool[batch * kv_len * HKV * D: 2 * batch * kv_len * HKV * D].view(batch, HKV, kv_len, D)
@@ -140,6 +143,7 @@ def main() -> None:
     parser.add_argument("--max-kv-gb", type=float, default=18.0)
     parser.add_argument("--page-sizes", default="1,16,64,256")
     parser.add_argument("--peers", default="sdpa,flex,flashinfer")
+    parser.add_argument("--commit", default="", help="the commit measured (the device copy has no .git)")
     args = parser.parse_args()
     page_sizes = [int(p) for p in args.page_sizes.split(",")]
     peers = set(args.peers.split(",")) if args.peers else set()
@@ -186,8 +190,8 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001
                 print(f"flex failed: {exc!r}")
                 peers.discard("flex")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True, cwd=REPO).stdout.strip()
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit,
               "copy_GBps": copy_gbps, "shape": {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": D},
               "rows": rows}

@@ -175,8 +175,11 @@ def test_bad_arguments_are_named():
     q, kv, table = make_batch(spec, [40, 100], 2, 4)
     wrapper = flashgen.BatchDecodeWrapper(spec)
     bad = dict(table, kv_indices=table["kv_indices"] + 1000)
-    with pytest.raises(PlanError, match="kv_indices"):
-        wrapper.plan(num_qo_heads=8, num_kv_heads=2, **bad)
+    with pytest.raises(PlanError, match=r"kv_indices\[0\] = \d+ is outside the page pool"):
+        wrapper.plan(num_qo_heads=8, num_kv_heads=2, num_pages=kv[0].shape[0], **bad)
+    wrapper.plan(num_qo_heads=8, num_kv_heads=2, **bad)  # pool size unknown: checked against the cache at run
+    with pytest.raises(ValueError, match="kv_indices: page id .* outside kv_cache's"):
+        wrapper.run(q.cuda(), to_cuda(kv))
     with pytest.raises(PlanError, match="kv_last_page_len"):
         wrapper.plan(num_qo_heads=8, num_kv_heads=2, **dict(table, kv_last_page_len=table["kv_last_page_len"] + 16))
     with pytest.raises(PlanError, match="kv_indptr: is a cuda tensor"):

@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..codegen import family
-from ..codegen.decode import MERGE_THREADS, TILE_KV, decode_smem_bytes, decode_stages
+from ..codegen.decode import TILE_KV, decode_ctas_per_sm, decode_smem_bytes, decode_stages
 from ..plan import PlanError, plan_decode
 from ..spec import AttentionSpec, RoPE, SlidingWindow
 from .checks import check_tensor
@@ -66,6 +66,7 @@ class BatchDecodeWrapper:
         self._pages_buf = _Buffer(torch.int32, self.device, fixed)
         self._tmp_o = _Buffer(torch.float32, self.device, fixed)
         self._tmp_lse = _Buffer(torch.float32, self.device, fixed)
+        self._counters = None  # int32 [max_total_q * num_qo_heads], zero; the kernel leaves it zero
         self._kernel = None
         self._planned = None
 
@@ -74,46 +75,55 @@ class BatchDecodeWrapper:
     def plan(self, *, num_qo_heads: int, num_kv_heads: int, kv_indptr=None, kv_indices=None, kv_last_page_len=None,
              block_table=None, seq_lens=None, sm_scale: float | None = None, rope_theta: float | None = None,
              rope_scale: float | None = None, window_left: int | None = None, soft_cap: float | None = None,
-             enable_split: bool = True) -> None:
+             num_pages: int | None = None, enable_split: bool = True) -> None:
         """Plan a batch. Lengths (``kv_indptr``, ``kv_last_page_len``, ``seq_lens``) are host arrays: planning
         never synchronises with the GPU. Page ids (``kv_indices`` or ``block_table``) may be device int32
         tensors, read in place by the kernel, or host arrays, then validated and copied to the device.
 
         Runtime values default to the spec's: ``sm_scale`` (1/sqrt(head_dim)), RoPE ``rope_theta`` and
-        ``rope_scale``, the window's ``window_left``, ``soft_cap``.
+        ``rope_scale``, the window's ``window_left``, ``soft_cap``. ``num_pages`` (the pool size) bounds host
+        page ids here; without it they are checked against the cache at ``run()``.
         """
         if num_qo_heads % num_kv_heads:
             raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
         table = page_table(self.spec, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
-                           block_table=block_table, seq_lens=seq_lens)
+                           block_table=block_table, seq_lens=seq_lens, num_pages=num_pages)
         batch = table.kv_lens.size
         if self.use_cuda_graph and batch > self.max_batch_size:
             raise PlanError(f"kv_lens: batch_size {batch} exceeds max_batch_size = {self.max_batch_size}")
         options = {"max_batch_size": self.max_batch_size} if self.use_cuda_graph else {}
+        slots = self.num_sms * decode_ctas_per_sm(self.spec.head_dim, self.spec.head_dim_vo)
         plan = plan_decode(table.kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, tile_rows=16,
-                           kv_granularity=TILE_KV, num_sms=self.num_sms, enable_split=enable_split, **options)
+                           kv_granularity=TILE_KV, num_sms=slots, enable_split=enable_split, **options)
         info = plan.info
         views = plan.to_device(self._plan_buf.get(plan.numel, "plan"))
         indptr_ptr = self._copy_indptr(table.kv_indptr_host)
         pages_ptr, bt_stride = self._page_ids(table)
         tmp_o = self._tmp_o.get(info.partial_capacity * num_qo_heads * self.spec.head_dim_vo, "tmp_o")
         tmp_lse = self._tmp_lse.get(info.partial_capacity * num_qo_heads, "tmp_lse")
+        counters = self._counter_buffer(info.max_total_q * num_qo_heads)
         if self._kernel is None:
             self._load_kernel()
         self._planned = {
             "batch": batch if not self.use_cuda_graph else self.max_batch_size, "info": info,
-            "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads,
-            "split": info.partial_rows > 0 or self.use_cuda_graph,
+            "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "max_page": table.max_page,
             "tables": (indptr_ptr, pages_ptr if table.block_table is None else 0,
                        pages_ptr if table.block_table is not None else 0),
             "plan": tuple(views[n].data_ptr() for n in ("qo_indptr", "kv_len", "request_idx", "qo_tile_idx",
-                                                        "chunk_idx", "kv_start", "kv_end", "merge_indptr")),
+                                                        "chunk_idx", "kv_start", "kv_end", "merge_indptr",
+                                                        "num_chunks")) + (counters.data_ptr(),),
             "tmp": (tmp_o.data_ptr(), tmp_lse.data_ptr()),
             "scalars": (bt_stride, num_qo_heads, num_qo_heads // num_kv_heads) + self._runtime(
                 sm_scale, rope_theta, rope_scale, window_left, soft_cap),
-            "merge_rows": plan.info.max_total_q,
         }
         self._keep = (plan, table)  # the host buffers stay alive until the copies have run
+
+    def _counter_buffer(self, numel: int) -> torch.Tensor:
+        if self._counters is None or self._counters.numel() < numel:
+            if self._counters is not None and self.use_cuda_graph:
+                raise PlanError(f"counters: needs {numel}, more than sized by the first plan (raise max_batch_size)")
+            self._counters = torch.zeros(max(numel, 1), dtype=torch.int32, device=self.device)
+        return self._counters
 
     def _copy_indptr(self, indptr) -> int:
         if indptr is None:
@@ -156,7 +166,7 @@ class BatchDecodeWrapper:
         from ..jit import build
 
         kernel = build(self.spec, "decode", device=self.device.index)
-        self._decode, self._merge = kernel["decode"], kernel["merge_partials"]
+        self._decode = kernel["decode"]
         self._smem = decode_smem_bytes(self.spec.head_dim, self.spec.head_dim_vo,
                                        decode_stages(self.spec.head_dim, self.spec.head_dim_vo))
         self._decode.set_max_dynamic_shared_memory(self._smem)
@@ -179,6 +189,9 @@ class BatchDecodeWrapper:
             check_tensor("q", q, dtypes=(TORCH_DTYPES[spec.dtype],), ndim=3, device=self.device)
             raise ValueError(f"q: expected shape {shape}, got {tuple(q.shape)}")
         kv = kv_view(spec, kv_cache, planned["num_kv_heads"])
+        if planned["max_page"] >= kv.num_pages:
+            name = "kv_indices" if self._keep[1].block_table is None else "block_table"
+            raise ValueError(f"{name}: page id {planned['max_page']} is outside kv_cache's {kv.num_pages} pages")
         if out is None:
             out = torch.empty((shape[0], hq, spec.head_dim_vo), dtype=q.dtype, device=q.device)
         else:
@@ -195,10 +208,3 @@ class BatchDecodeWrapper:
                             q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), out.data_ptr(), lse_ptr, *planned["tmp"],
                             *planned["tables"], *planned["plan"], kv.stride_page, kv.stride_token, kv.stride_head,
                             *planned["scalars"])
-        if planned["split"]:
-            rows = planned["merge_rows"] * planned["num_qo_heads"]
-            threads_per_row = min(32, self.spec.head_dim_vo // 8)
-            blocks = max(1, -(-rows // (MERGE_THREADS // threads_per_row)))
-            self._merge.launch((blocks, 1, 1), (MERGE_THREADS, 1, 1), 0, stream, *planned["tmp"],
-                               planned["plan"][7], out.data_ptr(), lse_ptr, planned["merge_rows"],
-                               planned["num_qo_heads"], self.spec.head_dim_vo, threads_per_row)

@@ -94,6 +94,7 @@ class PageTable:
     kv_indptr_host: np.ndarray | None  # CSR and ragged: copied to the device with the plan
     kv_indices: torch.Tensor | None  # CSR page ids (device, or host to be copied)
     block_table: torch.Tensor | None
+    max_page: int = -1  # largest page id used, when the ids are on the host (checked against the cache)
 
 
 def page_table(spec: AttentionSpec, *, kv_indptr=None, kv_indices=None, kv_last_page_len=None, block_table=None,
@@ -111,9 +112,10 @@ def page_table(spec: AttentionSpec, *, kv_indptr=None, kv_indices=None, kv_last_
         table = _int_tensor("block_table", block_table, 2)
         if table.is_cuda:  # its entries stay on the device (never read back); check what the host has
             lens = _seq_lens_fit(seq_lens, table.shape, page_size)
-        else:
-            lens = validate_block_table(table, seq_lens, page_size, num_pages)
-        return PageTable(lens, None, None, table)
+            return PageTable(lens, None, None, table)
+        lens = validate_block_table(table, seq_lens, page_size, num_pages)
+        used = np.arange(table.shape[1])[None, :] < -(-lens[:, None] // page_size)
+        return PageTable(lens, None, None, table, int(table.numpy()[used].max(initial=-1)))
     if kv_indptr is None or kv_indices is None or kv_last_page_len is None:
         raise PlanError("kv_indptr: a paged layout takes kv_indptr, kv_indices and kv_last_page_len (CSR), "
                         "or block_table and seq_lens")
@@ -123,10 +125,10 @@ def page_table(spec: AttentionSpec, *, kv_indptr=None, kv_indices=None, kv_last_
         indptr = validate_indptr("kv_indptr", kv_indptr)
         if indptr[-1] > indices.numel():
             raise PlanError(f"kv_indptr[-1] = {int(indptr[-1])} > len(kv_indices) = {indices.numel()}")
-    else:
-        lens = validate_csr(kv_indptr, indices, kv_last_page_len, page_size, num_pages)
-        indptr = validate_indptr("kv_indptr", kv_indptr)
-    return PageTable(lens, indptr, indices, None)
+        return PageTable(lens, indptr, indices, None)
+    lens = validate_csr(kv_indptr, indices, kv_last_page_len, page_size, num_pages)
+    indptr = validate_indptr("kv_indptr", kv_indptr)
+    return PageTable(lens, indptr, indices, None, int(indices.numpy()[: indptr[-1]].max(initial=-1)))
 
 
 def _seq_lens_fit(seq_lens: object, shape: tuple[int, int], page_size: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The decode family: batch decode over paged or ragged KV on tensor cores, plus its split-KV merge."""
+"""The decode family: batch decode over paged or ragged KV on tensor cores, split-KV merged in-kernel."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 DECODE_HEAD_DIMS = (64, 128, 256)
 NUM_WARPS = 4
 TILE_KV = NUM_WARPS * 16  # KV tokens per pipeline stage
-MERGE_THREADS = 256
 SMEM_TARGET = 113 * 1024  # two CTAs per SM on Hopper (227 KB)
 
 
@@ -33,6 +32,13 @@ def decode_stages(head_dim: int, head_dim_vo: int) -> int:
         if decode_smem_bytes(head_dim, head_dim_vo, stages) <= SMEM_TARGET:
             return stages
     return 2
+
+
+def decode_ctas_per_sm(head_dim: int, head_dim_vo: int) -> int:
+    """CTAs that fit on one SM (227 KB of shared memory, 1 KB reserved per CTA), at most 2: the planner
+    fills ``num_sms * ctas_per_sm`` slots, so that a small batch still keeps two CTAs streaming per SM."""
+    smem = decode_smem_bytes(head_dim, head_dim_vo, decode_stages(head_dim, head_dim_vo))
+    return max(1, min(2, (227 * 1024) // (smem + 1024)))
 
 
 class DecodeFamily(KernelFamily):
@@ -78,7 +84,6 @@ class DecodeFamily(KernelFamily):
             "ALIBI": _flag(isinstance(spec.pos_encoding, ALiBi)),
             "SOFT_CAP": _flag(spec.soft_cap is not None),
             "WINDOW": _flag(isinstance(spec.mask, SlidingWindow)),
-            "MERGE_THREADS": MERGE_THREADS,
         }
 
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
@@ -90,19 +95,13 @@ class DecodeFamily(KernelFamily):
             ("float*", "tmp_o"), ("float*", "tmp_lse"),
             (i32, "kv_indptr"), (i32, "kv_indices"), (i32, "block_table"),
             (i32, "qo_indptr"), (i32, "kv_len"), (i32, "request_idx"), (i32, "qo_tile_idx"), (i32, "chunk_idx"),
-            (i32, "kv_start"), (i32, "kv_end"), (i32, "merge_indptr"),
+            (i32, "kv_start"), (i32, "kv_end"), (i32, "merge_indptr"), (i32, "num_chunks"), ("int32_t*", "counters"),
             ("int64_t", "stride_page"), ("int64_t", "stride_token"), ("int64_t", "stride_head"),
             ("int32_t", "block_table_stride"), ("int32_t", "num_qo_heads"), ("int32_t", "group_size"),
             ("int32_t", "window_left"),
             ("float", "sm_scale"), ("float", "soft_cap"), ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"),
         )
-        merge = struct(
-            "MergePartialsParams",
-            ("const float*", "tmp_o"), ("const float*", "tmp_lse"), (i32, "merge_indptr"), (f"{q}*", "o"),
-            ("float*", "lse"), ("int32_t", "num_tokens"), ("int32_t", "num_heads"), ("int32_t", "head_dim"),
-            ("int32_t", "threads_per_row"),
-        )
-        return (EntryPoint("decode", decode), EntryPoint("merge_partials", merge))
+        return (EntryPoint("decode", decode),)
 
 
 register(DecodeFamily())

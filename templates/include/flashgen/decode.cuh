@@ -44,6 +44,59 @@ struct Layout {
 // element index of (row, 16-byte chunk) in a swizzled tile whose rows have `chunks` chunks of 8 elements
 __device__ __forceinline__ int tile_index(int row, int chunk, int chunks) { return row * chunks * 8 + swizzle(row, chunk) * 8; }
 
+template <typename T, int N>
+__device__ __forceinline__ void store_row(T* dst, const float (&x)[N]) {
+  uint4 packed;
+  uint32_t* w = reinterpret_cast<uint32_t*>(&packed);
+  static_assert(N == 8, "one 16-byte store");
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) w[i] = pack2<T>(x[2 * i], x[2 * i + 1]);
+  *reinterpret_cast<uint4*>(dst) = packed;
+}
+
+// Split-KV finish without a second launch: every item of a (token, head group) publishes its partial, then
+// counts itself in; the last to arrive merges all partials into the output and resets the counter (so
+// the next run, or a CUDA-graph replay, starts from zero).
+template <class C, class Params>
+__device__ __forceinline__ void merge_if_last(const Params& p, int token, int request, int q_head0, int rows_valid) {
+  __shared__ int is_last;
+  using DTypeO = typename C::DTypeO;
+  constexpr int DV = C::HEAD_DIM_VO, COLS = 8, THREADS = C::NUM_WARPS * 32;
+  __threadfence();  // make this CTA's partial visible device-wide before counting in
+  __syncthreads();
+  int* counter = p.counters + int64_t(token) * p.num_qo_heads + q_head0;
+  const int num_chunks = p.num_chunks[request];
+  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == num_chunks - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const int first = p.merge_indptr[token];
+  for (int job = threadIdx.x; job < 16 * DV / COLS; job += THREADS) {
+    const int r = job / (DV / COLS), col = (job % (DV / COLS)) * COLS;
+    if (r >= rows_valid) continue;
+    const int64_t head = q_head0 + r;
+    float m = -INFINITY;
+    for (int k = 0; k < num_chunks; ++k) m = fmaxf(m, __ldcg(p.tmp_lse + (first + k) * int64_t(p.num_qo_heads) + head));
+    float acc[COLS] = {}, sum = 0.f;
+    for (int k = 0; k < num_chunks && m != -INFINITY; ++k) {
+      const int64_t row = (first + k) * int64_t(p.num_qo_heads) + head;
+      const float w = expf(__ldcg(p.tmp_lse + row) - m);
+      sum += w;
+      if (w == 0.f) continue;
+      const float4 a = __ldcg(reinterpret_cast<const float4*>(p.tmp_o + row * DV + col));
+      const float4 b = __ldcg(reinterpret_cast<const float4*>(p.tmp_o + row * DV + col + 4));
+      acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
+      acc[4] += w * b.x; acc[5] += w * b.y; acc[6] += w * b.z; acc[7] += w * b.w;
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+    for (int i = 0; i < COLS; ++i) acc[i] *= inv;
+    store_row<DTypeO, COLS>(p.o + (int64_t(token) * p.num_qo_heads + head) * DV + col, acc);
+    if (col == 0 && p.lse != nullptr) p.lse[int64_t(token) * p.num_qo_heads + head] = sum > 0.f ? m + logf(sum) : -INFINITY;
+  }
+  if (threadIdx.x == 0) *counter = 0;
+}
+
 template <class C, class Params>
 __device__ __forceinline__ void run(const Params& p) {
   using L = Layout<C>;
@@ -149,6 +202,23 @@ __device__ __forceinline__ void run(const Params& p) {
   store_offset(S - 1, page_of(S - 1));
   int32_t next_page = page_of(S);
 
+  // Q as mma A fragments: held in registers up to head_dim 128 (loaded once; the prologue's barriers made
+  // the Q tile visible), re-read from shared memory for each tile above that, where registers run out
+  constexpr bool Q_IN_REGS = D <= 128;
+  uint32_t q_regs[Q_IN_REGS ? D / 16 : 1][4];
+  if constexpr (Q_IN_REGS) {
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) ldmatrix_x4(q_regs[j], q_smem + tile_index(lane % 16, 2 * j + lane / 16, L::Q_CHUNKS));
+  }
+  auto q_frag = [&](int j, uint32_t (&a)[4]) {
+    if constexpr (Q_IN_REGS) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = q_regs[j][i];
+    } else {
+      ldmatrix_x4(a, q_smem + tile_index(lane % 16, 2 * j + lane / 16, L::Q_CHUNKS));
+    }
+  };
+
   // ---- per-warp online softmax state: rows g and g + 8 of the tile
   float o[DV / 8][4];
 #pragma unroll
@@ -181,8 +251,8 @@ __device__ __forceinline__ void run(const Params& p) {
 #pragma unroll
       for (int j = 0; j < D / 32; ++j) {  // k-steps j and j + D/32 hold the two halves of each rotated pair
         uint32_t qa[4], qb[4], ka[4], kb[4];
-        ldmatrix_x4(qa, q_smem + tile_index(lane % 16, 2 * j + lane / 16, L::Q_CHUNKS));
-        ldmatrix_x4(qb, q_smem + tile_index(lane % 16, 2 * (j + D / 32) + lane / 16, L::Q_CHUNKS));
+        q_frag(j, qa);
+        q_frag(j + D / 32, qb);
         ldmatrix_x4(ka, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * j + (mat % 2), L::K_CHUNKS));
         ldmatrix_x4(kb, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * (j + D / 32) + (mat % 2), L::K_CHUNKS));
 #pragma unroll
@@ -204,7 +274,7 @@ __device__ __forceinline__ void run(const Params& p) {
 #pragma unroll
       for (int j = 0; j < D / 16; ++j) {
         uint32_t qa[4], kf[4];
-        ldmatrix_x4(qa, q_smem + tile_index(lane % 16, 2 * j + lane / 16, L::Q_CHUNKS));
+        q_frag(j, qa);
         ldmatrix_x4(kf, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * j + (mat % 2), L::K_CHUNKS));
         mma_16816<DTypeKV>(s[0], qa, kf[0], kf[1]);
         mma_16816<DTypeKV>(s[1], qa, kf[2], kf[3]);
@@ -297,22 +367,21 @@ __device__ __forceinline__ void run(const Params& p) {
       }
     }
     const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
+#pragma unroll
+    for (int i = 0; i < COLS; ++i) acc[i] *= inv;
     const float lse = l_all > 0.f ? (m_all + log2f(l_all)) * LN2 : -INFINITY;
     const int64_t head = q_head0 + r;
     if (split) {
       float* dst = p.tmp_o + (out_row * p.num_qo_heads + head) * DV + col;
 #pragma unroll
-      for (int i = 0; i < COLS; i += 4) *reinterpret_cast<float4*>(dst + i) = make_float4(acc[i] * inv, acc[i + 1] * inv, acc[i + 2] * inv, acc[i + 3] * inv);
+      for (int i = 0; i < COLS; i += 4) *reinterpret_cast<float4*>(dst + i) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
       if (col == 0) p.tmp_lse[out_row * p.num_qo_heads + head] = lse;
     } else {
-      uint4 packed;
-      uint32_t* w = reinterpret_cast<uint32_t*>(&packed);
-#pragma unroll
-      for (int i = 0; i < COLS / 2; ++i) w[i] = pack2<DTypeO>(acc[2 * i] * inv, acc[2 * i + 1] * inv);
-      *reinterpret_cast<uint4*>(p.o + (out_row * p.num_qo_heads + head) * DV + col) = packed;
+      store_row<DTypeO, COLS>(p.o + (out_row * p.num_qo_heads + head) * DV + col, acc);
       if (col == 0 && p.lse != nullptr) p.lse[out_row * p.num_qo_heads + head] = lse;
     }
   }
+  if (split) merge_if_last<C>(p, token, request, q_head0, rows_valid);
 }
 
 }  // namespace flashgen::decode
