@@ -129,9 +129,9 @@ def bench_flex(q, pool, batch, kv_len, reps):
     return timed(lambda: _flex(q4, k, v, enable_gqa=True), reps)
 
 
-def configs(max_kv_gb: float):
-    for batch in (1, 16, 64, 256):
-        for kv_len in (1024, 4096, 16384, 65536):
+def configs(max_kv_gb: float, batches=(1, 16, 64, 256), kv_lens=(1024, 4096, 16384, 65536)):
+    for batch in batches:
+        for kv_len in kv_lens:
             if batch * kv_len * BYTES_PER_TOKEN <= max_kv_gb * 1e9:
                 yield batch, kv_len
 
@@ -142,6 +142,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--max-kv-gb", type=float, default=18.0)
     parser.add_argument("--page-sizes", default="1,16,64,256")
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--kv-lens", default="1024,4096,16384,65536")
     parser.add_argument("--peers", default="sdpa,flex,flashinfer")
     parser.add_argument("--commit", default="", help="the commit measured (the device copy has no .git)")
     args = parser.parse_args()
@@ -150,7 +152,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     copy_gbps = copy_rate()
     print(f"copy rate {copy_gbps:.0f} GB/s", flush=True)
-    max_tokens = max(b * n for b, n in configs(args.max_kv_gb))
+    grid = list(configs(args.max_kv_gb, [int(b) for b in args.batches.split(",")],
+                        [int(n) for n in args.kv_lens.split(",")]))
+    max_tokens = max(b * n for b, n in grid)
     pool = torch.randn(max_tokens * BYTES_PER_TOKEN // 2 + 2**20, device="cuda", dtype=torch.bfloat16)
     try:
         import flashinfer  # noqa: F401
@@ -158,7 +162,7 @@ def main() -> None:
         print(f"flashinfer not importable: {exc!r}")
         peers.discard("flashinfer")
     rows = []
-    for batch, kv_len in configs(args.max_kv_gb):
+    for batch, kv_len in grid:
         q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
         gbytes = batch * kv_len * BYTES_PER_TOKEN / 1e9
 

@@ -174,20 +174,33 @@ __device__ __forceinline__ void run(const Params& p) {
     const int pos = kv_start + tile * TILE + tid;
     if (tid < TILE) row_offsets[(tile & 1) * TILE + tid] = (tile < num_tiles && pos < kv_end) ? rows.offset(pos, page_id) : -1;
   };
+  // Each thread copies one fixed 16-byte column chunk of every (THREADS / CHUNKS)-th row of a tile: its
+  // source column and (rows stepping by a multiple of 8) its swizzled destination are per-thread constants,
+  // so a copy costs a shared-memory read of the row offset, an add and the cp.async.
+  constexpr int K_RPP = L::THREADS / L::K_CHUNKS, V_RPP = L::THREADS / L::V_CHUNKS;
+  static_assert(L::THREADS % L::K_CHUNKS == 0 && L::THREADS % L::V_CHUNKS == 0, "whole rows per pass");
+  const int k_row0 = tid / L::K_CHUNKS, k_col = tid % L::K_CHUNKS;
+  const int v_row0 = tid / L::V_CHUNKS, v_col = tid % L::V_CHUNKS;
+  const DTypeKV* k_src = k_head + k_col * 8;
+  const DTypeKV* v_src = v_head + v_col * 8;
   auto issue = [&](int tile) {
     if (tile < num_tiles) {
       const int64_t* offsets = row_offsets + (tile & 1) * TILE;
       DTypeKV* ks = k_smem + (tile % S) * TILE * D;
       DTypeKV* vs = v_smem + (tile % S) * TILE * DV;
-      for (int job = tid; job < TILE * L::K_CHUNKS; job += L::THREADS) {
-        const int r = job / L::K_CHUNKS, c = job % L::K_CHUNKS;
+#pragma unroll
+      for (int j = 0; j < TILE / K_RPP; ++j) {
+        const int r = k_row0 + j * K_RPP;
         const int64_t off = offsets[r];
-        cp_async_16(ks + tile_index(r, c, L::K_CHUNKS), off < 0 ? k_head : k_head + off + c * 8, off < 0);
+        const int dst = K_RPP % 8 == 0 ? tile_index(k_row0, k_col, L::K_CHUNKS) + j * K_RPP * D : tile_index(r, k_col, L::K_CHUNKS);
+        cp_async_16(ks + dst, k_src + (off < 0 ? 0 : off), off < 0);
       }
-      for (int job = tid; job < TILE * L::V_CHUNKS; job += L::THREADS) {
-        const int r = job / L::V_CHUNKS, c = job % L::V_CHUNKS;
+#pragma unroll
+      for (int j = 0; j < TILE / V_RPP; ++j) {
+        const int r = v_row0 + j * V_RPP;
         const int64_t off = offsets[r];
-        cp_async_16(vs + tile_index(r, c, L::V_CHUNKS), off < 0 ? v_head : v_head + off + c * 8, off < 0);
+        const int dst = V_RPP % 8 == 0 ? tile_index(v_row0, v_col, L::V_CHUNKS) + j * V_RPP * DV : tile_index(r, v_col, L::V_CHUNKS);
+        cp_async_16(vs + dst, v_src + (off < 0 ? 0 : off), off < 0);
       }
     }
     cp_async_commit();  // always commit, so group counting stays uniform
@@ -281,14 +294,15 @@ __device__ __forceinline__ void run(const Params& p) {
       }
     }
 
-    // logits transform, mask, online softmax (base 2)
+    // logits transform, mask (the tile's end only: the window already moved kv_start), online softmax (base 2)
+    const bool last_tile = tile == num_tiles - 1;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int pos = kv_start + tile * TILE + n0 + 8 * nt + 2 * t4 + (e % 2);
         transform.slope = slope[e / 2];
-        s[nt][e] = pos < kv_end ? transform(s[nt][e], pos - q_pos) : -INFINITY;
+        s[nt][e] = last_tile && pos >= kv_end ? -INFINITY : transform(s[nt][e], pos - q_pos);
       }
     }
 #pragma unroll
@@ -301,10 +315,12 @@ __device__ __forceinline__ void run(const Params& p) {
       const float scale = exp2f(m[h] - m_use);
       m[h] = m_new;
       l[h] *= scale;
+      if (__any_sync(0xffffffff, scale != 1.f)) {  // once the running max settles, most tiles skip this
 #pragma unroll
-      for (int j = 0; j < DV / 8; ++j) {
-        o[j][2 * h] *= scale;
-        o[j][2 * h + 1] *= scale;
+        for (int j = 0; j < DV / 8; ++j) {
+          o[j][2 * h] *= scale;
+          o[j][2 * h + 1] *= scale;
+        }
       }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {

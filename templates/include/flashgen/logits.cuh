@@ -34,6 +34,7 @@ struct LogitsTransform {
 
   // score: raw q.k; dist = k_pos - q_pos; returns the base-2 logit
   __device__ __forceinline__ float operator()(float score, int dist) const {
+    if constexpr (!ALIBI && !SOFT_CAP) return score * (sm_scale * LOG2E);
     float x = score * sm_scale;
     if constexpr (ALIBI) x += slope * float(dist);
     if constexpr (SOFT_CAP) x = soft_cap * tanhf(x * rcp_soft_cap);
