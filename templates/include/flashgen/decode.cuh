@@ -61,7 +61,7 @@ template <class C, class Params>
 __device__ __forceinline__ void merge_if_last(const Params& p, int token, int request, int q_head0, int rows_valid) {
   __shared__ int is_last;
   using DTypeO = typename C::DTypeO;
-  constexpr int DV = C::HEAD_DIM_VO, COLS = 8, THREADS = C::NUM_WARPS * 32;
+  constexpr int DV = C::HEAD_DIM_VO;
   __threadfence();  // make this CTA's partial visible device-wide before counting in
   __syncthreads();
   int* counter = p.counters + int64_t(token) * p.num_qo_heads + q_head0;
@@ -70,30 +70,47 @@ __device__ __forceinline__ void merge_if_last(const Params& p, int token, int re
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  const int first = p.merge_indptr[token];
-  for (int job = threadIdx.x; job < 16 * DV / COLS; job += THREADS) {
-    const int r = job / (DV / COLS), col = (job % (DV / COLS)) * COLS;
-    if (r >= rows_valid) continue;
+  // one warp per row: lanes share the partials' lse (loaded 32 at a time, reduced with shuffles), then
+  // each lane accumulates 4 columns over all partials with independent loads (no data-dependent branch:
+  // an empty partial was written as zeros with lse -inf, so its weight 0 multiplies a 0)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t stride = p.num_qo_heads, first = p.merge_indptr[token];
+  for (int r = warp; r < rows_valid; r += C::NUM_WARPS) {
     const int64_t head = q_head0 + r;
+    const float* lse_col = p.tmp_lse + first * stride + head;
     float m = -INFINITY;
-    for (int k = 0; k < num_chunks; ++k) m = fmaxf(m, __ldcg(p.tmp_lse + (first + k) * int64_t(p.num_qo_heads) + head));
-    float acc[COLS] = {}, sum = 0.f;
-    for (int k = 0; k < num_chunks && m != -INFINITY; ++k) {
-      const int64_t row = (first + k) * int64_t(p.num_qo_heads) + head;
-      const float w = expf(__ldcg(p.tmp_lse + row) - m);
-      sum += w;
-      if (w == 0.f) continue;
-      const float4 a = __ldcg(reinterpret_cast<const float4*>(p.tmp_o + row * DV + col));
-      const float4 b = __ldcg(reinterpret_cast<const float4*>(p.tmp_o + row * DV + col + 4));
-      acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
-      acc[4] += w * b.x; acc[5] += w * b.y; acc[6] += w * b.z; acc[7] += w * b.w;
-    }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int k = lane; k < num_chunks; k += 32) m = fmaxf(m, __ldcg(lse_col + k * stride));
 #pragma unroll
-    for (int i = 0; i < COLS; ++i) acc[i] *= inv;
-    store_row<DTypeO, COLS>(p.o + (int64_t(token) * p.num_qo_heads + head) * DV + col, acc);
-    if (col == 0 && p.lse != nullptr) p.lse[int64_t(token) * p.num_qo_heads + head] = sum > 0.f ? m + logf(sum) : -INFINITY;
+    for (int x = 16; x > 0; x /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, x));
+    const float m_use = m == -INFINITY ? 0.f : m;
+    float sum = 0.f;
+    for (int k = lane; k < num_chunks; k += 32) sum += expf(__ldcg(lse_col + k * stride) - m_use);
+#pragma unroll
+    for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffff, sum, x);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int c0 = 0; c0 < DV; c0 += 128) {
+      const int col = c0 + lane * 4;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int k0 = 0; k0 < num_chunks; k0 += 32) {
+        const float w_lane = k0 + lane < num_chunks ? expf(__ldcg(lse_col + (k0 + lane) * stride) - m_use) * inv : 0.f;
+        const int n = min(32, num_chunks - k0);
+#pragma unroll 8
+        for (int j = 0; j < n; ++j) {
+          const float w = __shfl_sync(0xffffffff, w_lane, j);
+          if (col < DV) {
+            const float4 x = __ldcg(reinterpret_cast<const float4*>(p.tmp_o + ((first + k0 + j) * stride + head) * DV + col));
+            acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
+          }
+        }
+      }
+      if (col < DV) {
+        const uint2 packed = make_uint2(pack2<DTypeO>(acc.x, acc.y), pack2<DTypeO>(acc.z, acc.w));
+        *reinterpret_cast<uint2*>(p.o + (int64_t(token) * stride + head) * DV + col) = packed;
+      }
+    }
+    if (lane == 0 && p.lse != nullptr) p.lse[int64_t(token) * stride + head] = sum > 0.f ? m + logf(sum) : -INFINITY;
   }
+  __syncthreads();
   if (threadIdx.x == 0) *counter = 0;
 }
 
@@ -124,41 +141,7 @@ __device__ __forceinline__ void run(const Params& p) {
   DTypeKV* v_smem = reinterpret_cast<DTypeKV*>(smem + L::V_OFFSET);
   int64_t* row_offsets = reinterpret_cast<int64_t*>(smem + L::ROW_OFFSETS);  // [2][TILE]
 
-  // ---- Q: 16 rows (padded with zeros) into shared memory, RoPE applied on the way
   const int q_head0 = kv_head * p.group_size + row0;
-  for (int job = tid; job < 16 * L::Q_CHUNKS / 2; job += L::THREADS) {
-    const int r = job / (L::Q_CHUNKS / 2), c = job % (L::Q_CHUNKS / 2);
-    float lo[8], hi[8];
-    if (r < rows_valid) {
-      const DTypeQ* src = p.q + (int64_t(token) * p.num_qo_heads + q_head0 + r) * D;
-      const uint4 a = *reinterpret_cast<const uint4*>(src + c * 8);
-      const uint4 b = *reinterpret_cast<const uint4*>(src + D / 2 + c * 8);
-      const uint32_t* aw = reinterpret_cast<const uint32_t*>(&a);
-      const uint32_t* bw = reinterpret_cast<const uint32_t*>(&b);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 x = unpack2<DTypeQ>(aw[i]), y = unpack2<DTypeQ>(bw[i]);
-        lo[2 * i] = x.x; lo[2 * i + 1] = x.y; hi[2 * i] = y.x; hi[2 * i + 1] = y.y;
-      }
-      if constexpr (C::ROPE) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) rope_rotate(lo[i], hi[i], float(q_pos), c * 8 + i, D, p.rope_rcp_scale, p.rope_log2_theta);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) lo[i] = hi[i] = 0.f;
-    }
-    uint4 a, b;
-    uint32_t* aw = reinterpret_cast<uint32_t*>(&a);
-    uint32_t* bw = reinterpret_cast<uint32_t*>(&b);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      aw[i] = pack2<DTypeQ>(lo[2 * i], lo[2 * i + 1]);
-      bw[i] = pack2<DTypeQ>(hi[2 * i], hi[2 * i + 1]);
-    }
-    *reinterpret_cast<uint4*>(q_smem + tile_index(r, c, L::Q_CHUNKS)) = a;
-    *reinterpret_cast<uint4*>(q_smem + tile_index(r, c + L::Q_CHUNKS / 2, L::Q_CHUNKS)) = b;
-  }
 
   // ---- the KV pipeline
   const KVRows<C::PAGED, C::PAGE_SIZE> rows(p, request);
@@ -206,14 +189,56 @@ __device__ __forceinline__ void run(const Params& p) {
     cp_async_commit();  // always commit, so group counting stays uniform
   };
 
+  // the first tiles' page ids are loaded before Q, so the two global round trips overlap
+  int32_t first_pages[S + 1];
+#pragma unroll
+  for (int tile = 0; tile <= S; ++tile) first_pages[tile] = page_of(tile);
+
+  // ---- Q: 16 rows (padded with zeros) into shared memory, RoPE applied on the way
+  for (int job = tid; job < 16 * L::Q_CHUNKS / 2; job += L::THREADS) {
+    const int r = job / (L::Q_CHUNKS / 2), c = job % (L::Q_CHUNKS / 2);
+    float lo[8], hi[8];
+    if (r < rows_valid) {
+      const DTypeQ* src = p.q + (int64_t(token) * p.num_qo_heads + q_head0 + r) * D;
+      const uint4 a = *reinterpret_cast<const uint4*>(src + c * 8);
+      const uint4 b = *reinterpret_cast<const uint4*>(src + D / 2 + c * 8);
+      const uint32_t* aw = reinterpret_cast<const uint32_t*>(&a);
+      const uint32_t* bw = reinterpret_cast<const uint32_t*>(&b);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 x = unpack2<DTypeQ>(aw[i]), y = unpack2<DTypeQ>(bw[i]);
+        lo[2 * i] = x.x; lo[2 * i + 1] = x.y; hi[2 * i] = y.x; hi[2 * i + 1] = y.y;
+      }
+      if constexpr (C::ROPE) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) rope_rotate(lo[i], hi[i], float(q_pos), c * 8 + i, D, p.rope_rcp_scale, p.rope_log2_theta);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) lo[i] = hi[i] = 0.f;
+    }
+    uint4 a, b;
+    uint32_t* aw = reinterpret_cast<uint32_t*>(&a);
+    uint32_t* bw = reinterpret_cast<uint32_t*>(&b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      aw[i] = pack2<DTypeQ>(lo[2 * i], lo[2 * i + 1]);
+      bw[i] = pack2<DTypeQ>(hi[2 * i], hi[2 * i + 1]);
+    }
+    *reinterpret_cast<uint4*>(q_smem + tile_index(r, c, L::Q_CHUNKS)) = a;
+    *reinterpret_cast<uint4*>(q_smem + tile_index(r, c + L::Q_CHUNKS / 2, L::Q_CHUNKS)) = b;
+  }
+
+
   // prologue: tiles 0 .. S-2 in flight, offsets of tile S-1 stored, page ids of tile S in registers
+#pragma unroll
   for (int tile = 0; tile < S - 1; ++tile) {
-    store_offset(tile, page_of(tile));
+    store_offset(tile, first_pages[tile]);
     __syncthreads();
     issue(tile);
   }
-  store_offset(S - 1, page_of(S - 1));
-  int32_t next_page = page_of(S);
+  store_offset(S - 1, first_pages[S - 1]);
+  int32_t next_page = first_pages[S];
 
   // Q as mma A fragments: held in registers up to head_dim 128 (loaded once; the prologue's barriers made
   // the Q tile visible), re-read from shared memory for each tile above that, where registers run out
