@@ -33,8 +33,28 @@ def _new_host_buffer(numel: int) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.int32)
 
 
+def host_storage(numel: int, host_buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, np.ndarray]:
+    """``(host, flat)``: a ``numel``-element int32 host tensor and a numpy view of it to fill.
+
+    ``host_buffer`` (an int32 CPU tensor, pinned ideally, at least ``numel`` long) is reused when given;
+    otherwise a buffer is allocated (pinned when CUDA is available, which costs far more than planning).
+    """
+    if host_buffer is None:
+        host = _new_host_buffer(numel)
+        return host, host.numpy()
+    if host_buffer.dtype != torch.int32 or host_buffer.device.type != "cpu" or host_buffer.numel() < numel:
+        raise PlanError(f"host_buffer: needs an int32 CPU tensor of at least {numel} elements, got "
+                        f"{host_buffer.dtype} {host_buffer.device} with {host_buffer.numel()}")
+    return host_buffer[:numel], host_buffer.numpy()
+
+
 @functools.lru_cache(maxsize=64)
-def _schema(layout: tuple[tuple[tuple[str, ...], int], ...]) -> tuple[dict[str, PlanField], int]:
+def schema_for(layout: tuple[tuple[tuple[str, ...], int], ...]) -> tuple[dict[str, PlanField], int]:
+    """The schema (name -> ``PlanField``) and total length of ``((names, length), ...)``, fields in order.
+
+    Equal-length names of one entry are consecutive, ``length`` rounded up to 4 elements apart. Cached:
+    never mutate the returned schema.
+    """
     schema = {}
     offset = 0
     for names, length in layout:
@@ -81,13 +101,8 @@ class Plan:
             names = key if isinstance(key, tuple) else (key,)
             layout.append((names, length))
             fills.append((values, length, pad))
-        schema, numel = _schema(tuple(layout))
-        if host_buffer is None:
-            host_buffer = _new_host_buffer(numel)
-        elif host_buffer.dtype != torch.int32 or host_buffer.device.type != "cpu" or host_buffer.numel() < numel:
-            raise PlanError(f"host_buffer: needs an int32 CPU tensor of at least {numel} elements, got "
-                            f"{host_buffer.dtype} {host_buffer.device} with {host_buffer.numel()}")
-        flat = host_buffer.numpy()
+        schema, numel = schema_for(tuple(layout))
+        host, flat = host_storage(numel, host_buffer)
         for (names, length), (values, _, pad) in zip(layout, fills):
             start = schema[names[0]].offset
             size = values.shape[-1]
@@ -103,7 +118,7 @@ class Plan:
             block[:, :size] = values
             if length > size:
                 block[:, size:length] = np.reshape(pad, (-1, 1))
-        return cls(kind, schema, host_buffer[:numel], info)
+        return cls(kind, schema, host, info)
 
     # -------------------------------------------------------------------------------------- host access
 

@@ -13,6 +13,7 @@ request's items write partial states that a merge combines (see ``SPLIT_KV_SCHEM
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch
 
 from .host import PlanError, host_array
 from .page_table import validate_indptr
-from .plan import Plan
+from .plan import Plan, host_storage, schema_for
 
 SPLIT_KV_SCHEMA = {
     # per request (length max_batch_size [+ 1]); padded requests have qo_len = kv_len = num_chunks = 0
@@ -80,14 +81,14 @@ def default_tile_rows(max_packed_rows: int) -> int:
     return 16 if max_packed_rows <= 16 else 64 if max_packed_rows <= 64 else 128
 
 
-def _split_candidates(max_len: int, work: int, num_kv_heads: int, num_sms: int, granularity: int) -> np.ndarray:
+def _split_candidates(max_len: int, work: int, num_kv_heads: int, num_sms: int, granularity: int) -> list[int]:
     # split counts of the longest request: 1, the balanced count s0 +- 2, and 2, 4, 8 x s0 (for batches
     # whose short items already fill waves, finer chunks of the long ones pack better)
     per_sm = max(granularity, work * num_kv_heads // num_sms)
     s0 = -(-max_len // per_sm)
     splits = {1, *range(max(1, s0 - 2), s0 + 3), 2 * s0, 4 * s0, 8 * s0}
     chunks = {-(-(-(-max_len // s)) // granularity) * granularity for s in splits}
-    return np.array(sorted(chunks, reverse=True))  # descending: fewest splits first
+    return sorted(chunks, reverse=True)  # descending: fewest splits first
 
 
 def choose_kv_chunk(kv_lens: np.ndarray, qo_tiles: np.ndarray, num_kv_heads: int, *, num_sms: int = 132,
@@ -114,19 +115,20 @@ def choose_kv_chunk(kv_lens: np.ndarray, qo_tiles: np.ndarray, num_kv_heads: int
 
 
 def _choose(kv_lens, qo_tiles, num_kv_heads, num_sms, granularity, item_overhead, max_items):
-    # returns (kv_chunk, chunks per request or None); chunks counts requests without queries too
-    # qo_tiles None: one tile per request (decode)
+    # returns (kv_chunk, chunks per request as float64 or None when nothing splits, number of items);
+    # chunks counts requests without queries too; qo_tiles None: one tile per request (decode)
     live = kv_lens if qo_tiles is None else kv_lens * (qo_tiles > 0)
-    max_len = int(live.max(initial=0))
+    max_len = int(np.maximum.reduce(live, initial=0))
     if max_len <= granularity:
-        return granularity, None
-    work = int(kv_lens.sum() if qo_tiles is None else qo_tiles @ kv_lens)
+        return granularity, None, int(kv_lens.size if qo_tiles is None else qo_tiles.sum())
+    work = int(np.add.reduce(kv_lens, dtype=np.int64) if qo_tiles is None else qo_tiles @ kv_lens)
     chunk = _split_candidates(max_len, work, num_kv_heads, num_sms, granularity)
     # chunk counts of every candidate in float64 (exact for lengths < 2**40; SIMD, unlike integer division)
-    nchunks = np.ceil(np.maximum(kv_lens, 1) / chunk[:, None].astype(np.float64))
-    items = (nchunks.sum(axis=1) if qo_tiles is None else nchunks @ qo_tiles).astype(np.int64).tolist()
+    nchunks = np.maximum(kv_lens, 1, dtype=np.float64) / np.array(chunk, np.float64).reshape(-1, 1)
+    np.ceil(nchunks, out=nchunks)
+    items = [int(n) for n in (np.add.reduce(nchunks, axis=1) if qo_tiles is None else nchunks @ qo_tiles).tolist()]
     best, best_estimate, best_at = None, None, None
-    for at, (c, n) in enumerate(zip(chunk.tolist(), items)):
+    for at, (c, n) in enumerate(zip(chunk, items)):
         if max_items is not None and n > max_items:
             continue
         longest = min(c, max_len) + item_overhead
@@ -136,31 +138,10 @@ def _choose(kv_lens, qo_tiles, num_kv_heads, num_sms, granularity, item_overhead
     if best is None:
         raise PlanError(f"capacity: {min(items)} work items are needed even unsplit, more than the "
                         f"capacity of {max_items}")
-    return best, nchunks[best_at].astype(np.int64)
+    return best, nchunks[best_at], items[best_at]
 
 
 # ---------------------------------------------------------------------------------------------- builder
-
-
-def _decode_items(kv_lens: np.ndarray, chunks: np.ndarray, kv_chunk: int) -> np.ndarray:
-    # one qo tile per request (decode, group_size <= tile_rows): the general path minus the tile arithmetic
-    batch = kv_lens.size
-    ends = np.cumsum(chunks)
-    n = int(ends[-1]) if batch else 0
-    items = np.empty((5, n), dtype=np.int32)  # request_idx, qo_tile_idx, chunk_idx, kv_start, kv_end
-    items[1] = 0
-    if n == batch:  # nothing split
-        items[0] = np.arange(batch)
-        items[2] = -1
-        items[3] = 0
-        items[4] = kv_lens
-        return items
-    items[0] = np.repeat(np.arange(batch), chunks)
-    chunk = np.arange(n) - np.repeat(ends - chunks, chunks)
-    np.multiply(chunk, kv_chunk, out=items[3])
-    np.minimum(items[3] + kv_chunk, np.repeat(kv_lens, chunks), out=items[4])
-    np.subtract(chunk, np.repeat(chunks == 1, chunks), out=items[2])  # unsplit: chunk 0 - 1 = -1
-    return items
 
 
 def _items(qo_len: np.ndarray, kv_lens: np.ndarray, chunks: np.ndarray, group_size: int, tile_rows: int,
@@ -188,8 +169,7 @@ _ITEM_PADS = np.array([-1, 0, 0, 0, 0])
 
 def split_kv_arrays(qo_indptr: np.ndarray, kv_lens: np.ndarray, *, num_qo_heads: int, num_kv_heads: int,
                     tile_rows: int, kv_chunk: int, max_batch_size: int, max_total_q: int,
-                    capacity: int | None, partial_capacity: int | None = None, decode: bool = False,
-                    chunks: np.ndarray | None = None):
+                    capacity: int | None, partial_capacity: int | None = None, chunks: np.ndarray | None = None):
     """The fields of ``SPLIT_KV_SCHEMA`` for ``Plan.pack`` and the ``SplitKVInfo``; internal.
 
     Vectorised numpy: a numpy call costs ~1-3 us on a small host, so a plan is a few dozen of them.
@@ -197,12 +177,9 @@ def split_kv_arrays(qo_indptr: np.ndarray, kv_lens: np.ndarray, *, num_qo_heads:
     group_size = num_qo_heads // num_kv_heads
     if chunks is None:
         chunks = np.maximum((kv_lens + (kv_chunk - 1)) // kv_chunk, 1)
-    if decode and group_size <= tile_rows:
-        items = _decode_items(kv_lens, chunks, kv_chunk)
-    else:
-        qo_len = qo_indptr[1:] - qo_indptr[:-1]
-        chunks = chunks * (qo_len > 0)
-        items = _items(qo_len, kv_lens, chunks, group_size, tile_rows, kv_chunk)
+    qo_len = qo_indptr[1:] - qo_indptr[:-1]
+    chunks = chunks * (qo_len > 0)
+    items = _items(qo_len, kv_lens, chunks, group_size, tile_rows, kv_chunk)
     num_items = items.shape[1]
     cap = num_items if capacity is None else capacity
     if num_items > cap:
@@ -212,7 +189,7 @@ def split_kv_arrays(qo_indptr: np.ndarray, kv_lens: np.ndarray, *, num_qo_heads:
     merge_count = chunks * (chunks > 1)
     merge_indptr = np.empty(total_q + 1, dtype=np.int64)
     merge_indptr[0] = 0
-    np.cumsum(merge_count if decode else np.repeat(merge_count, qo_len), out=merge_indptr[1:])
+    np.cumsum(np.repeat(merge_count, qo_len), out=merge_indptr[1:])
     partial_rows = int(merge_indptr[-1])
     fields = {
         "qo_indptr": (qo_indptr, max_batch_size + 1, total_q),
@@ -272,15 +249,14 @@ def plan_split_kv(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_
     """
     _check_heads(num_qo_heads, num_kv_heads)
     qo, lens = _batch_inputs(qo_indptr, kv_lens)
-    return _plan(qo, lens, False, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead,
+    return _plan(qo, lens, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead,
                  enable_split, max_batch_size, max_total_q, capacity, host_buffer)
 
 
-def _plan(qo, lens, decode, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead,
-          enable_split, max_batch_size, max_total_q, capacity, host_buffer) -> Plan:
-    group_size = num_qo_heads // num_kv_heads
-    batch, total_q = lens.size, int(qo[-1])
-    qo_len = None if decode else qo[1:] - qo[:-1]
+def _sizes(batch, total_q, longest_q, group_size, num_kv_heads, num_sms, tile_rows, max_batch_size, max_total_q,
+           capacity):
+    # -> (max_batch_size, max_total_q, tile_rows, capacity, partial_capacity). longest_q(): the longest query
+    # of a prefill batch, None for decode; called only when an exact plan must choose tile_rows
     fixed = max_batch_size is not None
     if fixed:
         max_total_q = max_batch_size if max_total_q is None else max_total_q
@@ -290,56 +266,162 @@ def _plan(qo, lens, decode, num_qo_heads, num_kv_heads, tile_rows, kv_granularit
             raise PlanError(f"qo_indptr[-1] = {total_q} exceeds max_total_q = {max_total_q}")
         decode_shape = max_total_q == max_batch_size
     else:
-        max_batch_size, max_total_q, decode_shape = batch, total_q, decode
+        max_batch_size, max_total_q, decode_shape = batch, total_q, longest_q is None
     if tile_rows is None:
-        longest_q = 1 if decode_shape else (max_total_q if fixed else int(qo_len.max(initial=0)))
-        tile_rows = default_tile_rows(longest_q * group_size)
-    one_tile = decode and group_size <= tile_rows
-    if one_tile:
-        tiles = None
-    else:
-        tiles = -(-((np.ones(batch, np.int64) if decode else qo_len) * group_size) // tile_rows)
+        longest = 1 if decode_shape else max_total_q if fixed else longest_q()
+        tile_rows = default_tile_rows(longest * group_size)
     partial_capacity = None
     if fixed:
         min_items = -(-(max_total_q * group_size) // tile_rows) + max_batch_size
         capacity = min_items + 2 * -(-num_sms // num_kv_heads) if capacity is None else capacity
         partial_capacity = capacity * -(-tile_rows // group_size)
+    return max_batch_size, max_total_q, tile_rows, capacity, partial_capacity
+
+
+def _plan(qo, lens, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead, enable_split,
+          max_batch_size, max_total_q, capacity, host_buffer) -> Plan:
+    qo_len = qo[1:] - qo[:-1]
+    sizes = _sizes(lens.size, int(qo[-1]), lambda: int(qo_len.max(initial=0)), num_qo_heads // num_kv_heads,
+                   num_kv_heads, num_sms, tile_rows, max_batch_size, max_total_q, capacity)
+    return _plan_general(qo, lens, qo_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
+                         enable_split, *sizes, host_buffer)
+
+
+def _plan_general(qo, lens, qo_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
+                  enable_split, max_batch_size, max_total_q, tile_rows, capacity, partial_capacity,
+                  host_buffer) -> Plan:
+    tiles = -(-(qo_len * (num_qo_heads // num_kv_heads)) // tile_rows)
     chunks = None
     if enable_split:
-        kv_chunk, chunks = _choose(lens, tiles, num_kv_heads, num_sms, kv_granularity, item_overhead, capacity)
+        kv_chunk, counts, _ = _choose(lens, tiles, num_kv_heads, num_sms, kv_granularity, item_overhead, capacity)
+        chunks = None if counts is None else counts.astype(np.int64)
     else:
         kv_chunk = max(kv_granularity, -(-int(lens.max(initial=0)) // kv_granularity) * kv_granularity)
     arrays, info = split_kv_arrays(qo, lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                                    tile_rows=tile_rows, kv_chunk=kv_chunk, max_batch_size=max_batch_size,
                                    max_total_q=max_total_q, capacity=capacity, partial_capacity=partial_capacity,
-                                   decode=decode, chunks=chunks)
+                                   chunks=chunks)
     return Plan.pack("split_kv", arrays, info, host_buffer)
 
 
-def plan_decode(kv_lens: object, *, num_qo_heads: int, num_kv_heads: int, **options) -> Plan:
+# ---------------------------------------------------------------------------------------------- decode fast path
+# Decode with one qo tile per request (group_size <= tile_rows) is the hot call: it writes the fields straight
+# into the int32 host buffer with about 30 numpy calls and no per-token arrays. It equals the general path
+# (``plan_split_kv(arange(batch + 1), kv_lens)``) field for field, item order included (test_plan_fast.py).
+
+_IOTA = np.arange(4096, dtype=np.int32)
+_IOTA.flags.writeable = False
+_UNSPLIT_FILL = np.array([[0], [-1], [0]], dtype=np.int32)  # qo_tile_idx, chunk_idx, kv_start of unsplit items
+_ITEM_PAD_COLUMN = _ITEM_PADS.reshape(-1, 1)
+
+
+def _iota(n: int) -> np.ndarray:
+    global _IOTA
+    if _IOTA.size < n:
+        _IOTA = np.arange(max(n, 2 * _IOTA.size), dtype=np.int32)
+        _IOTA.flags.writeable = False
+    return _IOTA[:n]
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_schema(max_batch_size: int, max_total_q: int, capacity: int):
+    # (schema, numel, offsets of qo_indptr, kv_len, num_chunks, merge_indptr, the item block, item row stride)
+    schema, numel = schema_for(((("qo_indptr",), max_batch_size + 1), (("kv_len",), max_batch_size),
+                                (("num_chunks",), max_batch_size), (("merge_indptr",), max_total_q + 1),
+                                (ITEM_FIELDS, capacity)))
+    offsets = [schema[name].offset for name in ("qo_indptr", "kv_len", "num_chunks", "merge_indptr", *ITEM_FIELDS[:2])]
+    return schema, numel, (*offsets[:5], offsets[5] - offsets[4])
+
+
+def _plan_decode(lens, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead, enable_split,
+                 max_batch_size, max_total_q, tile_rows, capacity, partial_capacity, host_buffer) -> Plan:
+    batch = lens.size
+    if enable_split:
+        kv_chunk, counts, n = _choose(lens, None, num_kv_heads, num_sms, kv_granularity, item_overhead, capacity)
+    else:
+        longest = int(np.maximum.reduce(lens, initial=0))
+        kv_chunk, counts, n = max(kv_granularity, -(-longest // kv_granularity) * kv_granularity), None, batch
+    cap = n if capacity is None else capacity
+    if n > cap:
+        raise PlanError(f"capacity: the batch needs {n} work items, more than the capacity of {cap}")
+    schema, numel, (qo_at, kv_at, chunks_at, merge_at, items_at, stride) = _decode_schema(max_batch_size,
+                                                                                          max_total_q, cap)
+    host, flat = host_storage(numel, host_buffer)
+    flat[qo_at: qo_at + batch + 1] = _iota(batch + 1)
+    kv = flat[kv_at: kv_at + batch]
+    kv[:] = lens
+    chunks = flat[chunks_at: chunks_at + batch]
+    chunks[:] = 1 if counts is None else counts
+    items = flat[items_at: items_at + 5 * stride].reshape(5, stride)
+    flat[merge_at] = 0
+    if n == batch:  # nothing split: one item per request, longest first
+        order = (-kv).argsort(kind="stable")
+        items[0, :n] = order
+        items[1:4, :n] = _UNSPLIT_FILL
+        kv.take(order, out=items[4, :n], mode="clip")
+        partial_rows, merged = 0, 0  # no token has partial rows
+    else:
+        ends = _split_decode_items(kv, chunks, kv_chunk, n, items)
+        # partial rows of request b: its chunks when split; merge_indptr[b + 1] = ends[b] - unsplit requests <= b
+        merge = flat[merge_at + 1: merge_at + batch + 1]
+        np.add.accumulate(chunks == 1, dtype=np.int32, out=merge)
+        np.subtract(ends, merge, out=merge)
+        partial_rows, merged = int(merge[-1]), batch
+    if max_batch_size > batch:  # fixed capacity: pad the per-request fields
+        flat[qo_at + batch + 1: qo_at + max_batch_size + 1] = batch
+        flat[kv_at + batch: kv_at + max_batch_size] = 0
+        flat[chunks_at + batch: chunks_at + max_batch_size] = 0
+    flat[merge_at + merged + 1: merge_at + max_total_q + 1] = partial_rows
+    if cap > n:
+        items[:, n:cap] = _ITEM_PAD_COLUMN
+    info = SplitKVInfo(batch, max_batch_size, batch, max_total_q, n, cap, num_qo_heads, num_kv_heads,
+                       num_qo_heads // num_kv_heads, tile_rows, kv_chunk, partial_rows,
+                       partial_rows if partial_capacity is None else partial_capacity, capacity is not None)
+    return Plan("split_kv", schema, host, info)
+
+
+def _split_decode_items(kv: np.ndarray, chunks: np.ndarray, kv_chunk: int, n: int, out: np.ndarray) -> np.ndarray:
+    # items in (request, chunk) order, stably sorted longest first into out[:, :n]; returns the chunk cumsum.
+    # int32 throughout (kv lengths < 2**30)
+    ends = np.add.accumulate(chunks, dtype=np.int32)
+    items = np.empty((5, n), dtype=np.int32)  # request_idx, qo_tile_idx, chunk_idx, kv_start, kv_end
+    request = _iota(chunks.size).repeat(chunks)
+    items[0] = request
+    items[1] = 0
+    chunk = np.subtract(_iota(n), (ends - chunks).repeat(chunks), out=items[2])
+    start = np.multiply(chunk, kv_chunk, out=items[3])
+    end = np.minimum(start + kv_chunk, kv.take(request), out=items[4])
+    np.subtract(chunk, (chunks == 1).take(request), out=chunk)  # an unsplit request's chunk 0 - 1 = -1
+    items.take((start - end).argsort(kind="stable"), axis=1, out=out[:, :n], mode="clip")
+    return ends
+
+
+def plan_decode(kv_lens: object, *, num_qo_heads: int, num_kv_heads: int, tile_rows: int | None = None,
+                kv_granularity: int = 16, num_sms: int = 132, item_overhead: int = 64, enable_split: bool = True,
+                max_batch_size: int | None = None, max_total_q: int | None = None, capacity: int | None = None,
+                host_buffer: torch.Tensor | None = None) -> Plan:
     """Split-KV plan for decode: one query token per request. ``kv_lens [batch]`` host ints.
 
-    Options as for ``plan_split_kv`` (``max_batch_size`` for a CUDA-graph plan).
+    Options as for ``plan_split_kv`` (``max_batch_size`` for a CUDA-graph plan). The hot call of a decode
+    step: pass a reused (pinned) ``host_buffer``, or each call allocates one.
 
     >>> plan_decode([300, 9000, 12], num_qo_heads=32, num_kv_heads=8).info.grid[1]
     8
     """
     _check_heads(num_qo_heads, num_kv_heads)
     lens = host_array("kv_lens", kv_lens)
-    if lens.size and lens.min() < 0:
+    batch = lens.size
+    if batch and np.minimum.reduce(lens) < 0:
         b = int(np.argmin(lens))
         raise PlanError(f"kv_lens[{b}] = {int(lens[b])}, expected >= 0")
-    return _plan(np.arange(lens.size + 1), lens, True, num_qo_heads, num_kv_heads, *_options(options))
-
-
-def _options(options: dict) -> list:
-    names = ("tile_rows", "kv_granularity", "num_sms", "item_overhead", "enable_split", "max_batch_size",
-             "max_total_q", "capacity", "host_buffer")
-    unknown = set(options) - set(names)
-    if unknown:
-        raise TypeError(f"unexpected option(s): {', '.join(sorted(unknown))}")
-    defaults = (None, 16, 132, 64, True, None, None, None, None)
-    return [options.get(name, default) for name, default in zip(names, defaults)]
+    group_size = num_qo_heads // num_kv_heads
+    sizes = _sizes(batch, batch, None, group_size, num_kv_heads, num_sms, tile_rows, max_batch_size, max_total_q,
+                   capacity)
+    if group_size <= sizes[2]:  # one qo tile per request
+        return _plan_decode(lens, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead, enable_split,
+                            *sizes, host_buffer)
+    return _plan_general(_iota(batch + 1), lens, np.ones(batch, np.int64), num_qo_heads, num_kv_heads,
+                         kv_granularity, num_sms, item_overhead, enable_split, *sizes, host_buffer)
 
 
 def plan_prefill(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_kv_heads: int,
