@@ -7,6 +7,7 @@ Describe the attention in an ``AttentionSpec``; ``render`` gives the CUDA source
 __version__ = "0.1.0"
 
 from .api import BatchDecodeWrapper, merge_state, merge_state_in_place, merge_states  # noqa: E402
+from .api import BatchPrefillWrapper, attention  # noqa: E402
 from .cache import CacheStore  # noqa: E402
 from .codegen import TemplateError  # noqa: E402
 from .compile import CompileError, ToolchainError  # noqa: E402
@@ -27,7 +28,7 @@ from .spec import (  # noqa: E402
 )
 
 __all__ = [
-    "BatchDecodeWrapper", "merge_state", "merge_state_in_place", "merge_states", "CacheStore", "TemplateError", "CompileError",
+    "BatchDecodeWrapper", "BatchPrefillWrapper", "attention", "merge_state", "merge_state_in_place", "merge_states", "CacheStore", "TemplateError", "CompileError",
     "ToolchainError", "Kernel", "MissingKernelError", "build", "ensure_compiled", "render", "ALiBi",
     "AttentionSpec", "BlockSparse", "Causal", "CustomMask", "MergeSpec", "NoMask", "Paged", "Ragged", "RoPE",
     "SlidingWindow", "SpecError",

@@ -1,0 +1,260 @@
+"""BatchPrefillWrapper (plan once per batch shape, run every layer; CUDA-graph safe) and one-shot attention()."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..codegen import family
+from ..codegen.prefill import (
+    NUM_WARPS, prefill_ctas_per_sm, prefill_smem_bytes, prefill_stages, prefill_tile_q, prefill_tiles,
+)
+from ..plan import PlanError, host_array, plan_prefill
+from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Ragged, RoPE, SlidingWindow
+from .checks import check_tensor
+from .decode import _Buffer
+from .device import current_stream
+from .kv_inputs import TORCH_DTYPES, kv_view, page_table
+
+_NULL = 0
+
+
+class BatchPrefillWrapper:
+    """Batch prefill / append (several query tokens per request) over a ragged or paged KV cache.
+
+    Example::
+
+        wrapper = flashgen.BatchPrefillWrapper(AttentionSpec(128, kv_layout=Ragged(), mask=Causal()))
+        wrapper.plan(qo_indptr=[0, 100, 612], kv_indptr=[0, 100, 612], num_qo_heads=32, num_kv_heads=8)
+        out = wrapper.run(q, (k, v))   # q [612, 32, 128], k/v [612, 8, 128] -> out [612, 32, 128]
+
+    Queries of request b are its last ``qo_len`` tokens: a causal mask is aligned to the end of its KV.
+    ``use_cuda_graph=True`` with ``max_batch_size`` and ``max_total_q``: every buffer and the grid are
+    sized for those maxima, so a graph captured around ``run()`` replays correctly after ``plan()`` of any
+    batch up to them (q and out then have ``max_total_q`` rows; device page tables must keep their
+    addresses). ``workspace`` is accepted for FlashInfer-style call sites; the wrapper owns its buffers.
+    """
+
+    def __init__(self, spec: AttentionSpec, workspace: torch.Tensor | None = None, use_cuda_graph: bool = False,
+                 max_batch_size: int | None = None, max_total_q: int | None = None,
+                 device: torch.device | int | None = None, num_sms: int | None = None):
+        self.spec = family("prefill").project(spec)
+        family("prefill").check(self.spec)
+        if use_cuda_graph and not (max_batch_size and max_total_q):
+            raise ValueError("max_batch_size: max_batch_size and max_total_q are required with use_cuda_graph=True "
+                             "(the graph's fixed capacity)")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.use_cuda_graph, self.max_batch_size, self.max_total_q = use_cuda_graph, max_batch_size, max_total_q
+        self.num_sms = num_sms or torch.cuda.get_device_properties(self.device).multi_processor_count
+        fixed = use_cuda_graph
+        self._bufs = {name: _Buffer(dtype, self.device, fixed) for name, dtype in (
+            ("plan", torch.int32), ("kv_indptr", torch.int32), ("pages", torch.int32), ("tmp_o", torch.float32),
+            ("tmp_lse", torch.float32), ("mask", torch.uint8), ("mask_offset", torch.int64))}
+        self._counters = None  # int32 [max_total_q * num_qo_heads], zero; the kernel leaves it zero
+        self._kernel = None
+        self._planned = None
+
+    # ------------------------------------------------------------------------------------------ plan
+
+    def plan(self, *, qo_indptr, num_qo_heads: int, num_kv_heads: int, kv_indptr=None, kv_indices=None,
+             kv_last_page_len=None, block_table=None, seq_lens=None, custom_mask=None, sm_scale: float | None = None,
+             rope_theta: float | None = None, rope_scale: float | None = None, window_left: int | None = None,
+             soft_cap: float | None = None, num_pages: int | None = None, enable_split: bool = True) -> None:
+        """Plan a batch. ``qo_indptr [batch + 1]`` and the lengths (``kv_indptr``, ``kv_last_page_len``,
+        ``seq_lens``) are host arrays: planning never synchronises with the GPU. Page ids (``kv_indices`` or
+        ``block_table``) may be device int32 tensors (read in place) or host arrays (validated, copied).
+
+        ``custom_mask`` (CustomMask specs): packed bits, uint8 ``[ceil(sum(qo_len * kv_len) / 8)]`` (each
+        request's ``[qo_len, kv_len]`` mask row-major, requests concatenated, little-endian bits; host or
+        device), or a list of bool ``[qo_len, kv_len]`` tensors. Runtime values default to the spec's.
+        """
+        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+            raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
+        table = page_table(self.spec, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
+                           block_table=block_table, seq_lens=seq_lens, num_pages=num_pages)
+        qo = host_array("qo_indptr", qo_indptr)
+        if qo.size != table.kv_lens.size + 1:
+            raise PlanError(f"qo_indptr: has {qo.size} entries, expected batch_size + 1 = {table.kv_lens.size + 1}")
+        d, dv = self.spec.head_dim, self.spec.head_dim_vo
+        options = {"max_batch_size": self.max_batch_size, "max_total_q": self.max_total_q} if self.use_cuda_graph else {}
+        plan = plan_prefill(qo, table.kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                            tile_rows=prefill_tile_q(d, dv), kv_granularity=prefill_tiles(d, dv)[1],
+                            num_sms=self.num_sms * prefill_ctas_per_sm(d, dv), enable_split=enable_split, **options)
+        info = plan.info
+        views = plan.to_device(self._bufs["plan"].get(plan.numel, "plan"))
+        tmp_o = self._bufs["tmp_o"].get(info.partial_capacity * num_qo_heads * dv, "tmp_o")
+        tmp_lse = self._bufs["tmp_lse"].get(info.partial_capacity * num_qo_heads, "tmp_lse")
+        if self._kernel is None:
+            self._load_kernel()
+        pages_ptr, bt_stride = self._page_ids(table)
+        self._planned = {
+            "rows": info.max_total_q, "info": info, "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads,
+            "max_page": table.max_page, "block_table": table.block_table is not None,
+            "tables": (self._copy("kv_indptr", table.kv_indptr_host, (self.max_batch_size or 0) + 1),
+                       pages_ptr if table.block_table is None else 0, pages_ptr if table.block_table is not None else 0),
+            "plan": tuple(views[n].data_ptr() for n in ("qo_indptr", "kv_len", "request_idx", "qo_tile_idx",
+                                                        "chunk_idx", "kv_start", "kv_end", "merge_indptr",
+                                                        "num_chunks"))
+                    + (self._counter_buffer(info.max_total_q * num_qo_heads).data_ptr(),)
+                    + self._custom_mask(custom_mask, qo, table.kv_lens),
+            "tmp": (tmp_o.data_ptr(), tmp_lse.data_ptr()),
+            "scalars": (bt_stride, num_qo_heads, num_qo_heads // num_kv_heads) + self._runtime(
+                sm_scale, rope_theta, rope_scale, window_left, soft_cap),
+        }
+        self._keep = (plan, table)  # the host buffers stay alive until the copies have run
+
+    def _counter_buffer(self, numel: int) -> torch.Tensor:
+        if self._counters is None or self._counters.numel() < numel:
+            if self._counters is not None and self.use_cuda_graph:
+                raise PlanError(f"counters: needs {numel}, more than sized by the first plan (raise max_total_q)")
+            self._counters = torch.zeros(max(numel, 1), dtype=torch.int32, device=self.device)
+        return self._counters
+
+    def _copy(self, name: str, host: np.ndarray | None, capacity: int) -> int:
+        """Copy a host array into the named device buffer (async, from pinned memory); its address."""
+        if host is None:
+            return _NULL
+        src = torch.from_numpy(np.ascontiguousarray(host))
+        buf = self._bufs[name].get(max(src.numel(), capacity if self.use_cuda_graph else 0), name)
+        buf[: src.numel()].copy_(src.to(buf.dtype).pin_memory(), non_blocking=True)
+        self._keep_host = getattr(self, "_keep_host", {})
+        self._keep_host[name] = src
+        return buf.data_ptr()
+
+    def _custom_mask(self, custom_mask, qo: np.ndarray, kv_lens: np.ndarray) -> tuple[int, int]:
+        if not isinstance(self.spec.mask, CustomMask):
+            if custom_mask is not None:
+                raise PlanError("custom_mask: this spec's mask is not CustomMask()")
+            return _NULL, _NULL
+        if custom_mask is None:
+            raise PlanError("custom_mask: required by a CustomMask spec")
+        sizes = np.diff(qo).astype(np.int64) * kv_lens.astype(np.int64)
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if sizes.size else np.zeros(0, np.int64)
+        need = -(-int(sizes.sum()) // 8)
+        if isinstance(custom_mask, (list, tuple)):
+            for b, m in enumerate(custom_mask):
+                if tuple(np.shape(m)) != (int(qo[b + 1] - qo[b]), int(kv_lens[b])):
+                    raise PlanError(f"custom_mask[{b}]: shape {tuple(np.shape(m))}, expected "
+                                    f"{(int(qo[b + 1] - qo[b]), int(kv_lens[b]))} (qo_len, kv_len)")
+            bits = [np.asarray(torch.as_tensor(m).cpu(), dtype=bool).reshape(-1) for m in custom_mask]
+            custom_mask = np.packbits(np.concatenate(bits) if bits else np.zeros(0, bool), bitorder="little")
+        if isinstance(custom_mask, torch.Tensor) and custom_mask.is_cuda:
+            if custom_mask.dtype != torch.uint8 or custom_mask.dim() != 1 or not custom_mask.is_contiguous():
+                raise PlanError(f"custom_mask: expected contiguous uint8 [n] packed bits, got {custom_mask.dtype} "
+                                f"{tuple(custom_mask.shape)}")
+            if custom_mask.numel() < need:
+                raise PlanError(f"custom_mask: {custom_mask.numel()} bytes, expected {need} (sum of qo_len * kv_len bits)")
+            self._keep_mask, mask_ptr = custom_mask, custom_mask.data_ptr()
+        else:
+            packed = np.asarray(custom_mask.cpu() if isinstance(custom_mask, torch.Tensor) else custom_mask)
+            if packed.dtype != np.uint8 or packed.ndim != 1 or packed.size < need:
+                raise PlanError(f"custom_mask: expected uint8 [{need}] packed bits, got {packed.dtype} {packed.shape}")
+            mask_ptr = self._copy("mask", packed, 0)
+        return mask_ptr, self._copy("mask_offset", offsets, self.max_batch_size or 0)
+
+    def _page_ids(self, table) -> tuple[int, int]:
+        ids = table.block_table if table.block_table is not None else table.kv_indices
+        if ids is None:
+            return _NULL, 0
+        stride = ids.stride(0) if ids.dim() == 2 else 0
+        if ids.is_cuda:
+            if ids.device != self.device:
+                raise PlanError(f"page table: on {ids.device}, expected {self.device}")
+            if not ids.is_contiguous() and ids.dim() == 1:
+                raise PlanError("kv_indices: expected a contiguous tensor")
+            return ids.data_ptr(), stride
+        host = ids.to(torch.int32).contiguous()
+        return self._copy("pages", host.numpy(), 0), (ids.shape[1] if ids.dim() == 2 else 0)
+
+    def _runtime(self, sm_scale, rope_theta, rope_scale, window_left, soft_cap) -> tuple:
+        spec = self.spec
+        rope = spec.pos_encoding if isinstance(spec.pos_encoding, RoPE) else RoPE()
+        theta = rope.theta if rope_theta is None else rope_theta
+        scale = rope.scale if rope_scale is None else rope_scale
+        window = spec.mask.left if isinstance(spec.mask, SlidingWindow) and window_left is None else (window_left or 0)
+        if spec.soft_cap is None and soft_cap is not None:
+            raise PlanError("soft_cap: this spec has no soft-cap (set AttentionSpec.soft_cap to enable it)")
+        cap = spec.soft_cap if soft_cap is None else soft_cap
+        return (int(window), float(spec.default_sm_scale if sm_scale is None else sm_scale), float(cap or 0.0),
+                1.0 / float(scale), math.log2(float(theta)))
+
+    def _load_kernel(self) -> None:
+        from ..jit import build
+
+        kernel = build(self.spec, "prefill", device=self.device.index)
+        self._prefill = kernel["prefill"]
+        d, dv = self.spec.head_dim, self.spec.head_dim_vo
+        self._smem = prefill_smem_bytes(d, dv, prefill_stages(d, dv))
+        self._prefill.set_max_dynamic_shared_memory(self._smem)
+        self._kernel = kernel
+
+    # ------------------------------------------------------------------------------------------ run
+
+    def run(self, q: torch.Tensor, kv_cache, out: torch.Tensor | None = None, return_lse: bool = False):
+        """Attend ``q [total_q, num_qo_heads, head_dim]`` over the planned batch of ``kv_cache``.
+
+        ``kv_cache``: the paged cache (one ``[pages, 2, ...]`` tensor or a ``(k, v)`` pair) or, for a Ragged
+        spec, ``(k [total_kv, num_kv_heads, head_dim], v [total_kv, num_kv_heads, head_dim_vo])``. Returns
+        ``out [total_q, num_qo_heads, head_dim_vo]`` (q's dtype), with ``return_lse`` also ``lse [total_q,
+        num_qo_heads]`` fp32 (natural log; -inf for a row that sees no key).
+        """
+        planned = self._planned
+        if planned is None:
+            raise RuntimeError("run: call plan() first")
+        hq, spec = planned["num_qo_heads"], self.spec
+        shape = (planned["rows"], hq, spec.head_dim)
+        if q.shape != shape or q.dtype != TORCH_DTYPES[spec.dtype] or not q.is_contiguous() or q.device != self.device:
+            check_tensor("q", q, dtypes=(TORCH_DTYPES[spec.dtype],), ndim=3, device=self.device)
+            raise ValueError(f"q: expected shape {shape}, got {tuple(q.shape)}")
+        kv = kv_view(spec, kv_cache, planned["num_kv_heads"])
+        if planned["max_page"] >= kv.num_pages:
+            name = "block_table" if planned["block_table"] else "kv_indices"
+            raise ValueError(f"{name}: page id {planned['max_page']} is outside kv_cache's {kv.num_pages} pages")
+        if out is None:
+            out = torch.empty((shape[0], hq, spec.head_dim_vo), dtype=q.dtype, device=q.device)
+        else:
+            check_tensor("out", out, dtypes=(q.dtype,), ndim=3, device=self.device)
+            if tuple(out.shape) != (shape[0], hq, spec.head_dim_vo):
+                raise ValueError(f"out: expected shape {(shape[0], hq, spec.head_dim_vo)}, got {tuple(out.shape)}")
+        lse = torch.empty((shape[0], hq), dtype=torch.float32, device=q.device) if return_lse else None
+        stream = current_stream(self.device.index)
+        self._prefill.launch((planned["info"].capacity, planned["num_kv_heads"], 1), (NUM_WARPS * 32, 1, 1), self._smem,
+                             stream, q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), out.data_ptr(),
+                             lse.data_ptr() if lse is not None else 0, *planned["tmp"], *planned["tables"],
+                             *planned["plan"], kv.stride_page, kv.stride_token, kv.stride_head, *planned["scalars"])
+        return (out, lse) if return_lse else out
+
+
+_WRAPPERS: dict[tuple, BatchPrefillWrapper] = {}
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec | None = None, *,
+              causal: bool = False, sm_scale: float | None = None, window_left: int | None = None,
+              soft_cap: float | None = None, rope_theta: float | None = None, rope_scale: float | None = None,
+              custom_mask=None, return_lse: bool = False):
+    """One request: ``q [sq, num_qo_heads, head_dim]`` over ``k [sk, num_kv_heads, head_dim]``, ``v [sk,
+    num_kv_heads, head_dim_vo]`` (same dtype, CUDA). The queries are the last ``sq`` positions (causal is
+    aligned to the end of the KV). ``spec`` defaults to a Ragged spec from the shapes and ``causal``.
+
+    >>> out = flashgen.attention(q, k, v, causal=True)   # [sq, Hq, Dv], q's dtype
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=3, dtypes=(torch.float16, torch.bfloat16), contiguous=False)
+    if spec is None:
+        spec = AttentionSpec(q.shape[-1], head_dim_vo=v.shape[-1], dtype=str(q.dtype), kv_layout=Ragged(),
+                             mask=Causal() if causal else NoMask())
+    elif not isinstance(spec.kv_layout, Ragged):
+        raise ValueError(f"spec: attention() takes a Ragged() kv_layout, got {spec.kv_layout!r}")
+    key = (spec, q.device.index)
+    wrapper = _WRAPPERS.get(key)
+    if wrapper is None:
+        wrapper = _WRAPPERS[key] = BatchPrefillWrapper(spec, device=q.device)
+    sq, sk = q.shape[0], k.shape[0]
+    wrapper.plan(qo_indptr=[0, sq], kv_indptr=[0, sk], num_qo_heads=q.shape[1], num_kv_heads=k.shape[1],
+                 custom_mask=custom_mask, sm_scale=sm_scale, window_left=window_left, soft_cap=soft_cap,
+                 rope_theta=rope_theta, rope_scale=rope_scale)
+    return wrapper.run(q.contiguous(), (k, v), return_lse=return_lse)

@@ -1,0 +1,127 @@
+"""The prefill family: batch prefill / append over ragged or paged KV on tensor cores (sm_80+, mma.sync).
+
+Python decides the tiles: a CTA of ``NUM_WARPS`` warps, each owning ``16 * MMA_Q`` packed q rows (token x q
+head of one GQA group), streams KV tiles of ``TILE_KV`` tokens through a ``STAGES``-deep cp.async pipeline.
+"""
+
+from __future__ import annotations
+
+from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
+from .family import EntryPoint, KernelFamily, register, struct
+
+CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+PREFILL_HEAD_DIMS = (64, 128, 192, 256)  # rows of whole 128-byte lines (the swizzle needs 8k chunks)
+NUM_WARPS = 4
+SMEM_TARGET = 113 * 1024  # two CTAs per SM on Hopper (227 KB)
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def prefill_tiles(head_dim: int, head_dim_vo: int) -> tuple[int, int]:
+    """``(MMA_Q, TILE_KV)``: 16-row mma tiles per warp and KV tokens per pipeline stage.
+
+    Worked example: head_dim 128: a warp holds 16 rows of O (64 fp32 registers for 128 columns) and a
+    16 x 64 score tile (32 registers) next to its Q fragments (32 registers): 64-token KV tiles fit
+    without spilling. head_dim 256 doubles O and Q, so KV tiles halve to 32 tokens.
+    """
+    return 1, (64 if max(head_dim, head_dim_vo) <= 192 else 32)
+
+
+def prefill_tile_q(head_dim: int, head_dim_vo: int) -> int:
+    """Packed q rows of one CTA tile (the planner's ``tile_rows``)."""
+    return NUM_WARPS * 16 * prefill_tiles(head_dim, head_dim_vo)[0]
+
+
+def prefill_smem_bytes(head_dim: int, head_dim_vo: int, stages: int, elem: int = 2) -> int:
+    """Shared memory of one CTA: the Q tile, ``stages`` K/V tiles, two rings of KV row offsets (Layout)."""
+    tile_kv = prefill_tiles(head_dim, head_dim_vo)[1]
+    return (prefill_tile_q(head_dim, head_dim_vo) * head_dim * elem
+            + stages * tile_kv * (head_dim + head_dim_vo) * elem + 2 * tile_kv * 8)
+
+
+def prefill_stages(head_dim: int, head_dim_vo: int) -> int:
+    """Pipeline depth: 3 stages when they fit two CTAs per SM, else 2.
+
+    Worked example: head_dim 64: Q 8 KB + 3 x 16 KB = 57 KB -> 3. head_dim 128: Q 16 KB + 3 x 32 KB =
+    113 KB (just over) -> 2 (81 KB). head_dim 256: Q 32 KB + 2 x 32 KB = 97 KB -> 2.
+    """
+    return 3 if prefill_smem_bytes(head_dim, head_dim_vo, 3) <= SMEM_TARGET else 2
+
+
+def prefill_ctas_per_sm(head_dim: int, head_dim_vo: int) -> int:
+    """CTAs that fit on one SM by shared memory (227 KB, 1 KB reserved per CTA), at most 2."""
+    smem = prefill_smem_bytes(head_dim, head_dim_vo, prefill_stages(head_dim, head_dim_vo))
+    return max(1, min(2, (227 * 1024) // (smem + 1024)))
+
+
+class PrefillFamily(KernelFamily):
+    op = "prefill"
+    template = "prefill.cu.j2"
+
+    def project(self, spec: object) -> AttentionSpec:
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
+        return spec
+
+    def check(self, spec: AttentionSpec) -> None:
+        for name in ("head_dim", "head_dim_vo"):
+            if getattr(spec, name) not in PREFILL_HEAD_DIMS:
+                raise SpecError(f"{name}: got {getattr(spec, name)}, prefill supports {PREFILL_HEAD_DIMS}")
+        if spec.kv_dtype != spec.dtype:
+            raise SpecError(f"kv_dtype: got {spec.kv_dtype}, prefill supports kv_dtype == dtype ({spec.dtype}) "
+                            "so far; fp8 KV is not implemented yet")
+        if not isinstance(spec.kv_layout, (Paged, Ragged)):
+            raise SpecError(f"kv_layout: got {spec.kv_layout!r}, prefill supports Paged(...) or Ragged()")
+        if not isinstance(spec.mask, (NoMask, Causal, SlidingWindow, CustomMask)):
+            raise SpecError(f"mask: got {spec.mask!r}, prefill supports NoMask(), Causal(), SlidingWindow(left) "
+                            "or CustomMask()")
+
+    def context(self, spec: AttentionSpec) -> dict:
+        paged = isinstance(spec.kv_layout, Paged)
+        d, dv = spec.head_dim, spec.head_dim_vo
+        mma_q, tile_kv = prefill_tiles(d, dv)
+        stages = prefill_stages(d, dv)
+        return {
+            "DTypeQ": CPP_TYPES[spec.dtype],
+            "DTypeKV": CPP_TYPES[spec.kv_dtype],
+            "DTypeO": CPP_TYPES[spec.dtype],
+            "HEAD_DIM": d,
+            "HEAD_DIM_VO": dv,
+            "PAGE_SIZE": spec.kv_layout.page_size if paged else 1,
+            "NUM_WARPS": NUM_WARPS,
+            "MMA_Q": mma_q,
+            "TILE_KV": tile_kv,
+            "STAGES": stages,
+            "SMEM_BYTES": prefill_smem_bytes(d, dv, stages),
+            "Q_IN_REGS": _flag(d * mma_q <= 192),
+            "PAGED": _flag(paged),
+            "ROPE": _flag(isinstance(spec.pos_encoding, RoPE)),
+            "ALIBI": _flag(isinstance(spec.pos_encoding, ALiBi)),
+            "SOFT_CAP": _flag(spec.soft_cap is not None),
+            "CAUSAL": _flag(isinstance(spec.mask, (Causal, SlidingWindow))),
+            "WINDOW": _flag(isinstance(spec.mask, SlidingWindow)),
+            "CUSTOM_MASK": _flag(isinstance(spec.mask, CustomMask)),
+        }
+
+    def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
+        q, kv = CPP_TYPES[spec.dtype], CPP_TYPES[spec.kv_dtype]
+        i32 = "const int32_t*"
+        prefill = struct(
+            "PrefillParams",
+            (f"const {q}*", "q"), (f"const {kv}*", "k"), (f"const {kv}*", "v"), (f"{q}*", "o"), ("float*", "lse"),
+            ("float*", "tmp_o"), ("float*", "tmp_lse"),
+            (i32, "kv_indptr"), (i32, "kv_indices"), (i32, "block_table"),
+            (i32, "qo_indptr"), (i32, "kv_len"), (i32, "request_idx"), (i32, "qo_tile_idx"), (i32, "chunk_idx"),
+            (i32, "kv_start"), (i32, "kv_end"), (i32, "merge_indptr"), (i32, "num_chunks"), ("int32_t*", "counters"),
+            ("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"),
+            ("int64_t", "stride_page"), ("int64_t", "stride_token"), ("int64_t", "stride_head"),
+            ("int32_t", "block_table_stride"), ("int32_t", "num_qo_heads"), ("int32_t", "group_size"),
+            ("int32_t", "window_left"),
+            ("float", "sm_scale"), ("float", "soft_cap"), ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"),
+        )
+        return (EntryPoint("prefill", prefill),)
+
+
+register(PrefillFamily())

@@ -1,0 +1,175 @@
+// Batch prefill / append on tensor cores (FlashAttention-2 recipe, mma.sync m16n8k16, sm_80+).
+//
+// One CTA runs one work item of the split-KV plan: (request, qo tile, kv chunk [kv_start, kv_end)) for the
+// kv head blockIdx.y. A qo tile is TILE_Q packed rows (packed row = token * group + q head in the group), so
+// the q heads of a GQA group share every K/V load. Each of the NUM_WARPS warps owns 16 * MMA_Q rows: its Q
+// fragments (registers, or shared memory for wide heads), its O accumulators and its online-softmax state,
+// so warps never merge. K/V tiles of TILE_KV tokens flow through a STAGES-deep cp.async pipeline.
+//
+// Masks: causal (aligned to the KV end) and the sliding window clip the CTA's KV range to what its rows can
+// see, so fully masked tiles are never loaded; the per-element mask runs only on a warp's boundary tiles.
+// A custom bit mask is evaluated on every tile. Split requests write fp32 partials; the last CTA of a tile
+// merges them (an atomic counter per tile, reset by the merger, so a CUDA-graph replay starts from zero).
+#pragma once
+#include <flashgen/prefill_tiles.cuh>
+
+namespace flashgen::prefill {
+
+// What the element mask needs: the KV end of the item, where the request's queries sit, its mask bits.
+struct MaskInfo {
+  int kv_hi, q_base, qo_len, kv_len, window_left;
+  const uint8_t* bits;  // custom mask of this request (bit offset 0 = (token 0, key 0)), or null
+  int64_t bit0;
+};
+
+// the custom-mask bit of (row, key 0), or -1 for a row past the request's queries
+__device__ __forceinline__ int64_t row_bit(const MaskInfo& mi, int q_pos) {
+  const int token = q_pos - mi.q_base;
+  return token < mi.qo_len ? mi.bit0 + int64_t(token) * mi.kv_len : -1;
+}
+
+template <class C>
+__device__ __forceinline__ bool visible(const MaskInfo& mi, int q_pos, int64_t bit_row, int pos) {
+  bool ok = pos < mi.kv_hi;
+  if constexpr (C::CAUSAL) ok = ok && pos <= q_pos;
+  if constexpr (C::WINDOW) ok = ok && pos >= q_pos - mi.window_left;
+  if constexpr (C::CUSTOM_MASK) {
+    const int64_t bit = bit_row + pos;
+    ok = ok && bit_row >= 0 && ((__ldg(mi.bits + (bit >> 3)) >> (bit & 7)) & 1);
+  }
+  return ok;
+}
+
+// S = Q K^T for the warp's 16 * MMA_Q rows and the TILE_KV keys of the tile
+template <class C, int QR>
+__device__ __forceinline__ void scores(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const uint32_t (&q_regs)[C::MMA_Q][QR][4],
+                                       const typename C::DTypeQ* q_smem, const typename C::DTypeKV* ks, int warp, int lane) {
+  using L = Layout<C>;
+  // every ldmatrix row of a lane is lane % 8 modulo 8, so its swizzle is (2j + b) ^ (lane % 8) = 2j ^ x with a
+  // per-lane x: the addresses are a per-lane base plus compile-time offsets
+  const int mat = lane / 8, mrow = lane % 8;
+  const int q_row = (warp * L::WARP_ROWS + lane % 16) * L::Q_CHUNKS * 8, qx = (lane / 16) ^ mrow;
+  const int k_row = (8 * (mat / 2) + mrow) * L::K_CHUNKS * 8, kx = (mat % 2) ^ mrow;
+#pragma unroll
+  for (int mq = 0; mq < C::MMA_Q; ++mq)
+#pragma unroll
+    for (int nt = 0; nt < L::TILE_KV / 8; ++nt) s[mq][nt][0] = s[mq][nt][1] = s[mq][nt][2] = s[mq][nt][3] = 0.f;
+  constexpr int J_UNROLL = C::Q_IN_REGS ? L::D / 16 : 4;  // Q in registers needs constant indices
+#pragma unroll J_UNROLL
+  for (int j = 0; j < L::D / 16; ++j) {
+    uint32_t qa[C::MMA_Q][4];
+#pragma unroll
+    for (int mq = 0; mq < C::MMA_Q; ++mq) {
+      if constexpr (C::Q_IN_REGS) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) qa[mq][i] = q_regs[mq][j][i];
+      } else {
+        ldmatrix_x4(qa[mq], q_smem + q_row + mq * 16 * L::Q_CHUNKS * 8 + ((2 * j) ^ qx) * 8);
+      }
+    }
+#pragma unroll
+    for (int nn = 0; nn < L::TILE_KV / 16; ++nn) {
+      uint32_t kf[4];
+      ldmatrix_x4(kf, ks + k_row + 16 * nn * L::K_CHUNKS * 8 + ((2 * j) ^ kx) * 8);
+#pragma unroll
+      for (int mq = 0; mq < C::MMA_Q; ++mq) {
+        mma_16816<typename C::DTypeKV>(s[mq][2 * nn], qa[mq], kf[0], kf[1]);
+        mma_16816<typename C::DTypeKV>(s[mq][2 * nn + 1], qa[mq], kf[2], kf[3]);
+      }
+    }
+  }
+}
+
+// logits transform (base 2) and, on boundary tiles, the mask; then the online-softmax update: s becomes P
+template <class C>
+__device__ __forceinline__ void softmax(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], float (&o)[C::MMA_Q][C::HEAD_DIM_VO / 8][4],
+                                        float (&m)[C::MMA_Q][2], float (&l)[C::MMA_Q][2], const int (&q_pos)[C::MMA_Q][2],
+                                        LogitsTransform<C::ALIBI, C::SOFT_CAP>& transform, const float (&slope)[C::MMA_Q][2],
+                                        const MaskInfo& mi, int tile_start, bool masked, int lane) {
+  const int t4 = lane % 4;
+  const float scale_log2 = transform.sm_scale * LOG2E;
+#pragma unroll
+  for (int mq = 0; mq < C::MMA_Q; ++mq) {
+    int64_t bit_row[2] = {0, 0};
+    if constexpr (C::CUSTOM_MASK) {
+      bit_row[0] = row_bit(mi, q_pos[mq][0]);
+      bit_row[1] = row_bit(mi, q_pos[mq][1]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < C::TILE_KV / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pos = tile_start + nt * 8 + 2 * t4 + (e % 2), qp = q_pos[mq][e / 2];
+        float x;
+        if constexpr (C::ALIBI || C::SOFT_CAP) {
+          transform.slope = slope[mq][e / 2];
+          x = transform(s[mq][nt][e], pos - qp);
+        } else {
+          x = s[mq][nt][e] * scale_log2;
+        }
+        s[mq][nt][e] = (!masked || visible<C>(mi, qp, bit_row[e / 2], pos)) ? x : -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < C::TILE_KV / 8; ++nt) mx = fmaxf(mx, fmaxf(s[mq][nt][2 * h], s[mq][nt][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      const float m_new = fmaxf(m[mq][h], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float scale = exp2f(m[mq][h] - m_use);
+      m[mq][h] = m_new;
+      l[mq][h] *= scale;
+#pragma unroll
+      for (int j = 0; j < C::HEAD_DIM_VO / 8; ++j) {
+        o[mq][j][2 * h] *= scale;
+        o[mq][j][2 * h + 1] *= scale;
+      }
+#pragma unroll
+      for (int nt = 0; nt < C::TILE_KV / 8; ++nt) {
+        s[mq][nt][2 * h] = exp2f(s[mq][nt][2 * h] - m_use);
+        s[mq][nt][2 * h + 1] = exp2f(s[mq][nt][2 * h + 1] - m_use);
+        l[mq][h] += s[mq][nt][2 * h] + s[mq][nt][2 * h + 1];
+      }
+    }
+  }
+}
+
+// O += P V: P from the S accumulators (C layout -> A layout), V fragments by ldmatrix.trans
+template <class C>
+__device__ __forceinline__ void accumulate_pv(float (&o)[C::MMA_Q][C::HEAD_DIM_VO / 8][4],
+                                              const float (&s)[C::MMA_Q][C::TILE_KV / 8][4],
+                                              const typename C::DTypeKV* vs, int lane) {
+  using L = Layout<C>;
+  using T = typename C::DTypeKV;
+  const int mat = lane / 8, mrow = lane % 8;
+  const int v_row = (8 * (mat % 2) + mrow) * L::V_CHUNKS * 8, vx = (mat / 2) ^ mrow;  // as in scores()
+#pragma unroll
+  for (int kk = 0; kk < L::TILE_KV / 16; ++kk) {
+    uint32_t pa[C::MMA_Q][4];
+#pragma unroll
+    for (int mq = 0; mq < C::MMA_Q; ++mq) {
+      pa[mq][0] = pack2<T>(s[mq][2 * kk][0], s[mq][2 * kk][1]);
+      pa[mq][1] = pack2<T>(s[mq][2 * kk][2], s[mq][2 * kk][3]);
+      pa[mq][2] = pack2<T>(s[mq][2 * kk + 1][0], s[mq][2 * kk + 1][1]);
+      pa[mq][3] = pack2<T>(s[mq][2 * kk + 1][2], s[mq][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int c = 0; c < L::DV / 16; ++c) {
+      uint32_t vf[4];
+      ldmatrix_x4_trans(vf, vs + v_row + 16 * kk * L::V_CHUNKS * 8 + ((2 * c) ^ vx) * 8);
+#pragma unroll
+      for (int mq = 0; mq < C::MMA_Q; ++mq) {
+        mma_16816<T>(o[mq][2 * c], pa[mq], vf[0], vf[1]);
+        mma_16816<T>(o[mq][2 * c + 1], pa[mq], vf[2], vf[3]);
+      }
+    }
+  }
+}
+
+}  // namespace flashgen::prefill
+
+#include <flashgen/prefill_epilogue.cuh>
+#include <flashgen/prefill_kernel.cuh>

@@ -1,0 +1,104 @@
+// Prefill epilogue: normalise each warp's rows and write them (output, or an fp32 partial of a split
+// request), and the split-KV merge by the last CTA of a tile.
+#pragma once
+#include <flashgen/prefill_tiles.cuh>
+
+namespace flashgen::prefill {
+
+// Where a tile's rows go: packed row prow of the request -> (token0 + prow / group, kv_head * group + prow % group).
+struct TileRows {
+  int token0, row0, rows_total, kv_head, group;
+  __device__ __forceinline__ int64_t token(int prow) const { return token0 + prow / group; }
+  __device__ __forceinline__ int64_t head(int prow) const { return kv_head * group + prow % group; }
+};
+
+template <class C, class Params>
+__device__ __forceinline__ void write_rows(const Params& p, const TileRows& tr, float (&o)[C::MMA_Q][C::HEAD_DIM_VO / 8][4],
+                                           const float (&m)[C::MMA_Q][2], float (&l)[C::MMA_Q][2], int chunk, int warp,
+                                           int lane) {
+  using L = Layout<C>;
+  constexpr int DV = C::HEAD_DIM_VO;
+  const int g = lane / 4, t4 = lane % 4;
+#pragma unroll
+  for (int mq = 0; mq < C::MMA_Q; ++mq) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l[mq][h] += __shfl_xor_sync(0xffffffff, l[mq][h], 1);
+      l[mq][h] += __shfl_xor_sync(0xffffffff, l[mq][h], 2);
+      const int prow = tr.row0 + warp * L::WARP_ROWS + mq * 16 + g + 8 * h;
+      if (prow >= tr.rows_total) continue;
+      const float lv = l[mq][h];
+      const float inv = lv > 0.f ? 1.f / lv : 0.f;
+      const float lse = lv > 0.f ? (m[mq][h] + log2f(lv)) * LN2 : -INFINITY;
+      const int64_t token = tr.token(prow), head = tr.head(prow);
+      if (chunk >= 0) {
+        const int64_t row = (p.merge_indptr[token] + chunk) * int64_t(p.num_qo_heads) + head;
+        float* dst = p.tmp_o + row * DV + 2 * t4;
+#pragma unroll
+        for (int j = 0; j < DV / 8; ++j)
+          *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[mq][j][2 * h] * inv, o[mq][j][2 * h + 1] * inv);
+        if (t4 == 0) p.tmp_lse[row] = lse;
+      } else {
+        const int64_t row = token * p.num_qo_heads + head;
+        typename C::DTypeO* dst = p.o + row * DV + 2 * t4;
+#pragma unroll
+        for (int j = 0; j < DV / 8; ++j)
+          *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack2<typename C::DTypeO>(o[mq][j][2 * h] * inv, o[mq][j][2 * h + 1] * inv);
+        if (t4 == 0 && p.lse != nullptr) p.lse[row] = lse;
+      }
+    }
+  }
+}
+
+// one (row, 8 columns) of the merge: the partials of chunks 0 .. num_chunks - 1 weighted by exp(lse - max)
+template <class C, class Params>
+__device__ __forceinline__ void merge_row(const Params& p, int64_t token, int64_t head, int col, int num_chunks) {
+  constexpr int DV = C::HEAD_DIM_VO;
+  const int64_t first = p.merge_indptr[token];
+  float m = -INFINITY;
+  for (int k = 0; k < num_chunks; ++k) m = fmaxf(m, __ldcg(p.tmp_lse + (first + k) * p.num_qo_heads + head));
+  float acc[8] = {}, sum = 0.f;
+  for (int k = 0; k < num_chunks && m != -INFINITY; ++k) {
+    const int64_t row = (first + k) * p.num_qo_heads + head;
+    const float w = expf(__ldcg(p.tmp_lse + row) - m);
+    sum += w;
+    if (w == 0.f) continue;
+    const float4 a = __ldcg(reinterpret_cast<const float4*>(p.tmp_o + row * DV + col));
+    const float4 b = __ldcg(reinterpret_cast<const float4*>(p.tmp_o + row * DV + col + 4));
+    acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
+    acc[4] += w * b.x; acc[5] += w * b.y; acc[6] += w * b.z; acc[7] += w * b.w;
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  uint4 packed;
+  uint32_t* w = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = pack2<typename C::DTypeO>(acc[2 * i] * inv, acc[2 * i + 1] * inv);
+  const int64_t out = token * p.num_qo_heads + head;
+  *reinterpret_cast<uint4*>(p.o + out * DV + col) = packed;
+  if (col == 0 && p.lse != nullptr) p.lse[out] = sum > 0.f ? m + logf(sum) : -INFINITY;
+}
+
+// Split-KV finish without a second launch: every chunk of a (request, qo tile, kv head) publishes its
+// partial and counts itself in; the last to arrive merges the tile's rows and resets the counter. The
+// counter of a tile sits at its first packed row's (token, q head), unique over the batch.
+template <class C, class Params>
+__device__ __forceinline__ void merge_if_last(const Params& p, const TileRows& tr, int request) {
+  using L = Layout<C>;
+  __shared__ int is_last;
+  __threadfence();  // this CTA's partial is visible device-wide before it counts in
+  __syncthreads();
+  int* counter = p.counters + tr.token(tr.row0) * p.num_qo_heads + tr.head(tr.row0);
+  const int num_chunks = p.num_chunks[request];
+  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == num_chunks - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  constexpr int COLS = C::HEAD_DIM_VO / 8;
+  for (int job = threadIdx.x; job < L::TILE_Q * COLS; job += L::THREADS) {
+    const int prow = tr.row0 + job / COLS;
+    if (prow < tr.rows_total) merge_row<C>(p, tr.token(prow), tr.head(prow), (job % COLS) * 8, num_chunks);
+  }
+  if (threadIdx.x == 0) *counter = 0;
+}
+
+}  // namespace flashgen::prefill

@@ -1,0 +1,107 @@
+// The prefill kernel body: bounds of the work item, the pipelined main loop, the epilogue.
+#pragma once
+#include <flashgen/prefill_epilogue.cuh>
+
+namespace flashgen::prefill {
+
+template <class C, class Params>
+__device__ __forceinline__ void run(const Params& p) {
+  using L = Layout<C>;
+  using DTypeQ = typename C::DTypeQ;
+  using DTypeKV = typename C::DTypeKV;
+  constexpr int S = C::STAGES, MQ = C::MMA_Q, QR = C::Q_IN_REGS ? L::D / 16 : 1;
+
+  const int item = blockIdx.x, kv_head = blockIdx.y;
+  const int request = p.request_idx[item];
+  if (request < 0) return;  // padding item of a fixed-capacity plan
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int token0 = p.qo_indptr[request], qo_len = p.qo_indptr[request + 1] - token0;
+  const int kv_len = p.kv_len[request], q_base = kv_len - qo_len, group = p.group_size;
+  const TileRows tr{token0, p.qo_tile_idx[item] * L::TILE_Q, qo_len * group, kv_head, group};
+  const int last_row = min(tr.row0 + L::TILE_Q, tr.rows_total) - 1;
+
+  // the CTA's KV range: the chunk, clipped to what its rows can see
+  int kv_lo = p.kv_start[item], kv_hi = p.kv_end[item];
+  if constexpr (C::CAUSAL) kv_hi = min(kv_hi, q_base + last_row / group + 1);
+  if constexpr (C::WINDOW) kv_lo = max(kv_lo, q_base + tr.row0 / group - p.window_left);
+  const int num_tiles = kv_hi > kv_lo ? (kv_hi - kv_lo + L::TILE_KV - 1) / L::TILE_KV : 0;
+  // this warp's rows: the query positions that decide its boundary tiles
+  const int w_first = min(tr.row0 + warp * L::WARP_ROWS, last_row);
+  const int w_last = min(tr.row0 + (warp + 1) * L::WARP_ROWS - 1, last_row);
+  const int wq_min = q_base + w_first / group, wq_max = q_base + w_last / group;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  DTypeQ* q_smem = reinterpret_cast<DTypeQ*>(smem);
+  load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
+
+  const KVPipeline<C> pipe{KVRows<C::PAGED, C::PAGE_SIZE>(p, request),
+                           p.k + int64_t(kv_head) * p.stride_head, p.v + int64_t(kv_head) * p.stride_head,
+                           reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET), reinterpret_cast<DTypeKV*>(smem + L::V_OFFSET),
+                           reinterpret_cast<int64_t*>(smem + L::ROW_OFFSETS), kv_lo, kv_hi, num_tiles};
+  // prologue: tiles 0 .. S-2 in flight, offsets of tile S-1 stored, page ids of tile S in registers
+  for (int tile = 0; tile < S - 1; ++tile) {
+    pipe.store_offset(tile, pipe.page_of(tile));
+    __syncthreads();
+    pipe.issue(tile);
+  }
+  pipe.store_offset(S - 1, pipe.page_of(S - 1));
+  int32_t next_page = pipe.page_of(S);
+
+  // Q fragments (the prologue's barrier made the Q tile visible)
+  uint32_t q_regs[MQ][QR][4];
+  if constexpr (C::Q_IN_REGS) {
+#pragma unroll
+    for (int mq = 0; mq < MQ; ++mq)
+#pragma unroll
+      for (int j = 0; j < QR; ++j)
+        ldmatrix_x4(q_regs[mq][j], q_smem + tile_index(warp * L::WARP_ROWS + mq * 16 + lane % 16, 2 * j + lane / 16, L::Q_CHUNKS));
+  }
+
+  // per-thread row state: rows g and g + 8 of each of the warp's mma tiles
+  float o[MQ][L::DV / 8][4], m[MQ][2], l[MQ][2], slope[MQ][2];
+  int q_pos[MQ][2];
+#pragma unroll
+  for (int mq = 0; mq < MQ; ++mq) {
+#pragma unroll
+    for (int j = 0; j < L::DV / 8; ++j) o[mq][j][0] = o[mq][j][1] = o[mq][j][2] = o[mq][j][3] = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int prow = tr.row0 + warp * L::WARP_ROWS + mq * 16 + lane / 4 + 8 * h;
+      m[mq][h] = -INFINITY;
+      l[mq][h] = 0.f;
+      q_pos[mq][h] = q_base + prow / group;
+      slope[mq][h] = C::ALIBI ? alibi_slope(int(tr.head(prow)), p.num_qo_heads) : 0.f;
+    }
+  }
+  LogitsTransform<C::ALIBI, C::SOFT_CAP> transform{p.sm_scale, p.soft_cap, p.soft_cap > 0.f ? 1.f / p.soft_cap : 0.f, 0.f};
+  const MaskInfo mi{kv_hi, q_base, qo_len, kv_len, p.window_left, p.custom_mask,
+                    C::CUSTOM_MASK ? p.mask_offset[request] : 0};
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    cp_async_wait<S - 2>();
+    __syncthreads();
+    pipe.issue(tile + S - 1);
+    pipe.store_offset(tile + S, next_page);
+    next_page = pipe.page_of(tile + S + 1);
+    if constexpr (C::ROPE) {
+      pipe.rope_k(p, tile);
+      __syncthreads();
+    }
+    const int t0 = kv_lo + tile * L::TILE_KV;
+    bool masked = C::CUSTOM_MASK || t0 + L::TILE_KV > kv_hi;
+    if constexpr (C::CAUSAL) masked = masked || t0 + L::TILE_KV - 1 > wq_min;
+    if constexpr (C::WINDOW) masked = masked || t0 < wq_max - p.window_left;
+
+    float s[MQ][L::TILE_KV / 8][4];
+    scores<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
+    softmax<C>(s, o, m, l, q_pos, transform, slope, mi, t0, masked, lane);
+    accumulate_pv<C>(o, s, pipe.v_tile(tile), lane);
+  }
+  cp_async_wait<0>();
+
+  const int chunk = p.chunk_idx[item];
+  write_rows<C>(p, tr, o, m, l, chunk, warp, lane);
+  if (chunk >= 0) merge_if_last<C>(p, tr, request);
+}
+
+}  // namespace flashgen::prefill

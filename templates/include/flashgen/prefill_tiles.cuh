@@ -1,0 +1,146 @@
+// Prefill data movement: the shared-memory layout, the Q tile load (RoPE on the way), the KV pipeline
+// (page ids prefetched, cp.async into swizzled tiles) and the in-place RoPE pass over a K tile.
+//
+// Config: DTypeQ, DTypeKV, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS, MMA_Q, TILE_KV, STAGES, SMEM_BYTES, PAGED.
+#pragma once
+#include <flashgen/kv_rows.cuh>
+#include <flashgen/logits.cuh>
+#include <flashgen/mma.cuh>
+
+namespace flashgen::prefill {
+
+template <class C>
+struct Layout {
+  using DTypeQ = typename C::DTypeQ;
+  using DTypeKV = typename C::DTypeKV;
+  static constexpr int D = C::HEAD_DIM, DV = C::HEAD_DIM_VO;
+  static constexpr int WARP_ROWS = 16 * C::MMA_Q;
+  static constexpr int TILE_Q = C::NUM_WARPS * WARP_ROWS;
+  static constexpr int TILE_KV = C::TILE_KV;
+  static constexpr int THREADS = C::NUM_WARPS * 32;
+  static constexpr int Q_CHUNKS = D * int(sizeof(DTypeQ)) / 16;  // 16-byte chunks per row
+  static constexpr int K_CHUNKS = D * int(sizeof(DTypeKV)) / 16;
+  static constexpr int V_CHUNKS = DV * int(sizeof(DTypeKV)) / 16;
+  static constexpr int Q_BYTES = TILE_Q * D * int(sizeof(DTypeQ));
+  static constexpr int K_STAGE = TILE_KV * D * int(sizeof(DTypeKV));
+  static constexpr int V_STAGE = TILE_KV * DV * int(sizeof(DTypeKV));
+  static constexpr int K_OFFSET = Q_BYTES;
+  static constexpr int V_OFFSET = K_OFFSET + C::STAGES * K_STAGE;
+  static constexpr int ROW_OFFSETS = V_OFFSET + C::STAGES * V_STAGE;
+  static constexpr int TOTAL = ROW_OFFSETS + 2 * TILE_KV * 8;
+  static_assert(TOTAL == C::SMEM_BYTES, "codegen and the kernel disagree on the shared-memory size");
+  static_assert(Q_CHUNKS % 8 == 0 && K_CHUNKS % 8 == 0 && V_CHUNKS % 8 == 0, "rows of whole 128-byte lines (swizzle)");
+  static_assert(TILE_KV % 16 == 0 && TILE_KV <= THREADS, "one KV row offset per thread");
+  static_assert(C::STAGES >= 2, "at least double buffering");
+};
+
+// element index of (row, 16-byte chunk) in a swizzled tile whose rows have `chunks` chunks of 8 elements
+__device__ __forceinline__ int tile_index(int row, int chunk, int chunks) { return row * chunks * 8 + swizzle(row, chunk) * 8; }
+
+// 8 + 8 elements (the two halves of RoPE pairs i and i + dim/2) rotated by `pos`, in place, in 16-bit storage
+template <typename T>
+__device__ __forceinline__ void rope_chunk_pair(uint4& a, uint4& b, float pos, int i0, int dim, float rcp_scale,
+                                                float log2_theta) {
+  uint32_t* aw = reinterpret_cast<uint32_t*>(&a);
+  uint32_t* bw = reinterpret_cast<uint32_t*>(&b);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 x = unpack2<T>(aw[i]), y = unpack2<T>(bw[i]);
+    rope_rotate(x.x, y.x, pos, i0 + 2 * i, dim, rcp_scale, log2_theta);
+    rope_rotate(x.y, y.y, pos, i0 + 2 * i + 1, dim, rcp_scale, log2_theta);
+    aw[i] = pack2<T>(x.x, x.y);
+    bw[i] = pack2<T>(y.x, y.y);
+  }
+}
+
+// The CTA's Q tile: packed row r = token (r + row0) / group, q head kv_head * group + (r + row0) % group;
+// rows past the request's end are zeros. RoPE at q_pos = q_base + token.
+template <class C, class Params>
+__device__ __forceinline__ void load_q(const Params& p, typename C::DTypeQ* q_smem, int token0, int row0, int rows_total,
+                                       int kv_head, int q_base) {
+  using L = Layout<C>;
+  constexpr int HALF = L::Q_CHUNKS / 2;
+  for (int job = threadIdx.x; job < L::TILE_Q * HALF; job += L::THREADS) {
+    const int r = job / HALF, c = job % HALF, prow = row0 + r;
+    uint4 a = make_uint4(0, 0, 0, 0), b = a;
+    if (prow < rows_total) {
+      const int token = prow / p.group_size, head = kv_head * p.group_size + prow % p.group_size;
+      const typename C::DTypeQ* src = p.q + (int64_t(token0 + token) * p.num_qo_heads + head) * C::HEAD_DIM;
+      a = *reinterpret_cast<const uint4*>(src + c * 8);
+      b = *reinterpret_cast<const uint4*>(src + C::HEAD_DIM / 2 + c * 8);
+      if constexpr (C::ROPE)
+        rope_chunk_pair<typename C::DTypeQ>(a, b, float(q_base + token), c * 8, C::HEAD_DIM, p.rope_rcp_scale,
+                                            p.rope_log2_theta);
+    }
+    *reinterpret_cast<uint4*>(q_smem + tile_index(r, c, L::Q_CHUNKS)) = a;
+    *reinterpret_cast<uint4*>(q_smem + tile_index(r, c + HALF, L::Q_CHUNKS)) = b;
+  }
+}
+
+// K/V tiles of positions [kv_lo + t * TILE_KV, ...) clipped at kv_hi (rows past it are zero-filled).
+// Thread tid < TILE_KV owns row tid of every tile's offsets: its page id is loaded two tiles ahead.
+template <class C>
+struct KVPipeline {
+  using L = Layout<C>;
+  using DTypeKV = typename C::DTypeKV;
+  KVRows<C::PAGED, C::PAGE_SIZE> rows;
+  const DTypeKV* k_head;
+  const DTypeKV* v_head;
+  DTypeKV* k_smem;
+  DTypeKV* v_smem;
+  int64_t* row_offsets;  // [2][TILE_KV]
+  int kv_lo, kv_hi, num_tiles;
+
+  __device__ __forceinline__ int32_t page_of(int tile) const {
+    const int tid = threadIdx.x, pos = kv_lo + tile * L::TILE_KV + tid;
+    return (tid < L::TILE_KV && tile < num_tiles && pos < kv_hi) ? rows.page(pos) : 0;
+  }
+  __device__ __forceinline__ void store_offset(int tile, int32_t page_id) const {
+    const int tid = threadIdx.x, pos = kv_lo + tile * L::TILE_KV + tid;
+    if (tid < L::TILE_KV)
+      row_offsets[(tile & 1) * L::TILE_KV + tid] = (tile < num_tiles && pos < kv_hi) ? rows.offset(pos, page_id) : -1;
+  }
+  __device__ __forceinline__ DTypeKV* k_tile(int tile) const { return k_smem + (tile % C::STAGES) * L::TILE_KV * L::D; }
+  __device__ __forceinline__ DTypeKV* v_tile(int tile) const { return v_smem + (tile % C::STAGES) * L::TILE_KV * L::DV; }
+
+  // cp.async of one tile's K and V (one commit group; an empty group past the end keeps the counting uniform)
+  __device__ __forceinline__ void issue(int tile) const {
+    if (tile < num_tiles) {
+      const int64_t* offsets = row_offsets + (tile & 1) * L::TILE_KV;
+      DTypeKV* ks = k_tile(tile);
+      DTypeKV* vs = v_tile(tile);
+#pragma unroll 4
+      for (int job = threadIdx.x; job < L::TILE_KV * L::K_CHUNKS; job += L::THREADS) {
+        const int r = job / L::K_CHUNKS, c = job % L::K_CHUNKS;
+        const int64_t off = offsets[r];
+        cp_async_16(ks + tile_index(r, c, L::K_CHUNKS), off < 0 ? k_head : k_head + off + c * 8, off < 0);
+      }
+#pragma unroll 4
+      for (int job = threadIdx.x; job < L::TILE_KV * L::V_CHUNKS; job += L::THREADS) {
+        const int r = job / L::V_CHUNKS, c = job % L::V_CHUNKS;
+        const int64_t off = offsets[r];
+        cp_async_16(vs + tile_index(r, c, L::V_CHUNKS), off < 0 ? v_head : v_head + off + c * 8, off < 0);
+      }
+    }
+    cp_async_commit();
+  }
+
+  // RoPE over a landed K tile in shared memory (once per CTA, before any warp reads it)
+  template <class Params>
+  __device__ __forceinline__ void rope_k(const Params& p, int tile) const {
+    constexpr int HALF = L::K_CHUNKS / 2;
+    DTypeKV* ks = k_tile(tile);
+    for (int job = threadIdx.x; job < L::TILE_KV * HALF; job += L::THREADS) {
+      const int r = job / HALF, c = job % HALF;
+      uint4* a = reinterpret_cast<uint4*>(ks + tile_index(r, c, L::K_CHUNKS));
+      uint4* b = reinterpret_cast<uint4*>(ks + tile_index(r, c + HALF, L::K_CHUNKS));
+      uint4 x = *a, y = *b;
+      rope_chunk_pair<DTypeKV>(x, y, float(kv_lo + tile * L::TILE_KV + r), c * 8, L::D, p.rope_rcp_scale,
+                               p.rope_log2_theta);
+      *a = x;
+      *b = y;
+    }
+  }
+};
+
+}  // namespace flashgen::prefill

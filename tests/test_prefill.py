@@ -1,0 +1,216 @@
+"""GPU tests of batch prefill against the fp64 reference: fresh random inputs, NaN-poisoned outputs and NaN
+in every cache slot no request owns. Lengths straddle the 64-row q tiles and 32/64-token KV tiles."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+import flashgen
+from flashgen import ALiBi, AttentionSpec, Causal, CustomMask, Paged, Ragged, RoPE, SlidingWindow
+from flashgen.plan import PlanError, csr_to_block_table
+from flashgen.testing.layouts import paged_kv_cache
+from flashgen.testing.reference import pack_custom_mask, reference_attention
+from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
+
+pytestmark = pytest.mark.cuda
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# (qo_len, kv_len): empty requests both ways, one token, append (qo < kv), qo = kv, tile boundaries +- 1
+QO = [0, 1, 17, 65, 64, 3, 130, 5]
+KV = [5, 1, 17, 300, 64, 0, 130, 0]
+
+LAYOUT_MASKS = [
+    AttentionSpec(128, kv_layout=Ragged()),
+    AttentionSpec(128, kv_layout=Ragged(), mask=Causal()),
+    AttentionSpec(128, kv_layout=Paged(1), mask=Causal()),
+    AttentionSpec(128, kv_layout=Paged(5, "HND"), mask=SlidingWindow(20)),
+    AttentionSpec(128, kv_layout=Paged(16), mask=CustomMask()),
+    AttentionSpec(128, kv_layout=Paged(64, "HND")),
+    AttentionSpec(128, kv_layout=Paged(16), mask=Causal()),
+]
+OPTIONS = [
+    (AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE()), {}),
+    (AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE(500000.0, 8.0)), {"rope_theta": 1e6, "rope_scale": 2.0}),
+    (AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=ALiBi()), {}),
+    (AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), soft_cap=30.0), {"soft_cap": 5.0}),
+    (AttentionSpec(128, kv_layout=Paged(16), mask=Causal()), {"sm_scale": 0.3}),
+    (AttentionSpec(128, kv_layout=Paged(16), mask=SlidingWindow(7)), {"window_left": 40}),
+    (AttentionSpec(128, kv_layout=Ragged(), dtype="float16", mask=CustomMask(), pos_encoding=RoPE(), soft_cap=20.0), {}),
+]
+HEADS = [
+    (AttentionSpec(64, kv_layout=Ragged(), mask=Causal()), 7),
+    (AttentionSpec(64, kv_layout=Paged(16)), 4),
+    (AttentionSpec(256, kv_layout=Paged(16), mask=Causal()), 1),
+    (AttentionSpec(256, kv_layout=Ragged(), pos_encoding=RoPE()), 4),
+    (AttentionSpec(192, head_dim_vo=128, kv_layout=Ragged(), mask=Causal()), 7),
+    (AttentionSpec(128, kv_layout=Ragged(), mask=Causal()), 1),
+]
+ALL_SPECS = {s for s in LAYOUT_MASKS} | {s for s, _ in OPTIONS} | {s for s, _ in HEADS}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    """Compile every spec of this module in parallel up front (nvcc runs are the slow part)."""
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(lambda s: flashgen.ensure_compiled(s, "prefill"), ALL_SPECS))
+
+
+def make_batch(spec, qo_lens, kv_lens, num_kv_heads, group, *, combined=False, seed=None):
+    gen = torch.Generator().manual_seed(seed if seed is not None else int(np.random.randint(1 << 30)))
+    dtype = DTYPES[spec.dtype]
+    ks = [torch.randn(n, num_kv_heads, spec.head_dim, generator=gen).to(dtype) for n in kv_lens]
+    vs = [torch.randn(n, num_kv_heads, spec.head_dim_vo, generator=gen).to(dtype) for n in kv_lens]
+    q = torch.randn(sum(qo_lens), num_kv_heads * group, spec.head_dim, generator=gen).to(dtype)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    if isinstance(spec.kv_layout, Paged):
+        kv, indptr, indices, last = paged_kv_cache(ks, vs, spec.kv_layout.page_size, order=spec.kv_layout.order,
+                                                   combined=combined, generator=gen)
+        table = {"kv_indptr": indptr, "kv_indices": indices, "kv_last_page_len": last}
+    else:
+        kv = (torch.cat(ks), torch.cat(vs))
+        table = {"kv_indptr": torch.tensor(np.concatenate([[0], np.cumsum(kv_lens)]), dtype=torch.int32)}
+    mask = None
+    if isinstance(spec.mask, CustomMask):
+        mask = [torch.rand(a, b, generator=gen) < 0.7 for a, b in zip(qo_lens, kv_lens)]
+    return q, kv, table, qo_indptr, mask
+
+
+def to_cuda(kv):
+    return tuple(x.cuda() for x in kv) if isinstance(kv, tuple) else kv.cuda()
+
+
+def check(spec, q, kv, table, qo_indptr, out, lse=None, custom_mask=None, **runtime):
+    kw = dict(qo_indptr=qo_indptr, custom_mask=custom_mask, **table, **runtime)
+    ref, ref_lse = reference_attention(spec, q, kv, **kw)
+    low, low_lse = same_dtype_reference(spec, q, kv, **kw)
+    assert_attention_close(out.cpu(), ref, low)
+    if lse is not None:
+        assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+
+
+def run_prefill(spec, q, kv, table, qo_indptr, num_kv_heads, *, custom_mask=None, plan_kwargs=None, **runtime):
+    wrapper = flashgen.BatchPrefillWrapper(spec)
+    tab = dict(table)
+    if "kv_indices" in tab:
+        tab["kv_indices"] = tab["kv_indices"].cuda()
+    mask = pack_custom_mask(custom_mask) if custom_mask is not None else None
+    wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads, custom_mask=mask, **tab,
+                 **runtime, **(plan_kwargs or {}))
+    out = torch.full((q.shape[0], q.shape[1], spec.head_dim_vo), float("nan"), dtype=q.dtype, device="cuda")
+    return wrapper.run(q.cuda(), to_cuda(kv), out=out, return_lse=True)
+
+
+def run_and_check(spec, qo_lens, kv_lens, heads, group, *, combined=False, plan_kwargs=None, **runtime):
+    q, kv, table, qo_indptr, mask = make_batch(spec, qo_lens, kv_lens, heads, group, combined=combined)
+    out, lse = run_prefill(spec, q, kv, table, qo_indptr, heads, custom_mask=mask, plan_kwargs=plan_kwargs, **runtime)
+    check(spec, q, kv, table, qo_indptr, out, lse, custom_mask=mask, **runtime)
+    return out, lse
+
+
+@pytest.mark.parametrize("spec", LAYOUT_MASKS, ids=lambda s: s.uri)
+def test_layouts_and_masks(spec):
+    run_and_check(spec, QO, KV, 2, 4, combined=isinstance(spec.kv_layout, Paged) and spec.kv_layout.page_size == 5)
+
+
+@pytest.mark.parametrize("spec,runtime", OPTIONS, ids=lambda x: x.uri if isinstance(x, AttentionSpec) else str(x))
+def test_options(spec, runtime):
+    run_and_check(spec, QO, KV, 2, 4, **runtime)
+
+
+@pytest.mark.parametrize("spec,group", HEADS, ids=lambda x: x.uri if isinstance(x, AttentionSpec) else str(x))
+def test_head_dims_and_groups(spec, group):
+    run_and_check(spec, [33, 0, 200, 1], [90, 4, 200, 1], 2, group)
+
+
+@pytest.mark.parametrize("spec", [LAYOUT_MASKS[1], LAYOUT_MASKS[4], OPTIONS[5][0]], ids=lambda s: s.uri)
+def test_split_and_unsplit_agree(spec):
+    qo_lens, kv_lens = [200, 7], [6000, 40]
+    q, kv, table, qo_indptr, mask = make_batch(spec, qo_lens, kv_lens, 1, 4)
+    split, lse_split = run_prefill(spec, q, kv, table, qo_indptr, 1, custom_mask=mask)
+    whole, lse_whole = run_prefill(spec, q, kv, table, qo_indptr, 1, custom_mask=mask, plan_kwargs={"enable_split": False})
+    check(spec, q, kv, table, qo_indptr, split, lse_split, custom_mask=mask)
+    check(spec, q, kv, table, qo_indptr, whole, lse_whole, custom_mask=mask)
+    torch.testing.assert_close(split.float(), whole.float(), atol=2e-2, rtol=0)
+
+
+def test_block_table():
+    spec = LAYOUT_MASKS[-1]
+    q, kv, table, qo_indptr, _ = make_batch(spec, QO, KV, 2, 4)
+    block_table, seq_lens = csr_to_block_table(table["kv_indptr"], table["kv_indices"], table["kv_last_page_len"], 16)
+    wrapper = flashgen.BatchPrefillWrapper(spec)
+    wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=8, num_kv_heads=2, block_table=block_table.cuda(), seq_lens=seq_lens)
+    out = wrapper.run(q.cuda(), to_cuda(kv))
+    check(spec, q, kv, {"block_table": block_table, "seq_lens": seq_lens}, qo_indptr, out)
+
+
+def test_cuda_graph_replay_after_replanning():
+    spec = LAYOUT_MASKS[-1]
+    max_batch, max_q, heads, group, pool_pages = 8, 600, 2, 4, 400
+    wrapper = flashgen.BatchPrefillWrapper(spec, use_cuda_graph=True, max_batch_size=max_batch, max_total_q=max_q)
+    pool_q = torch.zeros(max_q, heads * group, 128, dtype=torch.bfloat16, device="cuda")
+    pool_kv = tuple(torch.empty(pool_pages, 16, heads, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    indices_buf = torch.zeros(pool_pages, dtype=torch.int32, device="cuda")
+
+    def load(qo_lens, kv_lens):
+        q, kv, table, qo_indptr, _ = make_batch(spec, qo_lens, kv_lens, heads, group)
+        pages = kv[0].shape[0]
+        assert pages <= pool_pages
+        for pool, part in zip(pool_kv, kv):
+            pool[:pages].copy_(part)
+        indices_buf[: table["kv_indices"].numel()].copy_(table["kv_indices"])
+        pool_q[: q.shape[0]].copy_(q)
+        wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=heads * group, num_kv_heads=heads, kv_indptr=table["kv_indptr"],
+                     kv_indices=indices_buf, kv_last_page_len=table["kv_last_page_len"])
+        return q, kv, table, qo_indptr
+
+    load([100, 3], [2000, 50])
+    wrapper.run(pool_q, pool_kv)  # warm up (compile, load) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = wrapper.run(pool_q, pool_kv, return_lse=True)
+    for qo_lens, kv_lens in (([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900]), ([1], [1]), ([100, 3], [2000, 50]),
+                             ([75] * 8, [75] * 8)):
+        q, kv, table, qo_indptr = load(qo_lens, kv_lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        n = q.shape[0]
+        check(spec, q, kv, table, qo_indptr, out[:n], lse[:n])
+
+
+def test_attention_one_shot():
+    q = torch.randn(300, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(700, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal())
+    table = {"kv_indptr": [0, 700]}
+    check(spec, q.cpu(), (k.cpu(), v.cpu()), table, [0, 300], out, lse)
+
+
+def test_bad_arguments_are_named():
+    spec = LAYOUT_MASKS[-1]
+    q, kv, table, qo_indptr, _ = make_batch(spec, [10, 20], [40, 100], 2, 4)
+    wrapper = flashgen.BatchPrefillWrapper(spec)
+    with pytest.raises(PlanError, match="qo_indptr"):
+        wrapper.plan(qo_indptr=[0, 10], num_qo_heads=8, num_kv_heads=2, **table)
+    with pytest.raises(PlanError, match="num_qo_heads"):
+        wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=7, num_kv_heads=2, **table)
+    with pytest.raises(PlanError, match="custom_mask"):
+        wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=8, num_kv_heads=2, custom_mask=torch.zeros(4, dtype=torch.uint8),
+                     **table)
+    with pytest.raises(PlanError, match="custom_mask: required"):
+        flashgen.BatchPrefillWrapper(LAYOUT_MASKS[4]).plan(qo_indptr=qo_indptr, num_qo_heads=8, num_kv_heads=2, **table)
+    wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=8, num_kv_heads=2, **table)
+    with pytest.raises(ValueError, match="^q: expected shape"):
+        wrapper.run(q[:5].cuda(), to_cuda(kv))
+    with pytest.raises(TypeError, match="^q: expected dtype"):
+        wrapper.run(q.half().cuda(), to_cuda(kv))
+    with pytest.raises(ValueError, match=r"^kv_cache \(k\): expected shape"):
+        wrapper.run(q.cuda(), (kv[0][:, :8].cuda(), kv[1][:, :8].cuda()))
+    with pytest.raises(flashgen.SpecError, match="kv_dtype"):
+        flashgen.BatchPrefillWrapper(AttentionSpec(128, kv_dtype="float8_e4m3fn"))
+    with pytest.raises(flashgen.SpecError, match="head_dim"):
+        flashgen.BatchPrefillWrapper(AttentionSpec(96))
