@@ -1,0 +1,307 @@
+"""Batch prefill benchmark: flashgen against torch SDPA (flash, cuDNN), FlexAttention and FlashInfer FA2, in one run.
+
+bf16, 32 q heads / 8 kv heads, head_dim 64/128/256, 16k tokens as batch x seqlen (1x16384, 4x4096, 16x1024),
+causal and not, KV ragged or paged (page 16 and 1, pages in random order); for head_dim 128 also a sliding
+window of 1024 and a document mask (8 causal documents per sequence, as a custom bit mask). Every timed call
+follows an L2 flush (256 MB zeroed); the median of --reps calls is reported as TFLOP/s (4·b·h·sq·sk·d, halved
+for causal; visible pairs for window and document masks) and % of the bf16 matmul rate (8192³) measured in
+the same run. FlexAttention's compile time is reported separately. Output: JSON, markdown table, PNG.
+
+    python3 benchmarks/bench_prefill.py --out benchmarks/results/prefill.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import flashgen  # noqa: E402
+from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow  # noqa: E402
+
+HQ, HKV, TOKENS, WINDOW, DOCS = 32, 8, 16384, 1024, 8
+_flush = None
+
+
+def timed(fn, reps: int) -> float:
+    """Median µs of ``fn`` over ``reps`` calls, each after an L2 flush (flush not timed)."""
+    global _flush
+    if _flush is None:
+        _flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        _flush.zero_()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def matmul_rate() -> float:
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    us = timed(lambda: a @ b, 20)
+    return 2 * 8192**3 / us / 1e6  # TFLOP/s
+
+
+def visible_pairs(mask: str, seqlen: int) -> float:
+    """Query-key pairs of one sequence that the mask keeps (causal counts half, the FlashAttention convention)."""
+    if mask == "none":
+        return seqlen * seqlen
+    if mask == "causal":
+        return seqlen * seqlen / 2
+    if mask == "window":
+        i = np.arange(seqlen)
+        return float(np.minimum(i + 1, WINDOW + 1).sum())
+    doc = seqlen // DOCS
+    return DOCS * doc * (doc + 1) / 2
+
+
+def doc_mask(seqlen: int) -> torch.Tensor:
+    doc = torch.arange(seqlen) // (seqlen // DOCS)
+    pos = torch.arange(seqlen)
+    return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+
+
+def spec_for(d: int, layout: str, mask: str) -> AttentionSpec:
+    kv_layout = Ragged() if layout == "ragged" else Paged(int(layout[5:]))
+    m = {"none": NoMask(), "causal": Causal(), "window": SlidingWindow(WINDOW), "doc": CustomMask()}[mask]
+    return AttentionSpec(d, kv_layout=kv_layout, mask=m)
+
+
+def bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, reps):
+    spec = spec_for(d, layout, mask)
+    wrapper = flashgen.BatchPrefillWrapper(spec)
+    indptr = np.arange(batch + 1) * seqlen
+    custom = None
+    if mask == "doc":
+        custom = [doc_mask(seqlen)] * batch
+    if layout == "ragged":
+        table, kv = {"kv_indptr": indptr}, (k, v)
+    else:
+        page = spec.kv_layout.page_size
+        pages = batch * seqlen // page
+        perm = torch.randperm(pages, generator=gen)
+        kp = torch.empty(pages, page, HKV, d, dtype=k.dtype, device="cuda")
+        vp = torch.empty_like(kp)
+        kp[perm.cuda()] = k.view(pages, page, HKV, d)
+        vp[perm.cuda()] = v.view(pages, page, HKV, d)
+        table = {"kv_indptr": np.arange(batch + 1) * (seqlen // page), "kv_indices": perm.to(torch.int32).cuda(),
+                 "kv_last_page_len": np.full(batch, page)}
+        kv = (kp, vp)
+    wrapper.plan(qo_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV, custom_mask=custom, **table)
+    out = torch.empty_like(q)
+    return timed(lambda: wrapper.run(q, kv, out=out), reps)
+
+
+def bench_sdpa(q, k, v, batch, seqlen, d, causal, backend, reps):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kind = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    q4, k4, v4 = (x.view(batch, seqlen, -1, d).transpose(1, 2) for x in (q, k, v))
+
+    def call():
+        with sdpa_kernel(kind):
+            torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=causal, enable_gqa=True)
+    return timed(call, reps)
+
+
+_flex = None
+
+
+def bench_flex(q, k, v, batch, seqlen, d, mask, reps) -> tuple[float, float]:
+    global _flex
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _flex is None:
+        torch._dynamo.config.cache_size_limit = 256
+        torch._dynamo.config.accumulated_cache_size_limit = 4096
+        _flex = torch.compile(flex_attention, dynamic=False)
+    doc = seqlen // DOCS
+    mods = {
+        "none": None,
+        "causal": lambda b, h, qi, ki: ki <= qi,
+        "window": lambda b, h, qi, ki: (ki <= qi) & (qi - ki <= WINDOW),
+        "doc": lambda b, h, qi, ki: (ki <= qi) & (qi // doc == ki // doc),
+    }
+    block_mask = None if mods[mask] is None else create_block_mask(mods[mask], None, None, seqlen, seqlen)
+    q4, k4, v4 = (x.view(batch, seqlen, -1, d).transpose(1, 2) for x in (q, k, v))
+    start = time.perf_counter()
+    _flex(q4, k4, v4, block_mask=block_mask, enable_gqa=True)
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - start
+    return timed(lambda: _flex(q4, k4, v4, block_mask=block_mask, enable_gqa=True), reps), compile_s
+
+
+def bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, reps):
+    import flashinfer
+
+    ws = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * seqlen
+    causal, window = mask in ("causal", "window"), (WINDOW if mask == "window" else -1)
+    if layout == "ragged":
+        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa2")
+        w.plan(indptr.cuda(), indptr.cuda(), HQ, HKV, d, causal=causal, window_left=window,
+               q_data_type=torch.bfloat16)
+        return timed(lambda: w.run(q, k, v), reps)
+    page = int(layout[5:])
+    pages = batch * seqlen // page
+    perm = torch.randperm(pages, generator=gen)
+    kv = torch.empty(pages, 2, page, HKV, d, dtype=k.dtype, device="cuda")
+    kv[perm.cuda(), 0] = k.view(pages, page, HKV, d)
+    kv[perm.cuda(), 1] = v.view(pages, page, HKV, d)
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+    w.plan(indptr.cuda(), (torch.arange(batch + 1, dtype=torch.int32) * (seqlen // page)).cuda(),
+           perm.to(torch.int32).cuda(), torch.full((batch,), page, dtype=torch.int32).cuda(), HQ, HKV, d, page,
+           causal=causal, window_left=window, q_data_type=torch.bfloat16)
+    return timed(lambda: w.run(q, kv), reps)
+
+
+def grid(args):
+    for d in args.head_dims:
+        for batch, seqlen in args.shapes:
+            for mask in ("none", "causal") + (("window", "doc") if d == 128 else ()):
+                yield d, batch, seqlen, mask
+
+
+def parse_args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="prefill.json")
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--shapes", default="1x16384,4x4096,16x1024")
+    parser.add_argument("--layouts", default="ragged,paged16,paged1")
+    parser.add_argument("--peers", default="sdpa,flex,flashinfer")
+    parser.add_argument("--commit", default="", help="the commit measured (the device copy has no .git)")
+    args = parser.parse_args()
+    args.head_dims = [int(x) for x in args.head_dims.split(",")]
+    args.shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    args.layouts = args.layouts.split(",")
+    args.peers = set(args.peers.split(",")) if args.peers else set()
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    gen = torch.Generator().manual_seed(0)
+    specs = {spec_for(d, layout, mask) for d, _, _, mask in grid(args) for layout in args.layouts}
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(lambda s: flashgen.ensure_compiled(s, "prefill"), specs))
+    print(f"compiled {len(specs)} flashgen kernels in {time.perf_counter() - start:.0f} s", flush=True)
+    mm = matmul_rate()
+    print(f"bf16 matmul 8192^3: {mm:.0f} TFLOP/s", flush=True)
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not importable here"
+        print(f"flashinfer not importable: {exc!r}")
+        args.peers.discard("flashinfer")
+    rows = []
+    for d, batch, seqlen, mask in grid(args):
+        q = torch.randn(batch * seqlen, HQ, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(batch * seqlen, HKV, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        flops = 4 * batch * HQ * d * visible_pairs(mask, seqlen)
+
+        def record(peer, layout, us, **extra):
+            tf = flops / us / 1e6
+            rows.append({"peer": peer, "head_dim": d, "batch": batch, "seqlen": seqlen, "mask": mask, "layout": layout,
+                         "us": us, "TFLOPs": tf, "pct_matmul": 100 * tf / mm, **extra})
+            print(f"d={d:3} {batch:2}x{seqlen:5} {mask:6} {layout:7} {peer:12} {us:9.1f} us {tf:6.0f} TFLOP/s "
+                  f"{100 * tf / mm:5.1f} %", flush=True)
+
+        def attempt(peer, layout, fn):
+            try:
+                out = fn()
+                us, extra = out if isinstance(out, tuple) else (out, {})
+                record(peer, layout, us, **({"compile_s": extra} if not isinstance(extra, dict) else extra))
+            except Exception as exc:  # noqa: BLE001 - a peer failing is reported, never fatal
+                print(f"{peer} {layout} failed: {exc!r}"[:300], flush=True)
+
+        for layout in args.layouts:
+            attempt("flashgen", layout, lambda: bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, args.reps))
+            if "flashinfer" in args.peers and mask != "doc":
+                attempt("flashinfer", layout,
+                        lambda: bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, args.reps))
+        if "sdpa" in args.peers and mask in ("none", "causal"):
+            for backend in ("flash", "cudnn"):
+                attempt(f"sdpa-{backend}", "contig",
+                        lambda: bench_sdpa(q, k, v, batch, seqlen, d, mask == "causal", backend, args.reps))
+        if "flex" in args.peers:
+            attempt("flex", "contig", lambda: bench_flex(q, k, v, batch, seqlen, d, mask, args.reps))
+        del q, k, v
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True, cwd=REPO).stdout.strip()
+    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit,
+              "matmul_TFLOPs": mm, "shape": {"num_qo_heads": HQ, "num_kv_heads": HKV, "tokens": TOKENS}, "rows": rows}
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(markdown(result))
+    plot(result, out.with_suffix(".png"))
+    print(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    rows = result["rows"]
+    cols = sorted({(r["peer"], r["layout"]) for r in rows}, key=lambda x: (x[0] != "flashgen", x))
+    lines = [f"# Prefill, {result['device']}, {result['date']}, commit {result['commit']}",
+             f"bf16, {HQ} q / {HKV} kv heads, {TOKENS} tokens; bf16 matmul {result['matmul_TFLOPs']:.0f} TFLOP/s; "
+             "cells: TFLOP/s (% of matmul)", "",
+             "| d | b x s | mask | " + " | ".join(f"{p} {lay}" for p, lay in cols) + " |",
+             "|---|---|---|" + "---|" * len(cols)]
+    for d, batch, seqlen, mask in sorted({(r["head_dim"], r["batch"], r["seqlen"], r["mask"]) for r in rows}):
+        cells = []
+        for peer, layout in cols:
+            hit = [r for r in rows if (r["peer"], r["layout"], r["head_dim"], r["batch"], r["seqlen"], r["mask"])
+                   == (peer, layout, d, batch, seqlen, mask)]
+            cells.append(f"{hit[0]['TFLOPs']:.0f} ({hit[0]['pct_matmul']:.0f}%)" if hit else "–")
+        lines.append(f"| {d} | {batch}x{seqlen} | {mask} | " + " | ".join(cells) + " |")
+    flex = [r for r in rows if "compile_s" in r]
+    if flex:
+        lines += ["", f"FlexAttention compile time per shape: {min(r['compile_s'] for r in flex):.1f}-"
+                      f"{max(r['compile_s'] for r in flex):.1f} s (not in the timings)"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    rows = [r for r in result["rows"] if r["head_dim"] == 128 and r["mask"] in ("none", "causal")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, mask in zip(axes, ("none", "causal")):
+        for peer, layout in sorted({(r["peer"], r["layout"]) for r in rows}):
+            pts = sorted((r["batch"], r["TFLOPs"]) for r in rows if (r["peer"], r["layout"], r["mask"]) == (peer, layout, mask))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{peer} {layout}")
+        ax.axhline(result["matmul_TFLOPs"], color="grey", linestyle=":", label="bf16 matmul")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (16k tokens total)")
+        ax.set_title(f"d=128, {mask}")
+    axes[0].set_ylabel("TFLOP/s")
+    axes[1].legend(fontsize=6)
+    fig.suptitle(f"Prefill ({result['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
