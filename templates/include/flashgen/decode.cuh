@@ -78,13 +78,15 @@ __device__ __forceinline__ void merge_if_last(const Params& p, int token, int re
   for (int r = warp; r < rows_valid; r += C::NUM_WARPS) {
     const int64_t head = q_head0 + r;
     const float* lse_col = p.tmp_lse + first * stride + head;
-    float m = -INFINITY;
-    for (int k = lane; k < num_chunks; k += 32) m = fmaxf(m, __ldcg(lse_col + k * stride));
+    // the first 32 partials' lse stay in registers (one per lane): one round trip for up to 32 chunks
+    const float lse0 = lane < num_chunks ? __ldcg(lse_col + lane * stride) : -INFINITY;
+    float m = lse0;
+    for (int k = lane + 32; k < num_chunks; k += 32) m = fmaxf(m, __ldcg(lse_col + k * stride));
 #pragma unroll
     for (int x = 16; x > 0; x /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, x));
     const float m_use = m == -INFINITY ? 0.f : m;
-    float sum = 0.f;
-    for (int k = lane; k < num_chunks; k += 32) sum += expf(__ldcg(lse_col + k * stride) - m_use);
+    float sum = expf(lse0 - m_use);
+    for (int k = lane + 32; k < num_chunks; k += 32) sum += expf(__ldcg(lse_col + k * stride) - m_use);
 #pragma unroll
     for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffff, sum, x);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
@@ -92,9 +94,10 @@ __device__ __forceinline__ void merge_if_last(const Params& p, int token, int re
       const int col = c0 + lane * 4;
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
       for (int k0 = 0; k0 < num_chunks; k0 += 32) {
-        const float w_lane = k0 + lane < num_chunks ? expf(__ldcg(lse_col + (k0 + lane) * stride) - m_use) * inv : 0.f;
+        const float lse_k = k0 == 0 ? lse0 : (k0 + lane < num_chunks ? __ldcg(lse_col + (k0 + lane) * stride) : -INFINITY);
+        const float w_lane = expf(lse_k - m_use) * inv;
         const int n = min(32, num_chunks - k0);
-#pragma unroll 8
+#pragma unroll 16
         for (int j = 0; j < n; ++j) {
           const float w = __shfl_sync(0xffffffff, w_lane, j);
           if (col < DV) {
