@@ -10,7 +10,7 @@ import argparse
 import time
 
 from . import knobs
-from .cli import DEFAULT_BUILDS, cmd_build, cmd_info
+from .cli import cmd_build, cmd_info
 from .compile import device_arch
 
 

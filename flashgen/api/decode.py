@@ -69,6 +69,8 @@ class BatchDecodeWrapper:
         self._counters = None  # int32 [max_total_q * num_qo_heads], zero; the kernel leaves it zero
         self._kernel = None
         self._planned = None
+        self._kv_memo: dict = {}
+        self._dtype = TORCH_DTYPES[self.spec.dtype]
 
     # ------------------------------------------------------------------------------------------ plan
 
@@ -104,18 +106,23 @@ class BatchDecodeWrapper:
         counters = self._counter_buffer(info.max_total_q * num_qo_heads)
         if self._kernel is None:
             self._load_kernel()
+        rows = batch if not self.use_cuda_graph else self.max_batch_size
+        tables = (indptr_ptr, pages_ptr if table.block_table is None else 0,
+                  pages_ptr if table.block_table is not None else 0)
+        plan_ptrs = tuple(views[n].data_ptr() for n in ("qo_indptr", "kv_len", "request_idx", "qo_tile_idx",
+                                                         "chunk_idx", "kv_start", "kv_end", "merge_indptr",
+                                                         "num_chunks"))
         self._planned = {
-            "batch": batch if not self.use_cuda_graph else self.max_batch_size, "info": info,
-            "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "max_page": table.max_page,
-            "tables": (indptr_ptr, pages_ptr if table.block_table is None else 0,
-                       pages_ptr if table.block_table is not None else 0),
-            "plan": tuple(views[n].data_ptr() for n in ("qo_indptr", "kv_len", "request_idx", "qo_tile_idx",
-                                                        "chunk_idx", "kv_start", "kv_end", "merge_indptr",
-                                                        "num_chunks")) + (counters.data_ptr(),),
-            "tmp": (tmp_o.data_ptr(), tmp_lse.data_ptr()),
+            "info": info, "num_kv_heads": num_kv_heads, "max_page": table.max_page,
+            "q_shape": torch.Size((rows, num_qo_heads, self.spec.head_dim)),
+            "out_shape": torch.Size((rows, num_qo_heads, self.spec.head_dim_vo)),
+            "grid": (info.capacity, num_kv_heads, 1),
+            # the params struct between (q, k, v, o, lse) and the KV strides, then the scalars after them
+            "args": (tmp_o.data_ptr(), tmp_lse.data_ptr(), *tables, *plan_ptrs, counters.data_ptr()),
             "scalars": (bt_stride, num_qo_heads, num_qo_heads // num_kv_heads) + self._runtime(
                 sm_scale, rope_theta, rope_scale, window_left, soft_cap),
         }
+        self._kv_memo = {}
         self._keep = (plan, table)  # the host buffers stay alive until the copies have run
 
     def _counter_buffer(self, numel: int) -> torch.Tensor:
@@ -183,28 +190,45 @@ class BatchDecodeWrapper:
         planned = self._planned
         if planned is None:
             raise RuntimeError("run: call plan() first")
-        hq, spec = planned["num_qo_heads"], self.spec
-        shape = (planned["batch"], hq, spec.head_dim)
-        if q.shape != shape or q.dtype != TORCH_DTYPES[spec.dtype] or not q.is_contiguous() or q.device != self.device:
-            check_tensor("q", q, dtypes=(TORCH_DTYPES[spec.dtype],), ndim=3, device=self.device)
-            raise ValueError(f"q: expected shape {shape}, got {tuple(q.shape)}")
-        kv = kv_view(spec, kv_cache, planned["num_kv_heads"])
+        if q.shape != planned["q_shape"] or q.dtype != self._dtype or not q.is_contiguous() or not q.is_cuda:
+            self._bad_q(q)
+        kv_args = self._kv_args(kv_cache)
+        if out is None:
+            out = torch.empty(planned["out_shape"], dtype=q.dtype, device=q.device)
+        elif out.shape != planned["out_shape"] or out.dtype != q.dtype or not out.is_contiguous():
+            check_tensor("out", out, dtypes=(q.dtype,), ndim=3, device=self.device)
+            raise ValueError(f"out: expected shape {planned['out_shape']}, got {tuple(out.shape)}")
+        lse = torch.empty(planned["out_shape"][:2], dtype=torch.float32, device=q.device) if return_lse else None
+        self._decode.launch(planned["grid"], (128, 1, 1), self._smem, current_stream(self.device.index),
+                            q.data_ptr(), kv_args[0], kv_args[1], out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+                            *planned["args"], kv_args[2], kv_args[3], kv_args[4], *planned["scalars"])
+        return (out, lse) if return_lse else out
+
+    def _bad_q(self, q) -> None:
+        check_tensor("q", q, dtypes=(self._dtype,), ndim=3, device=self.device)
+        raise ValueError(f"q: expected shape {self._planned['q_shape']}, got {tuple(q.shape)}")
+
+    def _kv_args(self, kv_cache) -> tuple:
+        """(k ptr, v ptr, stride_page, stride_token, stride_head) of a cache; a cache seen before (the same
+        tensor objects: one per layer in an inference loop) costs a dict lookup, not a re-check."""
+        key = (id(kv_cache[0]), id(kv_cache[1])) if isinstance(kv_cache, (tuple, list)) else id(kv_cache)
+        hit = self._kv_memo.get(key)
+        if hit is not None and _same_cache(hit[0], kv_cache):
+            return hit[1]
+        planned = self._planned
+        kv = kv_view(self.spec, kv_cache, planned["num_kv_heads"])
         if planned["max_page"] >= kv.num_pages:
             name = "kv_indices" if self._keep[1].block_table is None else "block_table"
             raise ValueError(f"{name}: page id {planned['max_page']} is outside kv_cache's {kv.num_pages} pages")
-        if out is None:
-            out = torch.empty((shape[0], hq, spec.head_dim_vo), dtype=q.dtype, device=q.device)
-        else:
-            check_tensor("out", out, dtypes=(q.dtype,), ndim=3, device=self.device)
-        lse = torch.empty((shape[0], hq), dtype=torch.float32, device=q.device) if return_lse else None
-        self._launch(q, kv, out, lse)
-        return (out, lse) if return_lse else out
+        args = (kv.k.data_ptr(), kv.v.data_ptr(), kv.stride_page, kv.stride_token, kv.stride_head)
+        if len(self._kv_memo) >= 256:  # the memo holds the caches it has seen: bounded, and cleared by plan()
+            self._kv_memo.clear()
+        held = tuple(kv_cache) if isinstance(kv_cache, (tuple, list)) else kv_cache
+        self._kv_memo[key] = (held, args)
+        return args
 
-    def _launch(self, q, kv, out, lse) -> None:
-        planned, info = self._planned, self._planned["info"]
-        stream = current_stream(self.device.index)
-        lse_ptr = lse.data_ptr() if lse is not None else 0
-        self._decode.launch((info.capacity, planned["num_kv_heads"], 1), (128, 1, 1), self._smem, stream,
-                            q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), out.data_ptr(), lse_ptr, *planned["tmp"],
-                            *planned["tables"], *planned["plan"], kv.stride_page, kv.stride_token, kv.stride_head,
-                            *planned["scalars"])
+
+def _same_cache(held, kv_cache) -> bool:
+    if isinstance(held, tuple):
+        return isinstance(kv_cache, (tuple, list)) and held[0] is kv_cache[0] and held[1] is kv_cache[1]
+    return held is kv_cache
