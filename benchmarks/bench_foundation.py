@@ -64,6 +64,13 @@ def host_us(fn, n=2000):
     return best
 
 
+def copy_rate() -> float:
+    """Device copy rate (GB/s, bytes read + written) of a 2 GiB buffer."""
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / median_time_ms(lambda: dst.copy_(src)) / 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="foundation.json")
@@ -107,11 +114,7 @@ def main() -> None:
     results["torch_add_host_us"] = host_us(lambda: torch.add(s, s))
 
     # bandwidth: copy rate, then merge_states at a large size (bytes read + written)
-    buf = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(buf)
-    copy_ms = median_time_ms(lambda: dst.copy_(buf))
-    results["copy_GBps"] = 2 * buf.numel() / copy_ms / 1e6
-    del buf, dst
+    results["copy_GBps"] = copy_rate()
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         tokens, states, heads, dim = 16384, 4, 32, 128
