@@ -9,7 +9,7 @@ import torch
 
 from ..codegen import family
 from ..codegen.prefill import (
-    NUM_WARPS, prefill_ctas_per_sm, prefill_smem_bytes, prefill_stages, prefill_tile_q, prefill_tiles,
+    prefill_ctas_per_sm, prefill_smem_bytes, prefill_stages, prefill_tile_q, prefill_tiles,
 )
 from ..plan import PlanError, host_array, plan_prefill
 from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Ragged, RoPE, SlidingWindow
@@ -82,7 +82,7 @@ class BatchPrefillWrapper:
         d, dv = self.spec.head_dim, self.spec.head_dim_vo
         options = {"max_batch_size": self.max_batch_size, "max_total_q": self.max_total_q} if self.use_cuda_graph else {}
         plan = plan_prefill(qo, table.kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                            tile_rows=prefill_tile_q(d, dv), kv_granularity=prefill_tiles(d, dv)[1],
+                            tile_rows=prefill_tile_q(d, dv), kv_granularity=prefill_tiles(d, dv)[2],
                             num_sms=self.num_sms * prefill_ctas_per_sm(d, dv), enable_split=enable_split, **options)
         info = plan.info
         views = plan.to_device(self._bufs["plan"].get(plan.numel, "plan"))
@@ -189,6 +189,7 @@ class BatchPrefillWrapper:
         self._prefill = kernel["prefill"]
         d, dv = self.spec.head_dim, self.spec.head_dim_vo
         self._smem = prefill_smem_bytes(d, dv, prefill_stages(d, dv))
+        self._threads = prefill_tiles(d, dv)[0] * 32
         self._prefill.set_max_dynamic_shared_memory(self._smem)
         self._kernel = kernel
 
@@ -210,7 +211,7 @@ class BatchPrefillWrapper:
         if q.shape != shape or q.dtype != TORCH_DTYPES[spec.dtype] or not q.is_contiguous() or q.device != self.device:
             check_tensor("q", q, dtypes=(TORCH_DTYPES[spec.dtype],), ndim=3, device=self.device)
             raise ValueError(f"q: expected shape {shape}, got {tuple(q.shape)}")
-        kv = kv_view(spec, kv_cache, planned["num_kv_heads"])
+        kv = _kv_view(spec, kv_cache, planned["num_kv_heads"])
         if planned["max_page"] >= kv.num_pages:
             name = "block_table" if planned["block_table"] else "kv_indices"
             raise ValueError(f"{name}: page id {planned['max_page']} is outside kv_cache's {kv.num_pages} pages")
@@ -222,11 +223,28 @@ class BatchPrefillWrapper:
                 raise ValueError(f"out: expected shape {(shape[0], hq, spec.head_dim_vo)}, got {tuple(out.shape)}")
         lse = torch.empty((shape[0], hq), dtype=torch.float32, device=q.device) if return_lse else None
         stream = current_stream(self.device.index)
-        self._prefill.launch((planned["info"].capacity, planned["num_kv_heads"], 1), (NUM_WARPS * 32, 1, 1), self._smem,
+        self._prefill.launch((planned["info"].capacity, planned["num_kv_heads"], 1), (self._threads, 1, 1), self._smem,
                              stream, q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), out.data_ptr(),
                              lse.data_ptr() if lse is not None else 0, *planned["tmp"], *planned["tables"],
                              *planned["plan"], kv.stride_page, kv.stride_token, kv.stride_head, *planned["scalars"])
         return (out, lse) if return_lse else out
+
+
+def _kv_view(spec: AttentionSpec, kv_cache, num_kv_heads: int):
+    """kv_view, also for head_dim_vo != head_dim: K and V are then checked one by one, and V's strides must be
+    K's scaled by head_dim_vo / head_dim (both tensors dense in their head dim), as the kernel addresses V."""
+    if spec.head_dim == spec.head_dim_vo:
+        return kv_view(spec, kv_cache, num_kv_heads)
+    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
+        raise ValueError("kv_cache: expected a (k, v) pair when head_dim_vo != head_dim")
+    k, v = kv_cache
+    kview = kv_view(spec.replace(head_dim_vo=spec.head_dim), (k, k), num_kv_heads)
+    kv_view(spec.replace(head_dim=spec.head_dim_vo), (v, v), num_kv_heads)
+    d, dv = spec.head_dim, spec.head_dim_vo
+    if any(sk % d or sk // d * dv != sv for sk, sv in zip(k.stride()[:-1], v.stride()[:-1])):
+        raise ValueError(f"kv_cache (v): strides {v.stride()} are not k's {k.stride()} scaled by {dv}/{d} "
+                         "(k and v must be dense in the head dim)")
+    return type(kview)(k, v, kview.stride_page, kview.stride_token, kview.stride_head, kview.num_pages)
 
 
 _WRAPPERS: dict[tuple, BatchPrefillWrapper] = {}

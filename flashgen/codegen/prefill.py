@@ -1,6 +1,6 @@
 """The prefill family: batch prefill / append over ragged or paged KV on tensor cores (sm_80+, mma.sync).
 
-Python decides the tiles: a CTA of ``NUM_WARPS`` warps, each owning ``16 * MMA_Q`` packed q rows (token x q
+Python decides the tiles (``prefill_tiles``): a CTA of ``NUM_WARPS`` warps, each owning ``16 * MMA_Q`` packed q rows (token x q
 head of one GQA group), streams KV tiles of ``TILE_KV`` tokens through a ``STAGES``-deep cp.async pipeline.
 """
 
@@ -11,49 +11,53 @@ from .family import EntryPoint, KernelFamily, register, struct
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 PREFILL_HEAD_DIMS = (64, 128, 192, 256)  # rows of whole 128-byte lines (the swizzle needs 8k chunks)
-NUM_WARPS = 4
-SMEM_TARGET = 113 * 1024  # two CTAs per SM on Hopper (227 KB)
 
 
 def _flag(value: bool) -> str:
     return "true" if value else "false"
 
 
-def prefill_tiles(head_dim: int, head_dim_vo: int) -> tuple[int, int]:
-    """``(MMA_Q, TILE_KV)``: 16-row mma tiles per warp and KV tokens per pipeline stage.
+def prefill_tiles(head_dim: int, head_dim_vo: int) -> tuple[int, int, int]:
+    """``(NUM_WARPS, MMA_Q, TILE_KV)``: warps per CTA, 16-row mma tiles per warp, KV tokens per stage.
 
-    Worked example: head_dim 128: a warp holds 16 rows of O (64 fp32 registers for 128 columns) and a
-    16 x 64 score tile (32 registers) next to its Q fragments (32 registers): 64-token KV tiles fit
-    without spilling. head_dim 256 doubles O and Q, so KV tiles halve to 32 tokens.
+    Worked example: head_dim 128: a warp holds 16 rows of O (64 fp32 registers for 128 columns), a 16 x 64
+    score tile (32) and its Q fragments (32): ~185 registers, no spills. 8 such warps make a 128-row CTA
+    tile, so each K/V byte brought on chip feeds 128 rows (64 rows ran at ~95 TFLOP/s on the H200: the KV
+    stream and its latency, not the tensor cores, were the limit). head_dim 256 doubles O and Q (~240
+    registers), so KV tiles halve to 32 tokens and 4 warps (two CTAs per SM) keep the register file.
     """
-    return 1, (64 if max(head_dim, head_dim_vo) <= 192 else 32)
+    if max(head_dim, head_dim_vo) <= 192:
+        return 8, 1, 64
+    return 4, 1, 32
 
 
 def prefill_tile_q(head_dim: int, head_dim_vo: int) -> int:
     """Packed q rows of one CTA tile (the planner's ``tile_rows``)."""
-    return NUM_WARPS * 16 * prefill_tiles(head_dim, head_dim_vo)[0]
+    num_warps, mma_q, _ = prefill_tiles(head_dim, head_dim_vo)
+    return num_warps * 16 * mma_q
 
 
 def prefill_smem_bytes(head_dim: int, head_dim_vo: int, stages: int, elem: int = 2) -> int:
     """Shared memory of one CTA: the Q tile, ``stages`` K/V tiles, two rings of KV row offsets (Layout)."""
-    tile_kv = prefill_tiles(head_dim, head_dim_vo)[1]
+    tile_kv = prefill_tiles(head_dim, head_dim_vo)[2]
     return (prefill_tile_q(head_dim, head_dim_vo) * head_dim * elem
             + stages * tile_kv * (head_dim + head_dim_vo) * elem + 2 * tile_kv * 8)
 
 
-def prefill_stages(head_dim: int, head_dim_vo: int) -> int:
-    """Pipeline depth: 3 stages when they fit two CTAs per SM, else 2.
-
-    Worked example: head_dim 64: Q 8 KB + 3 x 16 KB = 57 KB -> 3. head_dim 128: Q 16 KB + 3 x 32 KB =
-    113 KB (just over) -> 2 (81 KB). head_dim 256: Q 32 KB + 2 x 32 KB = 97 KB -> 2.
-    """
-    return 3 if prefill_smem_bytes(head_dim, head_dim_vo, 3) <= SMEM_TARGET else 2
-
-
 def prefill_ctas_per_sm(head_dim: int, head_dim_vo: int) -> int:
-    """CTAs that fit on one SM by shared memory (227 KB, 1 KB reserved per CTA), at most 2."""
-    smem = prefill_smem_bytes(head_dim, head_dim_vo, prefill_stages(head_dim, head_dim_vo))
-    return max(1, min(2, (227 * 1024) // (smem + 1024)))
+    """CTAs per SM: 8-warp CTAs of ~185-250 registers a thread fill the register file alone; 4-warp CTAs
+    (head_dim 256) fit two. Used by the planner (slots = SMs x this)."""
+    return 1 if prefill_tiles(head_dim, head_dim_vo)[0] == 8 else 2
+
+
+def prefill_stages(head_dim: int, head_dim_vo: int) -> int:
+    """Pipeline depth: 3 stages when they fit the CTAs of one SM (227 KB, 1 KB reserved per CTA), else 2.
+
+    Worked example: head_dim 128, one 8-warp CTA per SM: Q 32 KB + 3 x 32 KB = 129 KB -> 3. head_dim 256,
+    two CTAs: Q 32 KB + 3 x 32 KB = 129 KB > 112 KB -> 2 (97 KB).
+    """
+    budget = (227 * 1024) // prefill_ctas_per_sm(head_dim, head_dim_vo) - 1024
+    return 3 if prefill_smem_bytes(head_dim, head_dim_vo, 3) <= budget else 2
 
 
 class PrefillFamily(KernelFamily):
@@ -81,7 +85,7 @@ class PrefillFamily(KernelFamily):
     def context(self, spec: AttentionSpec) -> dict:
         paged = isinstance(spec.kv_layout, Paged)
         d, dv = spec.head_dim, spec.head_dim_vo
-        mma_q, tile_kv = prefill_tiles(d, dv)
+        num_warps, mma_q, tile_kv = prefill_tiles(d, dv)
         stages = prefill_stages(d, dv)
         return {
             "DTypeQ": CPP_TYPES[spec.dtype],
@@ -90,12 +94,12 @@ class PrefillFamily(KernelFamily):
             "HEAD_DIM": d,
             "HEAD_DIM_VO": dv,
             "PAGE_SIZE": spec.kv_layout.page_size if paged else 1,
-            "NUM_WARPS": NUM_WARPS,
+            "NUM_WARPS": num_warps,
             "MMA_Q": mma_q,
             "TILE_KV": tile_kv,
             "STAGES": stages,
             "SMEM_BYTES": prefill_smem_bytes(d, dv, stages),
-            "Q_IN_REGS": _flag(d * mma_q <= 192),
+            "Q_IN_REGS": _flag(d * mma_q <= 128),
             "PAGED": _flag(paged),
             "ROPE": _flag(isinstance(spec.pos_encoding, RoPE)),
             "ALIBI": _flag(isinstance(spec.pos_encoding, ALiBi)),

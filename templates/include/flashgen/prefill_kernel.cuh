@@ -35,7 +35,8 @@ __device__ __forceinline__ void run(const Params& p) {
   load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
 
   const KVPipeline<C> pipe{KVRows<C::PAGED, C::PAGE_SIZE>(p, request),
-                           p.k + int64_t(kv_head) * p.stride_head, p.v + int64_t(kv_head) * p.stride_head,
+                           p.k + int64_t(kv_head) * p.stride_head,
+                           p.v + KVPipeline<C>::v_offset(int64_t(kv_head) * p.stride_head),
                            reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET), reinterpret_cast<DTypeKV*>(smem + L::V_OFFSET),
                            reinterpret_cast<int64_t*>(smem + L::ROW_OFFSETS), kv_lo, kv_hi, num_tiles};
   // prologue: tiles 0 .. S-2 in flight, offsets of tile S-1 stored, page ids of tile S in registers

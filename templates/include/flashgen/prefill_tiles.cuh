@@ -100,6 +100,11 @@ struct KVPipeline {
     if (tid < L::TILE_KV)
       row_offsets[(tile & 1) * L::TILE_KV + tid] = (tile < num_tiles && pos < kv_hi) ? rows.offset(pos, page_id) : -1;
   }
+  // V rows: the K row offset scaled by HEAD_DIM_VO / HEAD_DIM (the wrapper checks that V's strides are K's so scaled)
+  static __device__ __forceinline__ int64_t v_offset(int64_t k_off) {
+    if constexpr (L::D == L::DV) return k_off;
+    else return k_off < 0 ? k_off : k_off / L::D * L::DV;
+  }
   __device__ __forceinline__ DTypeKV* k_tile(int tile) const { return k_smem + (tile % C::STAGES) * L::TILE_KV * L::D; }
   __device__ __forceinline__ DTypeKV* v_tile(int tile) const { return v_smem + (tile % C::STAGES) * L::TILE_KV * L::DV; }
 
@@ -118,7 +123,7 @@ struct KVPipeline {
 #pragma unroll 4
       for (int job = threadIdx.x; job < L::TILE_KV * L::V_CHUNKS; job += L::THREADS) {
         const int r = job / L::V_CHUNKS, c = job % L::V_CHUNKS;
-        const int64_t off = offsets[r];
+        const int64_t off = v_offset(offsets[r]);
         cp_async_16(vs + tile_index(r, c, L::V_CHUNKS), off < 0 ? v_head : v_head + off + c * 8, off < 0);
       }
     }
