@@ -65,3 +65,10 @@ def test_decode_fast_path_on_bench_sized_batches():
         assert_same_plan(plan_decode(kv_lens, host_buffer=buffer, **heads), general)
         fixed = dict(heads, max_batch_size=batch + 100)
         assert_same_plan(plan_decode(kv_lens, **fixed), plan_split_kv(np.arange(batch + 1), kv_lens, **fixed))
+
+
+def test_decode_length_errors():
+    with pytest.raises(PlanError, match=r"kv_lens\[2\] = -1, expected >= 0"):
+        plan_decode(np.array([5, 2**31 - 1, -1], np.int64), num_qo_heads=4, num_kv_heads=4)
+    with pytest.raises(PlanError, match=r"kv_lens\[1\] = 1073741824, expected < 2\*\*30"):
+        plan_decode(np.array([5, 2**30], np.int32), num_qo_heads=4, num_kv_heads=4)

@@ -43,4 +43,4 @@ def host_array(name: str, value: object, ndim: int = 1, error: type[PlanError] =
                 raise error(f"{name}: dtype {array.dtype}, expected an integer dtype")
     if array.ndim != ndim:
         raise error(f"{name}: has shape {tuple(array.shape)}, expected {ndim} dimension(s)")
-    return array if array.dtype in (np.int32, np.int64) else array.astype(np.int64)
+    return array if array.dtype.kind == "i" and array.itemsize in (4, 8) else array.astype(np.int64)

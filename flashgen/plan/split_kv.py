@@ -84,11 +84,11 @@ def default_tile_rows(max_packed_rows: int) -> int:
 def _split_candidates(max_len: int, work: int, num_kv_heads: int, num_sms: int, granularity: int) -> list[int]:
     # split counts of the longest request: 1, the balanced count s0 +- 2, and 2, 4, 8 x s0 (for batches
     # whose short items already fill waves, finer chunks of the long ones pack better)
-    per_sm = max(granularity, work * num_kv_heads // num_sms)
-    s0 = -(-max_len // per_sm)
-    splits = {1, *range(max(1, s0 - 2), s0 + 3), 2 * s0, 4 * s0, 8 * s0}
-    chunks = {-(-(-(-max_len // s)) // granularity) * granularity for s in splits}
-    return sorted(chunks, reverse=True)  # descending: fewest splits first
+    per_sm = work * num_kv_heads // num_sms
+    s0 = -(-max_len // (per_sm if per_sm > granularity else granularity))
+    splits = (1, s0 - 2, s0 - 1, s0, s0 + 1, s0 + 2, 2 * s0, 4 * s0, 8 * s0)
+    chunks = {-(-max_len // s) for s in splits if s > 0}
+    return sorted({-(-c // granularity) * granularity for c in chunks}, reverse=True)  # fewest splits first
 
 
 def choose_kv_chunk(kv_lens: np.ndarray, qo_tiles: np.ndarray, num_kv_heads: int, *, num_sms: int = 132,
@@ -114,31 +114,47 @@ def choose_kv_chunk(kv_lens: np.ndarray, qo_tiles: np.ndarray, num_kv_heads: int
     return _choose(kv_lens, qo_tiles, num_kv_heads, num_sms, granularity, item_overhead, max_items)[0]
 
 
-def _choose(kv_lens, qo_tiles, num_kv_heads, num_sms, granularity, item_overhead, max_items):
+def _choose(kv_lens, qo_tiles, num_kv_heads, num_sms, granularity, item_overhead, max_items, max_len=None):
     # returns (kv_chunk, chunks per request as float64 or None when nothing splits, number of items);
-    # chunks counts requests without queries too; qo_tiles None: one tile per request (decode)
-    live = kv_lens if qo_tiles is None else kv_lens * (qo_tiles > 0)
-    max_len = int(np.maximum.reduce(live, initial=0))
+    # chunks counts requests without queries too; qo_tiles None: one tile per request (decode), whose
+    # caller may pass max_len = kv_lens.max()
+    if max_len is None:
+        max_len = int(np.maximum.reduce(kv_lens if qo_tiles is None else kv_lens * (qo_tiles > 0), initial=0))
     if max_len <= granularity:
         return granularity, None, int(kv_lens.size if qo_tiles is None else qo_tiles.sum())
-    work = int(np.add.reduce(kv_lens, dtype=np.int64) if qo_tiles is None else qo_tiles @ kv_lens)
+    # chunk counts [candidate, batch] in float64 (exact for lengths < 2**40; SIMD, unlike integer division)
+    if qo_tiles is None:  # decode: float64 lengths, one dtype per call (a mixed-dtype call is slow here)
+        lens = kv_lens.astype(np.float64)
+        work = int(np.add.reduce(lens))
+    else:
+        lens = np.maximum(kv_lens, 1, dtype=np.float64)  # an empty request has one chunk
+        work = int(qo_tiles @ kv_lens)
     chunk = _split_candidates(max_len, work, num_kv_heads, num_sms, granularity)
-    # chunk counts of every candidate in float64 (exact for lengths < 2**40; SIMD, unlike integer division)
-    nchunks = np.maximum(kv_lens, 1, dtype=np.float64) / np.array(chunk, np.float64).reshape(-1, 1)
+    nchunks = lens / np.array(chunk, np.float64).reshape(-1, 1)
     np.ceil(nchunks, out=nchunks)
-    items = [int(n) for n in (np.add.reduce(nchunks, axis=1) if qo_tiles is None else nchunks @ qo_tiles).tolist()]
-    best, best_estimate, best_at = None, None, None
-    for at, (c, n) in enumerate(zip(chunk, items)):
-        if max_items is not None and n > max_items:
+    if qo_tiles is None:
+        counted = np.add.reduce(nchunks, axis=1).tolist()
+        # chunk[0] >= max_len counts the non-empty requests; an empty one still has a chunk
+        empty = kv_lens.size - int(counted[0])
+    else:
+        counted, empty = (nchunks @ qo_tiles).tolist(), 0
+    items = [int(n) + empty for n in counted]
+    best, best_estimate, best_at = None, float("inf"), None
+    limit = float("inf") if max_items is None else max_items
+    total, per_item, sms = work * num_kv_heads, item_overhead * num_kv_heads, num_sms
+    for at, c in enumerate(chunk):
+        n = items[at]
+        if n > limit:
             continue
-        longest = min(c, max_len) + item_overhead
-        estimate = -(-((work + item_overhead * n) * num_kv_heads) // (num_sms * longest)) * longest
-        if best is None or estimate < best_estimate / 1.01:  # ties (within 1 %) keep the longer chunk
+        longest = (c if c < max_len else max_len) + item_overhead
+        estimate = -(-(total + per_item * n) // (sms * longest)) * longest
+        if estimate < best_estimate / 1.01:  # ties (within 1 %) keep the longer chunk
             best, best_estimate, best_at = c, estimate, at
     if best is None:
         raise PlanError(f"capacity: {min(items)} work items are needed even unsplit, more than the "
                         f"capacity of {max_items}")
-    return best, nchunks[best_at], items[best_at]
+    counts = nchunks[best_at]
+    return best, (np.maximum(counts, 1) if empty else counts), items[best_at]
 
 
 # ---------------------------------------------------------------------------------------------- builder
@@ -313,6 +329,8 @@ _IOTA = np.arange(4096, dtype=np.int32)
 _IOTA.flags.writeable = False
 _UNSPLIT_FILL = np.array([[0], [-1], [0]], dtype=np.int32)  # qo_tile_idx, chunk_idx, kv_start of unsplit items
 _ITEM_PAD_COLUMN = _ITEM_PADS.reshape(-1, 1)
+_UNSIGNED = {4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
+_MAX_KV_LEN = 2**30  # kv_start + kv_chunk stays an int32
 
 
 def _iota(n: int) -> np.ndarray:
@@ -333,14 +351,14 @@ def _decode_schema(max_batch_size: int, max_total_q: int, capacity: int):
     return schema, numel, (*offsets[:5], offsets[5] - offsets[4])
 
 
-def _plan_decode(lens, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead, enable_split,
+def _plan_decode(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead, enable_split,
                  max_batch_size, max_total_q, tile_rows, capacity, partial_capacity, host_buffer) -> Plan:
     batch = lens.size
     if enable_split:
-        kv_chunk, counts, n = _choose(lens, None, num_kv_heads, num_sms, kv_granularity, item_overhead, capacity)
+        kv_chunk, counts, n = _choose(lens, None, num_kv_heads, num_sms, kv_granularity, item_overhead, capacity,
+                                      max_len)
     else:
-        longest = int(np.maximum.reduce(lens, initial=0))
-        kv_chunk, counts, n = max(kv_granularity, -(-longest // kv_granularity) * kv_granularity), None, batch
+        kv_chunk, counts, n = max(kv_granularity, -(-max_len // kv_granularity) * kv_granularity), None, batch
     cap = n if capacity is None else capacity
     if n > cap:
         raise PlanError(f"capacity: the batch needs {n} work items, more than the capacity of {cap}")
@@ -361,12 +379,8 @@ def _plan_decode(lens, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item
         kv.take(order, out=items[4, :n], mode="clip")
         partial_rows, merged = 0, 0  # no token has partial rows
     else:
-        ends = _split_decode_items(kv, chunks, kv_chunk, n, items)
-        # partial rows of request b: its chunks when split; merge_indptr[b + 1] = ends[b] - unsplit requests <= b
-        merge = flat[merge_at + 1: merge_at + batch + 1]
-        np.add.accumulate(chunks == 1, dtype=np.int32, out=merge)
-        np.subtract(ends, merge, out=merge)
-        partial_rows, merged = int(merge[-1]), batch
+        _split_decode_items(kv, chunks, kv_chunk, n, items, flat[merge_at + 1: merge_at + batch + 1])
+        partial_rows, merged = int(flat[merge_at + batch]), batch
     if max_batch_size > batch:  # fixed capacity: pad the per-request fields
         flat[qo_at + batch + 1: qo_at + max_batch_size + 1] = batch
         flat[kv_at + batch: kv_at + max_batch_size] = 0
@@ -380,20 +394,22 @@ def _plan_decode(lens, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item
     return Plan("split_kv", schema, host, info)
 
 
-def _split_decode_items(kv: np.ndarray, chunks: np.ndarray, kv_chunk: int, n: int, out: np.ndarray) -> np.ndarray:
-    # items in (request, chunk) order, stably sorted longest first into out[:, :n]; returns the chunk cumsum.
-    # int32 throughout (kv lengths < 2**30)
+def _split_decode_items(kv: np.ndarray, chunks: np.ndarray, kv_chunk: int, n: int, out: np.ndarray,
+                        merge: np.ndarray) -> None:
+    # items in (request, chunk) order, stably sorted longest first into out[:, :n]; merge = merge_indptr[1:].
+    # int32 throughout (kv lengths < 2**30, checked by plan_decode), one dtype per call
     ends = np.add.accumulate(chunks, dtype=np.int32)
-    items = np.empty((5, n), dtype=np.int32)  # request_idx, qo_tile_idx, chunk_idx, kv_start, kv_end
+    partial = chunks * (chunks > 1)  # partial rows of each request
+    np.add.accumulate(partial, dtype=np.int32, out=merge)
+    items = np.zeros((5, n), dtype=np.int32)  # request_idx, qo_tile_idx (0), chunk_idx, kv_start, kv_end
     request = _iota(chunks.size).repeat(chunks)
     items[0] = request
-    items[1] = 0
-    chunk = np.subtract(_iota(n), (ends - chunks).repeat(chunks), out=items[2])
-    start = np.multiply(chunk, kv_chunk, out=items[3])
+    # an unsplit request's first item is itself: its chunk_idx 0 - 1 = -1, and kv_start max(-1, 0) = 0
+    chunk = np.subtract(_iota(n), (ends - partial).repeat(chunks), out=items[2])
+    start = np.maximum(chunk, 0, out=items[3])
+    np.multiply(start, kv_chunk, out=start)
     end = np.minimum(start + kv_chunk, kv.take(request), out=items[4])
-    np.subtract(chunk, (chunks == 1).take(request), out=chunk)  # an unsplit request's chunk 0 - 1 = -1
     items.take((start - end).argsort(kind="stable"), axis=1, out=out[:, :n], mode="clip")
-    return ends
 
 
 def plan_decode(kv_lens: object, *, num_qo_heads: int, num_kv_heads: int, tile_rows: int | None = None,
@@ -411,15 +427,20 @@ def plan_decode(kv_lens: object, *, num_qo_heads: int, num_kv_heads: int, tile_r
     _check_heads(num_qo_heads, num_kv_heads)
     lens = host_array("kv_lens", kv_lens)
     batch = lens.size
-    if batch and np.minimum.reduce(lens) < 0:
+    # one pass for the check and the longest request: a negative length is a huge unsigned one
+    max_len = int(np.maximum.reduce(lens.view(_UNSIGNED[lens.itemsize]), initial=0))
+    if max_len >= _MAX_KV_LEN:
         b = int(np.argmin(lens))
-        raise PlanError(f"kv_lens[{b}] = {int(lens[b])}, expected >= 0")
+        if lens[b] < 0:
+            raise PlanError(f"kv_lens[{b}] = {int(lens[b])}, expected >= 0")
+        b = int(np.argmax(lens))
+        raise PlanError(f"kv_lens[{b}] = {int(lens[b])}, expected < 2**30 (plans hold int32 positions)")
     group_size = num_qo_heads // num_kv_heads
     sizes = _sizes(batch, batch, None, group_size, num_kv_heads, num_sms, tile_rows, max_batch_size, max_total_q,
                    capacity)
     if group_size <= sizes[2]:  # one qo tile per request
-        return _plan_decode(lens, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead, enable_split,
-                            *sizes, host_buffer)
+        return _plan_decode(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
+                            enable_split, *sizes, host_buffer)
     return _plan_general(_iota(batch + 1), lens, np.ones(batch, np.int64), num_qo_heads, num_kv_heads,
                          kv_granularity, num_sms, item_overhead, enable_split, *sizes, host_buffer)
 
