@@ -4,7 +4,8 @@ Mixed lengths (log-uniform KV lengths 16..32768, prefill query lengths 1..512), 
 8 kv), page size 16, 132 SMs; inputs are CPU int32 tensors. ``median_us`` is the realistic call: the plan
 reuses one host buffer, as a wrapper's plan() does; ``new_buffer_us`` lets every call allocate its own
 (a plain CPU tensor here; pinned, and far slower, where CUDA is available). Prints a table; ``--json PATH``
-also writes the records.
+also writes the records. The host is small and shared: other processes on its CPUs inflate every number
+(1.5-2x under a load of 2), so the 1-minute load average before and after is printed to stderr.
 
     python3 benchmarks/plan_bench.py --json plan_bench.json
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -79,8 +81,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the records as a JSON list to this path")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     records = run()
     print(table(records))
+    print(f"load average: {load_before:.2f} before, {os.getloadavg()[0]:.2f} after", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(records, indent=1) + "\n")
 
