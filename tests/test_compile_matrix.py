@@ -17,6 +17,8 @@ DECODE_SPECS = [
     AttentionSpec(64, kv_layout=Paged(3)),
     AttentionSpec(256, kv_layout=Paged(64, "HND")),
     AttentionSpec(128, kv_layout=Ragged()),
+    AttentionSpec(128, kv_dtype="float8_e4m3fn", kv_layout=Paged(16)),
+    AttentionSpec(256, dtype="float16", kv_dtype="float8_e5m2", kv_layout=Paged(3, "HND")),
 ]
 MATRIX = [("decode", s) for s in DECODE_SPECS] + [("merge_states", MergeSpec(d)) for d in ("f16", "bf16", "f32")]
 

@@ -113,6 +113,27 @@ def test_head_dims_and_large_groups(head_dim, group):
     check(spec, q, kv, table, out, lse)
 
 
+@pytest.mark.parametrize("kv_dtype,dtype,page_size", [("float8_e4m3fn", "bfloat16", 16), ("float8_e5m2", "float16", 1),
+                                                     ("float8_e4m3fn", "float16", 5)])
+def test_fp8_kv_with_scales(kv_dtype, dtype, page_size):
+    spec = AttentionSpec(128, dtype=dtype, kv_dtype=kv_dtype, kv_layout=Paged(page_size))
+    q, kv16, table = make_batch(spec.replace(kv_dtype=dtype), MIXED, 2, 4)
+    fp8 = getattr(torch, kv_dtype)
+    k_scale, v_scale = 0.37, 1.9
+    kv8 = tuple((x.float() / scale).to(fp8) for x, scale in zip(kv16, (k_scale, v_scale)))  # NaN spares stay NaN
+    wrapper = flashgen.BatchDecodeWrapper(spec)
+    wrapper.plan(num_qo_heads=8, num_kv_heads=2, k_scale=k_scale, v_scale=v_scale,
+                 **dict(table, kv_indices=table["kv_indices"].cuda()))
+    out = torch.full((q.shape[0], 8, 128), float("nan"), dtype=q.dtype, device="cuda")
+    out, lse = wrapper.run(q.cuda(), to_cuda(kv8), out=out, return_lse=True)
+    kv_ref = (kv8[0].double() * k_scale, kv8[1].double() * v_scale)  # what the fp8 cache means
+    qo_indptr = list(range(q.shape[0] + 1))
+    ref, ref_lse = reference_attention(spec, q, kv_ref, qo_indptr=qo_indptr, **table)
+    low, low_lse = same_dtype_reference(spec, q, kv_ref, qo_indptr=qo_indptr, **table)
+    assert_attention_close(out.cpu(), ref, low, kv_dtype=fp8)
+    assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, kv_dtype=fp8, name="lse")
+
+
 def test_ragged():
     spec = AttentionSpec(128, kv_layout=Ragged())
     q, kv, table = make_batch(spec, MIXED, 2, 4)
@@ -196,4 +217,6 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match=r"^kv_cache \(k\): expected dtype"):
         wrapper.run(q.cuda(), (kv[0].half().cuda(), kv[1].half().cuda()))
     with pytest.raises(flashgen.SpecError, match="kv_dtype"):
-        flashgen.BatchDecodeWrapper(AttentionSpec(128, kv_dtype="float8_e4m3fn"))
+        flashgen.BatchDecodeWrapper(AttentionSpec(64, kv_dtype="float8_e4m3fn"))
+    with pytest.raises(PlanError, match="k_scale"):
+        wrapper.plan(num_qo_heads=8, num_kv_heads=2, k_scale=2.0, **table)

@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..codegen import family
-from ..codegen.decode import TILE_KV, decode_ctas_per_sm, decode_smem_bytes, decode_stages
+from ..codegen.decode import KV_BYTES, TILE_KV, decode_ctas_per_sm, decode_smem_bytes, decode_stages
 from ..plan import PlanError, plan_decode
 from ..spec import AttentionSpec, RoPE, SlidingWindow
 from .checks import check_tensor
@@ -71,20 +71,23 @@ class BatchDecodeWrapper:
         self._planned = None
         self._kv_memo: dict = {}
         self._dtype = TORCH_DTYPES[self.spec.dtype]
+        self._kv_bytes = KV_BYTES[self.spec.kv_dtype]
 
     # ------------------------------------------------------------------------------------------ plan
 
     def plan(self, *, num_qo_heads: int, num_kv_heads: int, kv_indptr=None, kv_indices=None, kv_last_page_len=None,
              block_table=None, seq_lens=None, sm_scale: float | None = None, rope_theta: float | None = None,
              rope_scale: float | None = None, window_left: int | None = None, soft_cap: float | None = None,
-             num_pages: int | None = None, enable_split: bool = True) -> None:
+             num_pages: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+             enable_split: bool = True) -> None:
         """Plan a batch. Lengths (``kv_indptr``, ``kv_last_page_len``, ``seq_lens``) are host arrays: planning
         never synchronises with the GPU. Page ids (``kv_indices`` or ``block_table``) may be device int32
         tensors, read in place by the kernel, or host arrays, then validated and copied to the device.
 
         Runtime values default to the spec's: ``sm_scale`` (1/sqrt(head_dim)), RoPE ``rope_theta`` and
         ``rope_scale``, the window's ``window_left``, ``soft_cap``. ``num_pages`` (the pool size) bounds host
-        page ids here; without it they are checked against the cache at ``run()``.
+        page ids here; without it they are checked against the cache at ``run()``. ``k_scale``/``v_scale``:
+        per-tensor scales of fp8 K/V (the cache holds K/k_scale and V/v_scale).
         """
         if num_qo_heads % num_kv_heads:
             raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
@@ -94,7 +97,7 @@ class BatchDecodeWrapper:
         if self.use_cuda_graph and batch > self.max_batch_size:
             raise PlanError(f"kv_lens: batch_size {batch} exceeds max_batch_size = {self.max_batch_size}")
         options = {"max_batch_size": self.max_batch_size} if self.use_cuda_graph else {}
-        slots = self.num_sms * decode_ctas_per_sm(self.spec.head_dim, self.spec.head_dim_vo)
+        slots = self.num_sms * decode_ctas_per_sm(self.spec.head_dim, self.spec.head_dim_vo, self._kv_bytes)
         plan = plan_decode(table.kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, tile_rows=16,
                            kv_granularity=TILE_KV, num_sms=slots, enable_split=enable_split, **options)
         info = plan.info
@@ -120,7 +123,7 @@ class BatchDecodeWrapper:
             # the params struct between (q, k, v, o, lse) and the KV strides, then the scalars after them
             "args": (tmp_o.data_ptr(), tmp_lse.data_ptr(), *tables, *plan_ptrs, counters.data_ptr()),
             "scalars": (bt_stride, num_qo_heads, num_qo_heads // num_kv_heads) + self._runtime(
-                sm_scale, rope_theta, rope_scale, window_left, soft_cap),
+                sm_scale, rope_theta, rope_scale, window_left, soft_cap, k_scale) + (float(v_scale),),
         }
         self._kv_memo = {}
         self._keep = (plan, table)  # the host buffers stay alive until the copies have run
@@ -157,7 +160,7 @@ class BatchDecodeWrapper:
         self._keep_pages = host
         return buf.data_ptr(), (ids.shape[1] if ids.dim() == 2 else 0)
 
-    def _runtime(self, sm_scale, rope_theta, rope_scale, window_left, soft_cap) -> tuple:
+    def _runtime(self, sm_scale, rope_theta, rope_scale, window_left, soft_cap, k_scale) -> tuple:
         spec = self.spec
         rope = spec.pos_encoding if isinstance(spec.pos_encoding, RoPE) else RoPE()
         theta = rope.theta if rope_theta is None else rope_theta
@@ -166,16 +169,19 @@ class BatchDecodeWrapper:
         cap = spec.soft_cap if soft_cap is None else soft_cap
         if spec.soft_cap is None and soft_cap is not None:
             raise PlanError("soft_cap: this spec has no soft-cap (set AttentionSpec.soft_cap to enable it)")
-        return (int(window), float(spec.default_sm_scale if sm_scale is None else sm_scale), float(cap or 0.0),
-                1.0 / float(scale), math.log2(float(theta)))
+        if self._kv_bytes == 2 and k_scale != 1.0:
+            raise PlanError("k_scale: per-tensor scales apply to fp8 K/V only")
+        # q.(k * k_scale) = (q.k) * k_scale: the K scale folds into sm_scale, before any logits transform
+        scale_qk = float(spec.default_sm_scale if sm_scale is None else sm_scale) * float(k_scale)
+        return (int(window), scale_qk, float(cap or 0.0), 1.0 / float(scale), math.log2(float(theta)))
 
     def _load_kernel(self) -> None:
         from ..jit import build
 
         kernel = build(self.spec, "decode", device=self.device.index)
         self._decode = kernel["decode"]
-        self._smem = decode_smem_bytes(self.spec.head_dim, self.spec.head_dim_vo,
-                                       decode_stages(self.spec.head_dim, self.spec.head_dim_vo))
+        stages = decode_stages(self.spec.head_dim, self.spec.head_dim_vo, self._kv_bytes)
+        self._smem = decode_smem_bytes(self.spec.head_dim, self.spec.head_dim_vo, stages, self._kv_bytes)
         self._decode.set_max_dynamic_shared_memory(self._smem)
         self._kernel = kernel
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from ..spec import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, ALiBi, SlidingWindow, SpecError
 from .family import EntryPoint, KernelFamily, register, struct
 
-CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float8_e4m3fn": "__nv_fp8_e4m3",
+             "float8_e5m2": "__nv_fp8_e5m2"}
+KV_BYTES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 DECODE_HEAD_DIMS = (64, 128, 256)
 NUM_WARPS = 4
 TILE_KV = NUM_WARPS * 16  # KV tokens per pipeline stage
@@ -16,12 +18,14 @@ def _flag(value: bool) -> str:
     return "true" if value else "false"
 
 
-def decode_smem_bytes(head_dim: int, head_dim_vo: int, stages: int, elem: int = 2) -> int:
-    """Shared memory of one CTA: Q tile, ``stages`` K/V tiles, two rings of row offsets (decode.cuh Layout)."""
-    return 16 * head_dim * elem + stages * TILE_KV * (head_dim + head_dim_vo) * elem + 2 * TILE_KV * 8
+def decode_smem_bytes(head_dim: int, head_dim_vo: int, stages: int, kv_bytes: int = 2) -> int:
+    """Shared memory of one CTA (decode.cuh Layout): the 16-bit Q tile, ``stages`` K/V tiles of ``kv_bytes``
+    elements, two rings of row offsets, and for fp8 K/V one tile widened to 16 bits."""
+    widened = TILE_KV * (head_dim + head_dim_vo) * 2 if kv_bytes == 1 else 0
+    return 16 * head_dim * 2 + stages * TILE_KV * (head_dim + head_dim_vo) * kv_bytes + 2 * TILE_KV * 8 + widened
 
 
-def decode_stages(head_dim: int, head_dim_vo: int) -> int:
+def decode_stages(head_dim: int, head_dim_vo: int, kv_bytes: int = 2) -> int:
     """Pipeline depth: as many stages (2..4) as fit two CTAs per SM.
 
     Worked example: head_dim 128 bf16: a stage is 64 tokens x (256 + 256) B = 32 KB; 4 KB of Q and 1 KB of
@@ -29,15 +33,15 @@ def decode_stages(head_dim: int, head_dim_vo: int) -> int:
     one CTA per SM); head_dim 64: 16 KB a stage -> 4.
     """
     for stages in (4, 3):
-        if decode_smem_bytes(head_dim, head_dim_vo, stages) <= SMEM_TARGET:
+        if decode_smem_bytes(head_dim, head_dim_vo, stages, kv_bytes) <= SMEM_TARGET:
             return stages
     return 2
 
 
-def decode_ctas_per_sm(head_dim: int, head_dim_vo: int) -> int:
+def decode_ctas_per_sm(head_dim: int, head_dim_vo: int, kv_bytes: int = 2) -> int:
     """CTAs that fit on one SM (227 KB of shared memory, 1 KB reserved per CTA), at most 2: the planner
     fills ``num_sms * ctas_per_sm`` slots, so that a small batch still keeps two CTAs streaming per SM."""
-    smem = decode_smem_bytes(head_dim, head_dim_vo, decode_stages(head_dim, head_dim_vo))
+    smem = decode_smem_bytes(head_dim, head_dim_vo, decode_stages(head_dim, head_dim_vo, kv_bytes), kv_bytes)
     return max(1, min(2, (227 * 1024) // (smem + 1024)))
 
 
@@ -56,9 +60,11 @@ class DecodeFamily(KernelFamily):
         for name in ("head_dim", "head_dim_vo"):
             if getattr(spec, name) not in DECODE_HEAD_DIMS:
                 raise SpecError(f"{name}: got {getattr(spec, name)}, decode supports {DECODE_HEAD_DIMS}")
-        if spec.kv_dtype != spec.dtype:
-            raise SpecError(f"kv_dtype: got {spec.kv_dtype}, decode supports kv_dtype == dtype ({spec.dtype}) "
-                            "so far; fp8 KV is not implemented yet")
+        if KV_BYTES[spec.kv_dtype] == 2 and spec.kv_dtype != spec.dtype:
+            raise SpecError(f"kv_dtype: got {spec.kv_dtype}, decode takes kv_dtype == dtype ({spec.dtype}) or fp8")
+        if KV_BYTES[spec.kv_dtype] == 1 and min(spec.head_dim, spec.head_dim_vo) < 128:
+            raise SpecError(f"kv_dtype: fp8 K/V need head dims of at least 128 (rows of 128 bytes), got "
+                            f"{spec.head_dim}/{spec.head_dim_vo}")
         if not isinstance(spec.kv_layout, (Paged, Ragged)):
             raise SpecError(f"kv_layout: got {spec.kv_layout!r}, decode supports Paged(...) or Ragged()")
         if not isinstance(spec.mask, (NoMask, SlidingWindow)):
@@ -68,7 +74,8 @@ class DecodeFamily(KernelFamily):
 
     def context(self, spec: AttentionSpec) -> dict:
         paged = isinstance(spec.kv_layout, Paged)
-        stages = decode_stages(spec.head_dim, spec.head_dim_vo)
+        kv_bytes = KV_BYTES[spec.kv_dtype]
+        stages = decode_stages(spec.head_dim, spec.head_dim_vo, kv_bytes)
         return {
             "DTypeQ": CPP_TYPES[spec.dtype],
             "DTypeKV": CPP_TYPES[spec.kv_dtype],
@@ -78,7 +85,7 @@ class DecodeFamily(KernelFamily):
             "PAGE_SIZE": spec.kv_layout.page_size if paged else 1,
             "NUM_WARPS": NUM_WARPS,
             "STAGES": stages,
-            "SMEM_BYTES": decode_smem_bytes(spec.head_dim, spec.head_dim_vo, stages),
+            "SMEM_BYTES": decode_smem_bytes(spec.head_dim, spec.head_dim_vo, stages, kv_bytes),
             "PAGED": _flag(paged),
             "ROPE": _flag(isinstance(spec.pos_encoding, RoPE)),
             "ALIBI": _flag(isinstance(spec.pos_encoding, ALiBi)),
@@ -100,6 +107,7 @@ class DecodeFamily(KernelFamily):
             ("int32_t", "block_table_stride"), ("int32_t", "num_qo_heads"), ("int32_t", "group_size"),
             ("int32_t", "window_left"),
             ("float", "sm_scale"), ("float", "soft_cap"), ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"),
+            ("float", "v_scale"),
         )
         return (EntryPoint("decode", decode),)
 

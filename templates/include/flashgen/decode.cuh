@@ -7,9 +7,13 @@
 // K/V tiles flow through a STAGES-deep cp.async pipeline into swizzled shared memory. Page ids are loaded
 // into registers two tiles ahead of their copy, so small pages never stall the copy engine.
 //
+// fp8 K/V (e4m3, e5m2) are copied as fp8 and widened per tile in shared memory to q's dtype; the
+// per-tensor scales are folded in on the host (k_scale into sm_scale) and at the output (v_scale).
+//
 // Config (rendered by codegen): DTypeQ, DTypeKV, DTypeO, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS,
 // STAGES, SMEM_BYTES, PAGED, ROPE, ALIBI, SOFT_CAP, WINDOW.
 #pragma once
+#include <flashgen/fp8.cuh>
 #include <flashgen/kv_rows.cuh>
 #include <flashgen/logits.cuh>
 #include <flashgen/mma.cuh>
@@ -20,10 +24,14 @@ template <class C>
 struct Layout {
   using DTypeQ = typename C::DTypeQ;
   using DTypeKV = typename C::DTypeKV;
+  // fp8 K/V: tiles arrive as fp8 (half the bytes) and are widened in shared memory to q's dtype
+  static constexpr bool FP8 = sizeof(DTypeKV) == 1;
   static constexpr int TILE = C::NUM_WARPS * 16;
   static constexpr int THREADS = C::NUM_WARPS * 32;
   static constexpr int K_CHUNKS = C::HEAD_DIM * int(sizeof(DTypeKV)) / 16;  // 16-byte chunks per row
   static constexpr int V_CHUNKS = C::HEAD_DIM_VO * int(sizeof(DTypeKV)) / 16;
+  static constexpr int KC_CHUNKS = C::HEAD_DIM * 2 / 16;  // chunks of a row in the mma (16-bit) layout
+  static constexpr int VC_CHUNKS = C::HEAD_DIM_VO * 2 / 16;
   static constexpr int Q_CHUNKS = C::HEAD_DIM * int(sizeof(DTypeQ)) / 16;
   static constexpr int Q_BYTES = 16 * C::HEAD_DIM * int(sizeof(DTypeQ));
   static constexpr int K_STAGE = TILE * C::HEAD_DIM * int(sizeof(DTypeKV));
@@ -32,17 +40,26 @@ struct Layout {
   static constexpr int K_OFFSET = Q_BYTES;
   static constexpr int V_OFFSET = K_OFFSET + C::STAGES * K_STAGE;
   static constexpr int ROW_OFFSETS = V_OFFSET + C::STAGES * V_STAGE;
-  static constexpr int TOTAL = ROW_OFFSETS + OFFSETS_BYTES;
-  // epilogue, over the K/V stages: per warp o [16][HEAD_DIM_VO] fp32 and (m, l) [16][2]
+  static constexpr int CONV_OFFSET = ROW_OFFSETS + OFFSETS_BYTES;
+  static constexpr int CONV_BYTES = FP8 ? TILE * (C::HEAD_DIM + C::HEAD_DIM_VO) * 2 : 0;
+  static constexpr int TOTAL = CONV_OFFSET + CONV_BYTES;
+  // epilogue, over everything after Q (stages, offsets, widened tile): per warp o [16][HEAD_DIM_VO] fp32
+  // and (m, l) [16][2]
   static constexpr int EPILOGUE = C::NUM_WARPS * 16 * (C::HEAD_DIM_VO + 2) * 4;
   static_assert(TOTAL == C::SMEM_BYTES, "codegen and the kernel disagree on the shared-memory size");
-  static_assert(EPILOGUE <= C::STAGES * (K_STAGE + V_STAGE), "epilogue does not fit over the pipeline");
+  static_assert(EPILOGUE <= TOTAL - K_OFFSET, "epilogue does not fit over the pipeline buffers");
   static_assert(K_CHUNKS >= 8 && V_CHUNKS >= 8 && Q_CHUNKS >= 8, "rows of at least 128 bytes (swizzle)");
+  static_assert(FP8 || std::is_same_v<DTypeKV, DTypeQ>, "16-bit K/V must have q's dtype");
   static_assert(C::HEAD_DIM % 32 == 0 && C::HEAD_DIM_VO % 16 == 0, "head dims in mma tiles");
 };
 
-// element index of (row, 16-byte chunk) in a swizzled tile whose rows have `chunks` chunks of 8 elements
-__device__ __forceinline__ int tile_index(int row, int chunk, int chunks) { return row * chunks * 8 + swizzle(row, chunk) * 8; }
+// element index of (row, 16-byte chunk) in a swizzled tile of T whose rows have `chunks` chunks
+template <typename T>
+__device__ __forceinline__ int copy_index(int row, int chunk, int chunks) {
+  return (row * chunks + swizzle(row, chunk)) * (16 / int(sizeof(T)));
+}
+// the same for the 16-bit tiles the mma reads (8 elements a chunk)
+__device__ __forceinline__ int tile_index(int row, int chunk, int chunks) { return copy_index<uint16_t>(row, chunk, chunks); }
 
 template <typename T, int N>
 __device__ __forceinline__ void store_row(T* dst, const float (&x)[N]) {
@@ -117,12 +134,25 @@ __device__ __forceinline__ void merge_if_last(const Params& p, int token, int re
   if (threadIdx.x == 0) *counter = 0;
 }
 
+// fp8 tile [TILE][CHUNKS x 16 bytes] (swizzled copy layout) -> 16-bit tile of T (swizzled mma layout)
+template <int TILE, int CHUNKS, int THREADS, typename FP8, typename T>
+__device__ __forceinline__ void widen_tile(const FP8* src, T* dst) {
+  for (int job = threadIdx.x; job < TILE * CHUNKS; job += THREADS) {
+    const int r = job / CHUNKS, c = job % CHUNKS;
+    uint4 lo, hi;
+    fp8x16_widen<T, FP8>(*reinterpret_cast<const uint4*>(src + copy_index<FP8>(r, c, CHUNKS)), lo, hi);
+    *reinterpret_cast<uint4*>(dst + tile_index(r, 2 * c, 2 * CHUNKS)) = lo;
+    *reinterpret_cast<uint4*>(dst + tile_index(r, 2 * c + 1, 2 * CHUNKS)) = hi;
+  }
+}
+
 template <class C, class Params>
 __device__ __forceinline__ void run(const Params& p) {
   using L = Layout<C>;
   using DTypeQ = typename C::DTypeQ;
   using DTypeKV = typename C::DTypeKV;
   using DTypeO = typename C::DTypeO;
+  using DTypeMMA = DTypeQ;  // the mma operand type: K/V as stored, or widened from fp8
   constexpr int D = C::HEAD_DIM, DV = C::HEAD_DIM_VO, TILE = L::TILE, S = C::STAGES;
 
   const int item = blockIdx.x, kv_head = blockIdx.y;
@@ -143,6 +173,8 @@ __device__ __forceinline__ void run(const Params& p) {
   DTypeKV* k_smem = reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET);
   DTypeKV* v_smem = reinterpret_cast<DTypeKV*>(smem + L::V_OFFSET);
   int64_t* row_offsets = reinterpret_cast<int64_t*>(smem + L::ROW_OFFSETS);  // [2][TILE]
+  DTypeMMA* k_conv = reinterpret_cast<DTypeMMA*>(smem + L::CONV_OFFSET);  // fp8 only: the widened tile
+  DTypeMMA* v_conv = k_conv + TILE * D;
 
   const int q_head0 = kv_head * p.group_size + row0;
 
@@ -167,8 +199,8 @@ __device__ __forceinline__ void run(const Params& p) {
   static_assert(L::THREADS % L::K_CHUNKS == 0 && L::THREADS % L::V_CHUNKS == 0, "whole rows per pass");
   const int k_row0 = tid / L::K_CHUNKS, k_col = tid % L::K_CHUNKS;
   const int v_row0 = tid / L::V_CHUNKS, v_col = tid % L::V_CHUNKS;
-  const DTypeKV* k_src = k_head + k_col * 8;
-  const DTypeKV* v_src = v_head + v_col * 8;
+  const DTypeKV* k_src = k_head + k_col * (16 / int(sizeof(DTypeKV)));
+  const DTypeKV* v_src = v_head + v_col * (16 / int(sizeof(DTypeKV)));
   auto issue = [&](int tile) {
     if (tile < num_tiles) {
       const int64_t* offsets = row_offsets + (tile & 1) * TILE;
@@ -178,14 +210,16 @@ __device__ __forceinline__ void run(const Params& p) {
       for (int j = 0; j < TILE / K_RPP; ++j) {
         const int r = k_row0 + j * K_RPP;
         const int64_t off = offsets[r];
-        const int dst = K_RPP % 8 == 0 ? tile_index(k_row0, k_col, L::K_CHUNKS) + j * K_RPP * D : tile_index(r, k_col, L::K_CHUNKS);
+        const int dst = K_RPP % 8 == 0 ? copy_index<DTypeKV>(k_row0, k_col, L::K_CHUNKS) + j * K_RPP * D
+                                       : copy_index<DTypeKV>(r, k_col, L::K_CHUNKS);
         cp_async_16(ks + dst, k_src + (off < 0 ? 0 : off), off < 0);
       }
 #pragma unroll
       for (int j = 0; j < TILE / V_RPP; ++j) {
         const int r = v_row0 + j * V_RPP;
         const int64_t off = offsets[r];
-        const int dst = V_RPP % 8 == 0 ? tile_index(v_row0, v_col, L::V_CHUNKS) + j * V_RPP * DV : tile_index(r, v_col, L::V_CHUNKS);
+        const int dst = V_RPP % 8 == 0 ? copy_index<DTypeKV>(v_row0, v_col, L::V_CHUNKS) + j * V_RPP * DV
+                                       : copy_index<DTypeKV>(r, v_col, L::V_CHUNKS);
         cp_async_16(vs + dst, v_src + (off < 0 ? 0 : off), off < 0);
       }
     }
@@ -279,8 +313,18 @@ __device__ __forceinline__ void run(const Params& p) {
     store_offset(tile + S, next_page);
     next_page = page_of(tile + S + 1);
 
-    const DTypeKV* ks = k_smem + (tile % S) * TILE * D;
-    const DTypeKV* vs = v_smem + (tile % S) * TILE * DV;
+    const DTypeMMA* ks;
+    const DTypeMMA* vs;
+    if constexpr (L::FP8) {  // widen the fp8 tile into the 16-bit tile the mma reads
+      widen_tile<L::TILE, L::K_CHUNKS, L::THREADS>(k_smem + (tile % S) * TILE * D, k_conv);
+      widen_tile<L::TILE, L::V_CHUNKS, L::THREADS>(v_smem + (tile % S) * TILE * DV, v_conv);
+      __syncthreads();
+      ks = k_conv;
+      vs = v_conv;
+    } else {
+      ks = k_smem + (tile % S) * TILE * D;
+      vs = v_smem + (tile % S) * TILE * DV;
+    }
     const int n0 = warp * 16;  // this warp's 16 rows of the tile
 
     // S = Q K^T for 16 q rows x 16 kv rows
@@ -294,31 +338,31 @@ __device__ __forceinline__ void run(const Params& p) {
         uint32_t qa[4], qb[4], ka[4], kb[4];
         q_frag(j, qa);
         q_frag(j + D / 32, qb);
-        ldmatrix_x4(ka, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * j + (mat % 2), L::K_CHUNKS));
-        ldmatrix_x4(kb, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * (j + D / 32) + (mat % 2), L::K_CHUNKS));
+        ldmatrix_x4(ka, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * j + (mat % 2), L::KC_CHUNKS));
+        ldmatrix_x4(kb, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * (j + D / 32) + (mat % 2), L::KC_CHUNKS));
 #pragma unroll
         for (int r = 0; r < 4; ++r) {  // reg r: n-tile r / 2 (row g or 8 + g), d = 16j + 2t4 + 8 (r % 2) + {0, 1}
-          float2 lo = unpack2<DTypeKV>(ka[r]), hi = unpack2<DTypeKV>(kb[r]);
+          float2 lo = unpack2<DTypeMMA>(ka[r]), hi = unpack2<DTypeMMA>(kb[r]);
           const float pos = r < 2 ? pos_lo : pos_hi;
           const int d = 16 * j + 2 * t4 + 8 * (r % 2);
           rope_rotate(lo.x, hi.x, pos, d, D, p.rope_rcp_scale, p.rope_log2_theta);
           rope_rotate(lo.y, hi.y, pos, d + 1, D, p.rope_rcp_scale, p.rope_log2_theta);
-          ka[r] = pack2<DTypeKV>(lo.x, lo.y);
-          kb[r] = pack2<DTypeKV>(hi.x, hi.y);
+          ka[r] = pack2<DTypeMMA>(lo.x, lo.y);
+          kb[r] = pack2<DTypeMMA>(hi.x, hi.y);
         }
-        mma_16816<DTypeKV>(s[0], qa, ka[0], ka[1]);
-        mma_16816<DTypeKV>(s[1], qa, ka[2], ka[3]);
-        mma_16816<DTypeKV>(s[0], qb, kb[0], kb[1]);
-        mma_16816<DTypeKV>(s[1], qb, kb[2], kb[3]);
+        mma_16816<DTypeMMA>(s[0], qa, ka[0], ka[1]);
+        mma_16816<DTypeMMA>(s[1], qa, ka[2], ka[3]);
+        mma_16816<DTypeMMA>(s[0], qb, kb[0], kb[1]);
+        mma_16816<DTypeMMA>(s[1], qb, kb[2], kb[3]);
       }
     } else {
 #pragma unroll
       for (int j = 0; j < D / 16; ++j) {
         uint32_t qa[4], kf[4];
         q_frag(j, qa);
-        ldmatrix_x4(kf, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * j + (mat % 2), L::K_CHUNKS));
-        mma_16816<DTypeKV>(s[0], qa, kf[0], kf[1]);
-        mma_16816<DTypeKV>(s[1], qa, kf[2], kf[3]);
+        ldmatrix_x4(kf, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * j + (mat % 2), L::KC_CHUNKS));
+        mma_16816<DTypeMMA>(s[0], qa, kf[0], kf[1]);
+        mma_16816<DTypeMMA>(s[1], qa, kf[2], kf[3]);
       }
     }
 
@@ -359,14 +403,14 @@ __device__ __forceinline__ void run(const Params& p) {
     }
 
     // O += P V: P from the S accumulators (C layout -> A layout), V fragments by ldmatrix.trans
-    uint32_t pa[4] = {pack2<DTypeKV>(s[0][0], s[0][1]), pack2<DTypeKV>(s[0][2], s[0][3]),
-                      pack2<DTypeKV>(s[1][0], s[1][1]), pack2<DTypeKV>(s[1][2], s[1][3])};
+    uint32_t pa[4] = {pack2<DTypeMMA>(s[0][0], s[0][1]), pack2<DTypeMMA>(s[0][2], s[0][3]),
+                      pack2<DTypeMMA>(s[1][0], s[1][1]), pack2<DTypeMMA>(s[1][2], s[1][3])};
 #pragma unroll
     for (int c = 0; c < DV / 16; ++c) {
       uint32_t vf[4];
-      ldmatrix_x4_trans(vf, vs + tile_index(n0 + 8 * (mat % 2) + mrow, 2 * c + mat / 2, L::V_CHUNKS));
-      mma_16816<DTypeKV>(o[2 * c], pa, vf[0], vf[1]);
-      mma_16816<DTypeKV>(o[2 * c + 1], pa, vf[2], vf[3]);
+      ldmatrix_x4_trans(vf, vs + tile_index(n0 + 8 * (mat % 2) + mrow, 2 * c + mat / 2, L::VC_CHUNKS));
+      mma_16816<DTypeMMA>(o[2 * c], pa, vf[0], vf[1]);
+      mma_16816<DTypeMMA>(o[2 * c + 1], pa, vf[2], vf[3]);
     }
   }
   cp_async_wait<0>();
@@ -410,7 +454,7 @@ __device__ __forceinline__ void run(const Params& p) {
         for (int i = 0; i < COLS; ++i) acc[i] += wgt * o_part[(w * 16 + r) * DV + col + i];
       }
     }
-    const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
+    const float inv = l_all > 0.f ? p.v_scale / l_all : 0.f;  // fp8 V: its per-tensor scale
 #pragma unroll
     for (int i = 0; i < COLS; ++i) acc[i] *= inv;
     const float lse = l_all > 0.f ? (m_all + log2f(l_all)) * LN2 : -INFINITY;

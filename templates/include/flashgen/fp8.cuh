@@ -1,0 +1,30 @@
+// fp8 (e4m3, e5m2) to 16-bit conversion. Every fp8 value is exact in fp16 and in bf16, so widening loses
+// nothing; the hardware converts pairs to fp16 (cvt.f16x2.e4m3x2 / e5m2x2 on sm_89+).
+#pragma once
+#include <cuda_fp8.h>
+#include <flashgen/mma.cuh>
+
+namespace flashgen {
+
+// 16 fp8 values (one 16-byte chunk) -> 16 values of T (__half or __nv_bfloat16) in two 16-byte chunks
+template <typename T, typename FP8>
+__device__ __forceinline__ void fp8x16_widen(const uint4& in, uint4& lo, uint4& hi) {
+  constexpr __nv_fp8_interpretation_t kind = std::is_same_v<FP8, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
+  const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&in);
+  uint32_t* out_lo = reinterpret_cast<uint32_t*>(&lo);
+  uint32_t* out_hi = reinterpret_cast<uint32_t*>(&hi);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(pairs[i], kind);
+    uint32_t packed;
+    if constexpr (std::is_same_v<T, __half>) {
+      packed = *reinterpret_cast<uint32_t*>(&raw);
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<__half2*>(&raw));
+      packed = pack2<T>(f.x, f.y);
+    }
+    (i < 4 ? out_lo[i] : out_hi[i - 4]) = packed;
+  }
+}
+
+}  // namespace flashgen
