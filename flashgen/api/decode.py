@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ..codegen import family
@@ -13,6 +14,7 @@ from ..spec import AttentionSpec, RoPE, SlidingWindow
 from .checks import check_tensor
 from .device import current_stream
 from .kv_inputs import TORCH_DTYPES, kv_view, page_table
+from .staging import HostStaging
 
 _NULL = 0
 
@@ -62,7 +64,7 @@ class BatchDecodeWrapper:
         self.num_sms = num_sms or torch.cuda.get_device_properties(self.device).multi_processor_count
         fixed = use_cuda_graph
         self._plan_buf = _Buffer(torch.int32, self.device, fixed)
-        self._indptr_buf = _Buffer(torch.int32, self.device, fixed)
+        self._staging = HostStaging(self.device)
         self._pages_buf = _Buffer(torch.int32, self.device, fixed)
         self._tmp_o = _Buffer(torch.float32, self.device, fixed)
         self._tmp_lse = _Buffer(torch.float32, self.device, fixed)
@@ -98,11 +100,13 @@ class BatchDecodeWrapper:
             raise PlanError(f"kv_lens: batch_size {batch} exceeds max_batch_size = {self.max_batch_size}")
         options = {"max_batch_size": self.max_batch_size} if self.use_cuda_graph else {}
         slots = self.num_sms * decode_ctas_per_sm(self.spec.head_dim, self.spec.head_dim_vo, self._kv_bytes)
-        plan = plan_decode(table.kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, tile_rows=16,
-                           kv_granularity=TILE_KV, num_sms=slots, enable_split=enable_split, **options)
+        plan = self._staging.plan(lambda host: plan_decode(
+            table.kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, tile_rows=16,
+            kv_granularity=TILE_KV, num_sms=slots, enable_split=enable_split, host_buffer=host, **options))
         info = plan.info
-        views = plan.to_device(self._plan_buf.get(plan.numel, "plan"))
-        indptr_ptr = self._copy_indptr(table.kv_indptr_host)
+        extras = {} if table.kv_indptr_host is None else {"kv_indptr": self._indptr_extra(table.kv_indptr_host)}
+        views = self._staging.upload(plan, extras, self._plan_buf)  # one host-to-device copy
+        indptr_ptr = views["kv_indptr"].data_ptr() if extras else _NULL
         pages_ptr, bt_stride = self._page_ids(table)
         tmp_o = self._tmp_o.get(info.partial_capacity * num_qo_heads * self.spec.head_dim_vo, "tmp_o")
         tmp_lse = self._tmp_lse.get(info.partial_capacity * num_qo_heads, "tmp_lse")
@@ -117,6 +121,7 @@ class BatchDecodeWrapper:
                                                          "num_chunks"))
         self._planned = {
             "info": info, "num_kv_heads": num_kv_heads, "max_page": table.max_page,
+            "page_ids": "kv_indices" if table.block_table is None else "block_table",
             "q_shape": torch.Size((rows, num_qo_heads, self.spec.head_dim)),
             "out_shape": torch.Size((rows, num_qo_heads, self.spec.head_dim_vo)),
             "grid": (info.capacity, num_kv_heads, 1),
@@ -126,7 +131,6 @@ class BatchDecodeWrapper:
                 sm_scale, rope_theta, rope_scale, window_left, soft_cap, k_scale) + (float(v_scale),),
         }
         self._kv_memo = {}
-        self._keep = (plan, table)  # the host buffers stay alive until the copies have run
 
     def _counter_buffer(self, numel: int) -> torch.Tensor:
         if self._counters is None or self._counters.numel() < numel:
@@ -135,13 +139,11 @@ class BatchDecodeWrapper:
             self._counters = torch.zeros(max(numel, 1), dtype=torch.int32, device=self.device)
         return self._counters
 
-    def _copy_indptr(self, indptr) -> int:
-        if indptr is None:
-            return _NULL
-        buf = self._indptr_buf.get(indptr.size if not self.use_cuda_graph else self.max_batch_size + 1, "kv_indptr")
-        host = torch.from_numpy(indptr.astype("int32"))
-        buf[: host.numel()].copy_(host.pin_memory() if torch.cuda.is_available() else host, non_blocking=True)
-        return buf.data_ptr()
+    def _indptr_extra(self, indptr: np.ndarray) -> np.ndarray:
+        """kv_indptr for the device; in CUDA-graph mode padded to a fixed length (max_batch_size + 1)."""
+        if not self.use_cuda_graph:
+            return indptr
+        return np.concatenate([indptr, np.full(self.max_batch_size + 1 - indptr.size, indptr[-1], indptr.dtype)])
 
     def _page_ids(self, table) -> tuple[int, int]:
         ids = table.block_table if table.block_table is not None else table.kv_indices
@@ -224,8 +226,7 @@ class BatchDecodeWrapper:
         planned = self._planned
         kv = kv_view(self.spec, kv_cache, planned["num_kv_heads"])
         if planned["max_page"] >= kv.num_pages:
-            name = "kv_indices" if self._keep[1].block_table is None else "block_table"
-            raise ValueError(f"{name}: page id {planned['max_page']} is outside kv_cache's {kv.num_pages} pages")
+            raise ValueError(f"{planned['page_ids']}: page id {planned['max_page']} is outside kv_cache's {kv.num_pages} pages")
         args = (kv.k.data_ptr(), kv.v.data_ptr(), kv.stride_page, kv.stride_token, kv.stride_head)
         if len(self._kv_memo) >= 256:  # the memo holds the caches it has seen: bounded, and cleared by plan()
             self._kv_memo.clear()

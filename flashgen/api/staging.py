@@ -1,0 +1,69 @@
+"""Plan uploads: pinned host buffers reused in turn, one host-to-device copy per plan, no device sync."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..plan import Plan, PlanError
+
+_ALIGN = 4  # int32 elements: 16-byte aligned extra arrays
+
+
+class HostStaging:
+    """Two pinned int32 host buffers used in turn. A buffer is written again only after the copy that last
+    read it has executed (an event recorded after that copy, two plans ago: in an inference loop it has
+    long completed, so the wait is a no-op, but re-planning can never race an upload still queued)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def _take(self, numel: int) -> torch.Tensor:
+        event = self._events[self._turn]
+        if event is not None:
+            event.synchronize()
+        buf = self._buffers[self._turn]
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[self._turn] = torch.empty(max(numel, 4096), dtype=torch.int32, pin_memory=True)
+        return buf
+
+    def plan(self, planner) -> Plan:
+        """``planner(host_buffer)`` -> Plan, packed into this turn's buffer (grown when a batch needs more)."""
+        numel = self._buffers[self._turn].numel() if self._buffers[self._turn] is not None else 4096
+        for _ in range(8):
+            try:
+                return planner(self._take(numel))
+            except PlanError as exc:
+                if not str(exc).startswith("host_buffer:"):
+                    raise
+                numel *= 4
+        raise PlanError("host_buffer: the plan did not fit a staging buffer of 4**8 times the initial size")
+
+    def upload(self, plan: Plan, extras: dict[str, np.ndarray], device_buffer) -> dict[str, torch.Tensor]:
+        """Append ``extras`` (int32-convertible 1-D arrays) after the plan in its host buffer and copy both to
+        the device in one async copy; returns device views of every plan field and extra."""
+        offset = -(-plan.numel // _ALIGN) * _ALIGN
+        spans = {}
+        for name, values in extras.items():
+            spans[name] = (offset, values.size)
+            offset += -(-values.size // _ALIGN) * _ALIGN
+        host = self._buffers[self._turn]
+        if host.numel() < offset:  # grow, keeping the plan already written
+            grown = torch.empty(offset * 2, dtype=torch.int32, pin_memory=True)
+            grown[: plan.numel].copy_(host[: plan.numel])
+            host = self._buffers[self._turn] = grown
+        flat = host.numpy()
+        for name, (start, size) in spans.items():
+            flat[start: start + size] = extras[name]
+        dev = device_buffer.get(offset, "plan")
+        dev[:offset].copy_(host[:offset], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._events[self._turn] = event
+        self._turn ^= 1
+        views = {name: dev[f.offset: f.offset + f.length] for name, f in plan.schema.items()}
+        views.update({name: dev[start: start + size] for name, (start, size) in spans.items()})
+        return views
