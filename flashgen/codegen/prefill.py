@@ -20,13 +20,19 @@ def _flag(value: bool) -> str:
 def prefill_tiles(head_dim: int, head_dim_vo: int) -> tuple[int, int, int]:
     """``(NUM_WARPS, MMA_Q, TILE_KV)``: warps per CTA, 16-row mma tiles per warp, KV tokens per stage.
 
-    Worked example: head_dim 128: a warp holds 16 rows of O (64 fp32 registers for 128 columns), a 16 x 64
-    score tile (32) and its Q fragments (32): ~185 registers, no spills. 8 such warps make a 128-row CTA
-    tile, so each K/V byte brought on chip feeds 128 rows (64 rows ran at ~95 TFLOP/s on the H200: the KV
-    stream and its latency, not the tensor cores, were the limit). head_dim 256 doubles O and Q (~240
-    registers), so KV tiles halve to 32 tokens and 4 warps (two CTAs per SM) keep the register file.
+    Up to head_dim 128 a warp owns 32 rows (two m16 tiles), so each K/V fragment brought in by ldmatrix
+    feeds two mma (16 rows a warp left the kernel shared-memory bound at ~220 TFLOP/s on the H200), and 4
+    warps make a 128-row CTA tile, two CTAs an SM. Worked example: head_dim 128: O takes 128 fp32
+    registers; a 32 x 64 score tile (64 more) left no room for the pipeline and mask state (spills), so KV
+    tiles are 32 tokens (32 registers) and Q is read from shared memory. head_dim 64: O 64, scores 32, Q 32
+    in registers (64-token tiles spilled with a custom mask and ALiBi). Up to 192 the 32-row warp would not
+    fit the register file: 8 warps of 16 rows, one CTA per SM. head_dim 256 doubles O and Q (~240 registers), so KV tiles halve to 32 tokens
+    and 4 warps (two CTAs per SM) keep the register file.
     """
-    if max(head_dim, head_dim_vo) <= 192:
+    widest = max(head_dim, head_dim_vo)
+    if widest <= 128:
+        return 4, 2, 32
+    if widest <= 192:
         return 8, 1, 64
     return 4, 1, 32
 
@@ -46,18 +52,31 @@ def prefill_smem_bytes(head_dim: int, head_dim_vo: int, stages: int, elem: int =
 
 def prefill_ctas_per_sm(head_dim: int, head_dim_vo: int) -> int:
     """CTAs per SM: 8-warp CTAs of ~185-250 registers a thread fill the register file alone; 4-warp CTAs
-    (head_dim 256) fit two. Used by the planner (slots = SMs x this)."""
+    (<= 255 registers) fit two. Used by the planner (slots = SMs x this) and by ``prefill_stages``."""
     return 1 if prefill_tiles(head_dim, head_dim_vo)[0] == 8 else 2
 
 
 def prefill_stages(head_dim: int, head_dim_vo: int) -> int:
     """Pipeline depth: 3 stages when they fit the CTAs of one SM (227 KB, 1 KB reserved per CTA), else 2.
 
-    Worked example: head_dim 128, one 8-warp CTA per SM: Q 32 KB + 3 x 32 KB = 129 KB -> 3. head_dim 256,
-    two CTAs: Q 32 KB + 3 x 32 KB = 129 KB > 112 KB -> 2 (97 KB).
+    Worked example: head_dim 128, two 4-warp CTAs per SM: Q 32 KB + 3 x 16 KB = 81 KB <= 112 KB -> 3;
+    head_dim 64: Q 16 KB + 3 x 8 KB = 41 KB -> 3. head_dim 192, one 8-warp CTA: Q 48 KB +
+    3 x 40 KB = 169 KB -> 3. head_dim 256, two CTAs: Q 32 KB + 3 x 32 KB = 129 KB > 112 KB -> 2 (97 KB).
     """
     budget = (227 * 1024) // prefill_ctas_per_sm(head_dim, head_dim_vo) - 1024
     return 3 if prefill_smem_bytes(head_dim, head_dim_vo, 3) <= budget else 2
+
+
+def prefill_q_in_regs(head_dim: int, head_dim_vo: int) -> bool:
+    """Q fragments in registers (loaded once) rather than re-read from shared memory for every KV tile: when
+    the Q tile is narrow and Q, O and the scores together stay within 160 fp32 registers a thread.
+
+    Worked example: head_dim 64, two m16 tiles a warp: Q 32 + O 64 + S 32 = 128 -> registers; head_dim 128
+    (Q 64 + O 128 + S 32) -> shared memory.
+    """
+    _, mma_q, tile_kv = prefill_tiles(head_dim, head_dim_vo)
+    regs = mma_q * (head_dim // 4 + head_dim_vo // 2 + tile_kv // 2)
+    return head_dim * mma_q <= 128 and regs <= 160
 
 
 class PrefillFamily(KernelFamily):
@@ -99,7 +118,7 @@ class PrefillFamily(KernelFamily):
             "TILE_KV": tile_kv,
             "STAGES": stages,
             "SMEM_BYTES": prefill_smem_bytes(d, dv, stages),
-            "Q_IN_REGS": _flag(d * mma_q <= 128),
+            "Q_IN_REGS": _flag(prefill_q_in_regs(d, dv)),
             "PAGED": _flag(paged),
             "ROPE": _flag(isinstance(spec.pos_encoding, RoPE)),
             "ALIBI": _flag(isinstance(spec.pos_encoding, ALiBi)),

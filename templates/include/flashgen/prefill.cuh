@@ -22,6 +22,13 @@ struct MaskInfo {
   int64_t bit0;
 };
 
+// v, opaque to the compiler: per-lane swizzle terms derived from it are recomputed in every KV tile rather than
+// hoisted out of the main loop and held in registers (a few integer ops a tile; registers are the limit there)
+__device__ __forceinline__ int opaque(int v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
+
 // the custom-mask bit of (row, key 0), or -1 for a row past the request's queries
 __device__ __forceinline__ int64_t row_bit(const MaskInfo& mi, int q_pos) {
   const int token = q_pos - mi.q_base;
@@ -47,7 +54,7 @@ __device__ __forceinline__ void scores(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
   using L = Layout<C>;
   // every ldmatrix row of a lane is lane % 8 modulo 8, so its swizzle is (2j + b) ^ (lane % 8) = 2j ^ x with a
   // per-lane x: the addresses are a per-lane base plus compile-time offsets
-  const int mat = lane / 8, mrow = lane % 8;
+  const int mat = lane / 8, mrow = opaque(lane % 8);
   const int q_row = (warp * L::WARP_ROWS + lane % 16) * L::Q_CHUNKS * 8, qx = (lane / 16) ^ mrow;
   const int k_row = (8 * (mat / 2) + mrow) * L::K_CHUNKS * 8, kx = (mat % 2) ^ mrow;
 #pragma unroll
@@ -80,14 +87,38 @@ __device__ __forceinline__ void scores(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
   }
 }
 
-// logits transform (base 2) and, on boundary tiles, the mask; then the online-softmax update: s becomes P
+// 2^x by ex2.approx.ftz (exp2f wraps the same instruction in a denormal range fix-up); 2^-inf = 0
+__device__ __forceinline__ float exp2_fast(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// S -> base-2 logits: one multiply by sm_scale * log2(e), or the full transform with ALiBi / soft-cap
 template <class C>
-__device__ __forceinline__ void softmax(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], float (&o)[C::MMA_Q][C::HEAD_DIM_VO / 8][4],
-                                        float (&m)[C::MMA_Q][2], float (&l)[C::MMA_Q][2], const int (&q_pos)[C::MMA_Q][2],
-                                        LogitsTransform<C::ALIBI, C::SOFT_CAP>& transform, const float (&slope)[C::MMA_Q][2],
-                                        const MaskInfo& mi, int tile_start, bool masked, int lane) {
-  const int t4 = lane % 4;
+__device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const int (&q_pos)[C::MMA_Q][2],
+                                       LogitsTransform<C::ALIBI, C::SOFT_CAP>& transform,
+                                       const float (&slope)[C::MMA_Q][2], int tile_start, int lane) {
   const float scale_log2 = transform.sm_scale * LOG2E;
+#pragma unroll
+  for (int mq = 0; mq < C::MMA_Q; ++mq)
+#pragma unroll
+    for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if constexpr (C::ALIBI || C::SOFT_CAP) {
+          transform.slope = slope[mq][e / 2];
+          s[mq][nt][e] = transform(s[mq][nt][e], tile_start + nt * 8 + 2 * (lane % 4) + (e % 2) - q_pos[mq][e / 2]);
+        } else {
+          s[mq][nt][e] *= scale_log2;
+        }
+      }
+}
+
+// boundary tiles only: logits of (row, key) pairs the mask hides become -inf
+template <class C>
+__device__ __forceinline__ void apply_mask(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const int (&q_pos)[C::MMA_Q][2],
+                                           const MaskInfo& mi, int tile_start, int lane) {
 #pragma unroll
   for (int mq = 0; mq < C::MMA_Q; ++mq) {
     int64_t bit_row[2] = {0, 0};
@@ -96,20 +127,25 @@ __device__ __forceinline__ void softmax(float (&s)[C::MMA_Q][C::TILE_KV / 8][4],
       bit_row[1] = row_bit(mi, q_pos[mq][1]);
     }
 #pragma unroll
-    for (int nt = 0; nt < C::TILE_KV / 8; ++nt) {
+    for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int pos = tile_start + nt * 8 + 2 * t4 + (e % 2), qp = q_pos[mq][e / 2];
-        float x;
-        if constexpr (C::ALIBI || C::SOFT_CAP) {
-          transform.slope = slope[mq][e / 2];
-          x = transform(s[mq][nt][e], pos - qp);
-        } else {
-          x = s[mq][nt][e] * scale_log2;
-        }
-        s[mq][nt][e] = (!masked || visible<C>(mi, qp, bit_row[e / 2], pos)) ? x : -INFINITY;
+        const int pos = tile_start + nt * 8 + 2 * (lane % 4) + (e % 2);
+        if (!visible<C>(mi, q_pos[mq][e / 2], bit_row[e / 2], pos)) s[mq][nt][e] = -INFINITY;
       }
-    }
+  }
+}
+
+// online-softmax update over the tile's logits: s becomes P; O and l are rescaled only when some row
+// maximum of the warp moved (once the maxima settle, most tiles skip the O pass)
+template <class C>
+__device__ __forceinline__ void online_softmax(float (&s)[C::MMA_Q][C::TILE_KV / 8][4],
+                                               float (&o)[C::MMA_Q][C::HEAD_DIM_VO / 8][4], float (&m)[C::MMA_Q][2],
+                                               float (&l)[C::MMA_Q][2]) {
+  float m_use[C::MMA_Q][2], scale[C::MMA_Q][2];
+  bool moved = false;
+#pragma unroll
+  for (int mq = 0; mq < C::MMA_Q; ++mq)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY;
@@ -118,23 +154,34 @@ __device__ __forceinline__ void softmax(float (&s)[C::MMA_Q][C::TILE_KV / 8][4],
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
       const float m_new = fmaxf(m[mq][h], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float scale = exp2f(m[mq][h] - m_use);
+      m_use[mq][h] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet: P = 0, not NaN
+      scale[mq][h] = exp2_fast(m[mq][h] - m_use[mq][h]);
+      moved = moved || scale[mq][h] != 1.f;
       m[mq][h] = m_new;
-      l[mq][h] *= scale;
+    }
+  if (__any_sync(0xffffffff, moved)) {
 #pragma unroll
-      for (int j = 0; j < C::HEAD_DIM_VO / 8; ++j) {
-        o[mq][j][2 * h] *= scale;
-        o[mq][j][2 * h + 1] *= scale;
+    for (int mq = 0; mq < C::MMA_Q; ++mq)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        l[mq][h] *= scale[mq][h];
+#pragma unroll
+        for (int j = 0; j < C::HEAD_DIM_VO / 8; ++j) {
+          o[mq][j][2 * h] *= scale[mq][h];
+          o[mq][j][2 * h + 1] *= scale[mq][h];
+        }
       }
+  }
+#pragma unroll
+  for (int mq = 0; mq < C::MMA_Q; ++mq)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int nt = 0; nt < C::TILE_KV / 8; ++nt) {
-        s[mq][nt][2 * h] = exp2f(s[mq][nt][2 * h] - m_use);
-        s[mq][nt][2 * h + 1] = exp2f(s[mq][nt][2 * h + 1] - m_use);
+        s[mq][nt][2 * h] = exp2_fast(s[mq][nt][2 * h] - m_use[mq][h]);
+        s[mq][nt][2 * h + 1] = exp2_fast(s[mq][nt][2 * h + 1] - m_use[mq][h]);
         l[mq][h] += s[mq][nt][2 * h] + s[mq][nt][2 * h + 1];
       }
-    }
-  }
 }
 
 // O += P V: P from the S accumulators (C layout -> A layout), V fragments by ldmatrix.trans
@@ -144,7 +191,7 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[C::MMA_Q][C::HEAD_DIM_V
                                               const typename C::DTypeKV* vs, int lane) {
   using L = Layout<C>;
   using T = typename C::DTypeKV;
-  const int mat = lane / 8, mrow = lane % 8;
+  const int mat = lane / 8, mrow = opaque(lane % 8);
   const int v_row = (8 * (mat % 2) + mrow) * L::V_CHUNKS * 8, vx = (mat / 2) ^ mrow;  // as in scores()
 #pragma unroll
   for (int kk = 0; kk < L::TILE_KV / 16; ++kk) {

@@ -30,6 +30,14 @@ __device__ __forceinline__ void run(const Params& p) {
   const int w_last = min(tr.row0 + (warp + 1) * L::WARP_ROWS - 1, last_row);
   const int wq_min = q_base + w_first / group, wq_max = q_base + w_last / group;
 
+  // the epilogue's tile and request wait in shared memory over the main loop, where registers are the limit
+  // (written before the prologue's barrier, read after the loop)
+  __shared__ TileRows tr_saved;
+  __shared__ int request_saved;
+  if (threadIdx.x == 0) {
+    tr_saved = tr;
+    request_saved = request;
+  }
   extern __shared__ __align__(128) uint8_t smem[];
   DTypeQ* q_smem = reinterpret_cast<DTypeQ*>(smem);
   load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
@@ -95,14 +103,17 @@ __device__ __forceinline__ void run(const Params& p) {
 
     float s[MQ][L::TILE_KV / 8][4];
     scores<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
-    softmax<C>(s, o, m, l, q_pos, transform, slope, mi, t0, masked, lane);
+    logits<C>(s, q_pos, transform, slope, t0, lane);
+    if (masked) apply_mask<C>(s, q_pos, mi, t0, lane);
+    online_softmax<C>(s, o, m, l);
     accumulate_pv<C>(o, s, pipe.v_tile(tile), lane);
   }
   cp_async_wait<0>();
 
+  const TileRows tr_out = tr_saved;
   const int chunk = p.chunk_idx[item];
-  write_rows<C>(p, tr, o, m, l, chunk, warp, lane);
-  if (chunk >= 0) merge_if_last<C>(p, tr, request);
+  write_rows<C>(p, tr_out, o, m, l, chunk, warp, lane);
+  if (chunk >= 0) merge_if_last<C>(p, tr_out, request_saved);
 }
 
 }  // namespace flashgen::prefill

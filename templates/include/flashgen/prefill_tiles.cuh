@@ -108,24 +108,36 @@ struct KVPipeline {
   __device__ __forceinline__ DTypeKV* k_tile(int tile) const { return k_smem + (tile % C::STAGES) * L::TILE_KV * L::D; }
   __device__ __forceinline__ DTypeKV* v_tile(int tile) const { return v_smem + (tile % C::STAGES) * L::TILE_KV * L::DV; }
 
+  // cp.async of one tile's rows into a swizzled stage: row r of the tile from head + offsets[r] (zeros for -1).
+  // When the CTA covers whole rows per pass, a thread keeps its chunk and steps its row by ROWS (addresses
+  // are a per-thread base plus constants); otherwise jobs are dealt out one chunk at a time.
+  template <int CHUNKS, bool IS_V>
+  __device__ __forceinline__ void copy_rows(DTypeKV* dst, const DTypeKV* head, const int64_t* offsets) const {
+    constexpr int ROWS = L::THREADS / CHUNKS;
+    if constexpr (L::THREADS % CHUNKS == 0 && L::TILE_KV % ROWS == 0) {
+      const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;
+#pragma unroll
+      for (int i = 0; i < L::TILE_KV / ROWS; ++i) {
+        const int r = r0 + i * ROWS;
+        const int64_t off = IS_V ? v_offset(offsets[r]) : offsets[r];
+        cp_async_16(dst + tile_index(r, c, CHUNKS), off < 0 ? head : head + off + c * 8, off < 0);
+      }
+    } else {
+#pragma unroll 4
+      for (int job = threadIdx.x; job < L::TILE_KV * CHUNKS; job += L::THREADS) {
+        const int r = job / CHUNKS, c = job % CHUNKS;
+        const int64_t off = IS_V ? v_offset(offsets[r]) : offsets[r];
+        cp_async_16(dst + tile_index(r, c, CHUNKS), off < 0 ? head : head + off + c * 8, off < 0);
+      }
+    }
+  }
+
   // cp.async of one tile's K and V (one commit group; an empty group past the end keeps the counting uniform)
   __device__ __forceinline__ void issue(int tile) const {
     if (tile < num_tiles) {
       const int64_t* offsets = row_offsets + (tile & 1) * L::TILE_KV;
-      DTypeKV* ks = k_tile(tile);
-      DTypeKV* vs = v_tile(tile);
-#pragma unroll 4
-      for (int job = threadIdx.x; job < L::TILE_KV * L::K_CHUNKS; job += L::THREADS) {
-        const int r = job / L::K_CHUNKS, c = job % L::K_CHUNKS;
-        const int64_t off = offsets[r];
-        cp_async_16(ks + tile_index(r, c, L::K_CHUNKS), off < 0 ? k_head : k_head + off + c * 8, off < 0);
-      }
-#pragma unroll 4
-      for (int job = threadIdx.x; job < L::TILE_KV * L::V_CHUNKS; job += L::THREADS) {
-        const int r = job / L::V_CHUNKS, c = job % L::V_CHUNKS;
-        const int64_t off = v_offset(offsets[r]);
-        cp_async_16(vs + tile_index(r, c, L::V_CHUNKS), off < 0 ? v_head : v_head + off + c * 8, off < 0);
-      }
+      copy_rows<L::K_CHUNKS, false>(k_tile(tile), k_head, offsets);
+      copy_rows<L::V_CHUNKS, true>(v_tile(tile), v_head, offsets);
     }
     cp_async_commit();
   }
