@@ -13,7 +13,7 @@ from ..plan import PlanError, plan_decode
 from ..spec import AttentionSpec, RoPE, SlidingWindow
 from .checks import check_tensor
 from .device import current_stream
-from .kv_inputs import TORCH_DTYPES, kv_view, page_table
+from .kv_inputs import TORCH_DTYPES, device_page_ids, kv_view, page_table
 from .staging import HostStaging
 
 _NULL = 0
@@ -149,13 +149,9 @@ class BatchDecodeWrapper:
         ids = table.block_table if table.block_table is not None else table.kv_indices
         if ids is None:
             return _NULL, 0
-        stride = ids.stride(0) if ids.dim() == 2 else 0
         if ids.is_cuda:
-            if ids.device != self.device:
-                raise PlanError(f"page table: on {ids.device}, expected {self.device}")
-            if not ids.is_contiguous() and ids.dim() == 1:
-                raise PlanError("kv_indices: expected a contiguous tensor")
-            return ids.data_ptr(), stride
+            self._page_ids_held = ids  # the kernel reads it in place: keep it alive until the next plan
+            return device_page_ids(ids, self.device)
         buf = self._pages_buf.get(ids.numel(), "page ids")
         host = ids.to(torch.int32).contiguous()
         buf[: host.numel()].copy_(host.pin_memory(), non_blocking=True)

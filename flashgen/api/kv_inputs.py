@@ -151,3 +151,13 @@ def _int_tensor(name: str, value: object, ndim: int) -> torch.Tensor:
     if t.is_cuda and t.dtype != torch.int32:
         raise PlanError(f"{name}: a device page table must be int32, got {t.dtype}")
     return t
+
+
+def device_page_ids(ids: torch.Tensor, device: torch.device) -> tuple[int, int]:
+    """(address, row stride) of a device page table the kernel reads in place. The caller must keep ``ids``
+    alive for as long as the plan is used (the wrappers hold it until the next plan)."""
+    if ids.device != device:
+        raise PlanError(f"page table: on {ids.device}, expected {device}")
+    if ids.dim() == 1 and not ids.is_contiguous():
+        raise PlanError("kv_indices: expected a contiguous tensor")
+    return ids.data_ptr(), (ids.stride(0) if ids.dim() == 2 else 0)
