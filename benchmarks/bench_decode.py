@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,39 +22,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
+from timing import commit, copy_rate, timed  # noqa: E402
 from flashgen import AttentionSpec, Paged  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 BYTES_PER_TOKEN = 2 * HKV * D * 2  # K + V, bf16
-_flush = None
 
 
-def timed(fn, reps: int) -> float:
-    """Median µs of ``fn`` over ``reps`` calls, each after an L2 flush (flush not timed; its GPU time also covers the
-    host time of the peers' calls, so a peer with 100+ µs of Python overhead is still measured on the GPU)."""
-    global _flush
-    if _flush is None:
-        _flush = torch.empty(2**30, dtype=torch.uint8, device="cuda")  # 1 GiB, ~250 µs of GPU time
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        _flush.zero_()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def copy_rate() -> float:
-    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = timed(lambda: dst.copy_(src), 20)
-    del src, dst
-    return 2 * 2 * 2**30 / us / 1e3  # GB/s, bytes read + written
 
 
 def paged_table(batch: int, kv_len: int, page_size: int, gen: torch.Generator):
@@ -199,9 +172,8 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001
                 print(f"flex failed: {exc!r}")
                 peers.discard("flex")
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True, cwd=REPO).stdout.strip()
-    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit,
+    commit_id = commit(args.commit)
+    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit_id,
               "copy_GBps": copy_gbps, "shape": {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": D},
               "rows": rows}
     out = Path(args.out)

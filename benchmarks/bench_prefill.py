@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,35 +26,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
+from timing import commit, matmul_rate, timed  # noqa: E402
 from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow  # noqa: E402
 
 HQ, HKV, TOKENS, WINDOW, DOCS = 32, 8, 16384, 1024, 8
-_flush = None
 
 
-def timed(fn, reps: int) -> float:
-    """Median µs of ``fn`` over ``reps`` calls, each after an L2 flush (flush not timed)."""
-    global _flush
-    if _flush is None:
-        _flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        _flush.zero_()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def matmul_rate() -> float:
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    us = timed(lambda: a @ b, 20)
-    return 2 * 8192**3 / us / 1e6  # TFLOP/s
 
 
 def visible_pairs(mask: str, seqlen: int) -> float:
@@ -243,9 +219,8 @@ def main() -> None:
         if "flex" in args.peers:
             attempt("flex", "contig", lambda: bench_flex(q, k, v, batch, seqlen, d, mask, args.reps))
         del q, k, v
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True, cwd=REPO).stdout.strip()
-    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit,
+    commit_id = commit(args.commit)
+    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit_id,
               "matmul_TFLOPs": mm, "shape": {"num_qo_heads": HQ, "num_kv_heads": HKV, "tokens": TOKENS}, "rows": rows}
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=1))

@@ -2,7 +2,8 @@
 30 re-plans) and run() host time (300 back-to-back calls). Run from the repository root on a GPU."""
 import sys, time, statistics, torch
 sys.path.insert(0, "benchmarks")
-from bench_decode import timed, paged_table, HQ, HKV, D, BYTES_PER_TOKEN, copy_rate
+from bench_decode import HKV, HQ, D, paged_table
+from timing import copy_rate, timed
 import flashgen
 from flashgen import AttentionSpec, Paged
 gen = torch.Generator().manual_seed(0)

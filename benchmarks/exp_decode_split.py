@@ -4,7 +4,8 @@
 """
 import sys, torch
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from bench_decode import timed, paged_table, HQ, HKV, D, BYTES_PER_TOKEN
+from bench_decode import BYTES_PER_TOKEN, HKV, HQ, D, paged_table
+from timing import timed
 import flashgen
 from flashgen import AttentionSpec, Paged
 gen = torch.Generator().manual_seed(0)

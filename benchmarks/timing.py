@@ -1,0 +1,53 @@
+"""Timing helpers shared by the GPU benchmarks: L2-flushed median timing, the device's ceilings, the commit."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import torch
+
+_flush: torch.Tensor | None = None
+
+
+def timed(fn, reps: int) -> float:
+    """Median µs of ``fn`` over ``reps`` calls, each after an L2 flush (flush not timed; its ~250 µs of GPU
+    time also covers the host time of the peers' calls, so a peer with 100+ µs of Python overhead is
+    still measured on the GPU)."""
+    global _flush
+    if _flush is None:
+        _flush = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        _flush.zero_()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_rate() -> float:
+    """Device copy rate, GB/s of bytes read plus written, on a 2 GiB buffer."""
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / timed(lambda: dst.copy_(src), 20) / 1e3
+
+
+def matmul_rate() -> float:
+    """bf16 8192³ matmul rate, TFLOP/s (median of 20, random data)."""
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return 2 * 8192**3 / timed(lambda: a @ b, 20) / 1e6
+
+
+def commit(given: str = "") -> str:
+    """The commit measured: given on the command line (the device copy has no .git), else HEAD."""
+    if given:
+        return given
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    return out.stdout.strip()
