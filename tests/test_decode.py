@@ -10,28 +10,16 @@ import torch
 import flashgen
 from flashgen import ALiBi, AttentionSpec, Paged, Ragged, RoPE, SlidingWindow
 from flashgen.plan import PlanError, csr_to_block_table
-from flashgen.testing.layouts import paged_kv_cache
+from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
 
 pytestmark = pytest.mark.cuda
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def make_batch(spec: AttentionSpec, kv_lens, num_kv_heads: int, group: int, *, combined=False, seed=None):
     gen = torch.Generator().manual_seed(seed if seed is not None else int(np.random.randint(1 << 30)))
-    dtype = DTYPES[spec.dtype]
-    ks = [torch.randn(n, num_kv_heads, spec.head_dim, generator=gen).to(dtype) for n in kv_lens]
-    vs = [torch.randn(n, num_kv_heads, spec.head_dim_vo, generator=gen).to(dtype) for n in kv_lens]
-    q = torch.randn(len(kv_lens), num_kv_heads * group, spec.head_dim, generator=gen).to(dtype)
-    if isinstance(spec.kv_layout, Paged):
-        kv, indptr, indices, last = paged_kv_cache(ks, vs, spec.kv_layout.page_size, order=spec.kv_layout.order,
-                                                   combined=combined, generator=gen)
-        table = {"kv_indptr": indptr, "kv_indices": indices, "kv_last_page_len": last}
-    else:
-        kv = (torch.cat(ks), torch.cat(vs))
-        table = {"kv_indptr": torch.tensor(np.concatenate([[0], np.cumsum(kv_lens)]), dtype=torch.int32)}
-    return q, kv, table
+    return random_batch(spec, [1] * len(kv_lens), kv_lens, num_kv_heads, group, combined=combined, generator=gen)
 
 
 def to_cuda(kv):

@@ -117,3 +117,23 @@ def paged_kv_cache(ks: list[torch.Tensor], vs: list[torch.Tensor], page_size: in
     kv = torch.stack(caches, dim=1) if combined else tuple(caches)
     last = np.where(npages > 0, lens - (npages - 1) * page_size, 0).astype(np.int32)
     return kv, torch.from_numpy(indptr), perm, torch.from_numpy(last)
+
+
+def random_batch(spec: AttentionSpec, qo_lens: list[int], kv_lens: list[int], num_kv_heads: int, group: int, *,
+                 combined: bool = False, generator: torch.Generator | None = None):
+    """A random batch in ``spec``'s layout and dtype, for kernel tests: ``(q, kv, table)``.
+
+    ``q [sum(qo_lens), num_kv_heads * group, head_dim]``; ``kv`` a paged cache (``paged_kv_cache``: shuffled
+    pages, NaN in every slot no request owns) or a ragged ``(k, v)`` pair; ``table`` the CSR page table
+    (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``) or, ragged, ``kv_indptr``; all on the CPU.
+    """
+    dtype = getattr(torch, spec.dtype)
+    ks = [torch.randn(n, num_kv_heads, spec.head_dim, generator=generator).to(dtype) for n in kv_lens]
+    vs = [torch.randn(n, num_kv_heads, spec.head_dim_vo, generator=generator).to(dtype) for n in kv_lens]
+    q = torch.randn(sum(qo_lens), num_kv_heads * group, spec.head_dim, generator=generator).to(dtype)
+    if isinstance(spec.kv_layout, Paged):
+        kv, indptr, indices, last = paged_kv_cache(ks, vs, spec.kv_layout.page_size, order=spec.kv_layout.order,
+                                                   combined=combined, generator=generator)
+        return q, kv, {"kv_indptr": indptr, "kv_indices": indices, "kv_last_page_len": last}
+    kv = (torch.cat(ks), torch.cat(vs))
+    return q, kv, {"kv_indptr": torch.tensor(np.concatenate([[0], np.cumsum(kv_lens)]), dtype=torch.int32)}
