@@ -50,3 +50,11 @@ def test_build_from_a_plan_file(tmp_path):
     out = flashgen("build", "--arch", "sm_80", "--plan", str(plan), cache=tmp_path / "c")
     assert out.returncode == 0, out.stderr
     assert "sm_80  merge_states_f16" in out.stdout
+
+
+@pytest.mark.nvcc
+def test_shipped_build_plans_compile(tmp_path):
+    for plan in sorted((REPO / "plans").glob("*.json")):
+        out = flashgen("build", "--arch", "sm_90a", "--plan", str(plan), cache=tmp_path / plan.stem)
+        assert out.returncode == 0, out.stderr
+        assert len(out.stdout.strip().splitlines()) == len(__import__("json").loads(plan.read_text()))
