@@ -14,24 +14,9 @@ from ..spec import AttentionSpec, RoPE, SlidingWindow
 from .checks import check_tensor
 from .device import current_stream
 from .kv_inputs import TORCH_DTYPES, device_page_ids, kv_view, page_table
-from .staging import HostStaging
+from .staging import DeviceBuffer, HostStaging
 
 _NULL = 0
-
-
-class _Buffer:
-    """A device buffer that grows on demand, or (CUDA-graph mode) is sized once and never moves."""
-
-    def __init__(self, dtype: torch.dtype, device: torch.device, fixed: bool):
-        self.dtype, self.device, self.fixed, self.tensor = dtype, device, fixed, None
-
-    def get(self, numel: int, what: str) -> torch.Tensor:
-        if self.tensor is None or (self.tensor.numel() < numel and not self.fixed):
-            self.tensor = torch.empty(max(numel, 1), dtype=self.dtype, device=self.device)
-        elif self.tensor.numel() < numel:
-            raise PlanError(f"{what}: needs {numel} elements, more than the {self.tensor.numel()} sized by the "
-                            f"first plan of this CUDA-graph wrapper (raise max_batch_size)")
-        return self.tensor
 
 
 class BatchDecodeWrapper:
@@ -48,6 +33,9 @@ class BatchDecodeWrapper:
     ``use_cuda_graph=True`` with ``max_batch_size``: every buffer and the grid are sized for that batch, so a
     graph captured around ``run()`` replays correctly after ``plan()`` of any batch up to it (q and out of
     ``max_batch_size`` rows; page-table device tensors must keep their addresses).
+
+    ``workspace`` is accepted for FlashInfer-style call sites and not used: the wrapper sizes its own
+    buffers (fixed at the first plan in CUDA-graph mode).
     """
 
     def __init__(self, spec: AttentionSpec, workspace: torch.Tensor | None = None, use_cuda_graph: bool = False,
@@ -63,11 +51,11 @@ class BatchDecodeWrapper:
         self.use_cuda_graph, self.max_batch_size = use_cuda_graph, max_batch_size
         self.num_sms = num_sms or torch.cuda.get_device_properties(self.device).multi_processor_count
         fixed = use_cuda_graph
-        self._plan_buf = _Buffer(torch.int32, self.device, fixed)
+        self._plan_buf = DeviceBuffer(torch.int32, self.device, fixed)
         self._staging = HostStaging(self.device)
-        self._pages_buf = _Buffer(torch.int32, self.device, fixed)
-        self._tmp_o = _Buffer(torch.float32, self.device, fixed)
-        self._tmp_lse = _Buffer(torch.float32, self.device, fixed)
+        self._pages_buf = DeviceBuffer(torch.int32, self.device, fixed)
+        self._tmp_o = DeviceBuffer(torch.float32, self.device, fixed)
+        self._tmp_lse = DeviceBuffer(torch.float32, self.device, fixed)
         self._counters = None  # int32 [max_total_q * num_qo_heads], zero; the kernel leaves it zero
         self._kernel = None
         self._planned = None

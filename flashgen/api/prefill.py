@@ -14,9 +14,9 @@ from ..codegen.prefill import (
 from ..plan import PlanError, host_array, plan_prefill
 from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Ragged, RoPE, SlidingWindow
 from .checks import check_tensor
-from .decode import _Buffer
 from .device import current_stream
 from .kv_inputs import TORCH_DTYPES, device_page_ids, kv_view, page_table
+from .staging import DeviceBuffer
 
 _NULL = 0
 
@@ -51,7 +51,7 @@ class BatchPrefillWrapper:
         self.use_cuda_graph, self.max_batch_size, self.max_total_q = use_cuda_graph, max_batch_size, max_total_q
         self.num_sms = num_sms or torch.cuda.get_device_properties(self.device).multi_processor_count
         fixed = use_cuda_graph
-        self._bufs = {name: _Buffer(dtype, self.device, fixed) for name, dtype in (
+        self._bufs = {name: DeviceBuffer(dtype, self.device, fixed) for name, dtype in (
             ("plan", torch.int32), ("kv_indptr", torch.int32), ("pages", torch.int32), ("tmp_o", torch.float32),
             ("tmp_lse", torch.float32), ("mask", torch.uint8), ("mask_offset", torch.int64))}
         self._counters = None  # int32 [max_total_q * num_qo_heads], zero; the kernel leaves it zero

@@ -1,4 +1,5 @@
-"""Plan uploads: pinned host buffers reused in turn, one host-to-device copy per plan, no device sync."""
+"""Wrapper buffers: device buffers that grow (or stay fixed for CUDA graphs), and plan uploads through pinned
+host buffers reused in turn (one host-to-device copy per plan, no device sync)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,21 @@ import torch
 from ..plan import Plan, PlanError
 
 _ALIGN = 4  # int32 elements: 16-byte aligned extra arrays
+
+
+class DeviceBuffer:
+    """A device buffer that grows on demand, or (CUDA-graph mode) is sized once and never moves."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, fixed: bool):
+        self.dtype, self.device, self.fixed, self.tensor = dtype, device, fixed, None
+
+    def get(self, numel: int, what: str) -> torch.Tensor:
+        if self.tensor is None or (self.tensor.numel() < numel and not self.fixed):
+            self.tensor = torch.empty(max(numel, 1), dtype=self.dtype, device=self.device)
+        elif self.tensor.numel() < numel:
+            raise PlanError(f"{what}: needs {numel} elements, more than the {self.tensor.numel()} sized by the "
+                            f"first plan of this CUDA-graph wrapper (raise max_batch_size)")
+        return self.tensor
 
 
 class HostStaging:
