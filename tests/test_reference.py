@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flashgen.plan import csr_to_block_table
-from flashgen.spec import (ALiBi, AttentionSpec, BlockSparse, Causal, CustomMask, NoMask, Paged, Ragged, RoPE,
+from flashgen.spec import (ALiBi, AttentionSpec, BlockSparse, Causal, CustomMask, Paged, Ragged, RoPE,
                            SlidingWindow)
 from flashgen.testing import (alibi_slopes, merge_state_ref, merge_states_ref, pack_custom_mask, paged_kv_cache,
                               reference_attention, unpack_custom_mask)
