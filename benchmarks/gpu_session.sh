@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One call on the H200 (device tool) that runs what a session needs, writing logs and results under $OUT:
+#   bash benchmarks/gpu_session.sh [tests|sanitize|decode|prefill|foundation ...]   (default: tests)
+# Carry .whl (FlashInfer and its small deps, see the device README) to measure FlashInfer as a peer.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD FLASHGEN_CACHE_DIR=${FLASHGEN_CACHE_DIR:-/tmp/fgcache} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site
+fi
+COMMIT=${COMMIT:-unknown}
+for step in "${@:-tests}"; do
+  case "$step" in
+    tests)
+      python3 -m pytest -m cuda tests -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
+    sanitize)
+      compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -m cuda tests/test_decode.py \
+        tests/test_prefill.py -q -x -p no:cacheprovider -k "paged_csr or layouts_and_masks" > "$OUT/memcheck.log" 2>&1
+      grep -E "Invalid|ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -5
+      compute-sanitizer --tool racecheck python3 -m pytest -m cuda tests/test_decode.py tests/test_prefill.py -q -x \
+        -p no:cacheprovider -k "test_paged_csr or test_block_table" > "$OUT/racecheck.log" 2>&1
+      tail -2 "$OUT/racecheck.log" ;;
+    decode)
+      python3 benchmarks/bench_decode.py --out "$OUT/decode.json" --reps 20 --commit "$COMMIT" 2>&1 | tail -22 ;;
+    prefill)
+      python3 benchmarks/bench_prefill.py --out "$OUT/prefill.json" --reps 8 --head-dims 128 \
+        --shapes 1x16384,4x4096 --layouts ragged,paged16 --peers sdpa,flashinfer --commit "$COMMIT" 2>&1 | tail -14 ;;
+    foundation)
+      python3 benchmarks/bench_foundation.py --out "$OUT/foundation.json" --commit "$COMMIT" 2>&1 | tail -14 ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
