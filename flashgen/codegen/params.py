@@ -19,6 +19,8 @@ _CTYPES = {
     "uint32_t": ("I", 4, 4),
     "float": ("f", 4, 4),
     "double": ("d", 8, 8),
+    # TMA descriptor (cuda.h), filled with the 128 opaque bytes of cuTensorMapEncodeTiled; 64-byte aligned
+    "CUtensorMap": ("128s", 128, 64),
 }
 
 

@@ -1,0 +1,98 @@
+"""The Hopper prefill family (op ``prefill_sm90``): TMA + wgmma, a producer and two consumer warpgroups (sm_90a).
+
+v1 scope (``check`` raises ``SpecError`` for the rest): fp16 / bf16 with ``kv_dtype == dtype``, ``head_dim ==
+head_dim_vo`` in {64, 128, 256}, ``Ragged()`` KV, ``NoMask()`` or ``Causal()``, no positional encoding, no
+soft-cap, any GQA group (packed rows), unsplit plans (``enable_split=False``: every item covers its whole KV).
+The kernel is ``templates/include/flashgen/sm90/prefill_sm90.cuh``; the runner ``flashgen.api.sm90``.
+"""
+
+from __future__ import annotations
+
+from ..spec import AttentionSpec, Causal, NoMask, Ragged, SpecError
+from .family import EntryPoint, KernelFamily, register, struct
+
+CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+SM90_HEAD_DIMS = (64, 128, 256)
+TILE_Q = 128  # two consumer warpgroups of 64 packed rows
+STAGES = 2
+PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 x 40 + 256 x 232 = 64512 <= 65536 registers of an SM
+THREADS = 384
+SMEM_LIMIT = 227 * 1024
+
+
+def sm90_tile_kv(head_dim: int) -> int:
+    """KV tokens per stage: the S tile (TILE_KV / 2 fp32 a thread) beside O (head_dim / 2) within the consumer
+    budget, and Q plus 2 stages of K and V within 227 KB.
+
+    Worked example: head_dim 128: S 64 + O 64 + P 32 registers; Q 32 KB + 2 x (32 + 32) KB = 160 KB -> 128.
+    head_dim 256: O takes 128 registers, and 128-token stages would need Q 64 KB + 2 x 128 KB = 320 KB -> 64
+    (S 32, smem 64 + 2 x 64 = 192 KB). head_dim 64: Q 16 KB + 2 x 32 KB = 80 KB -> 128.
+    """
+    return 64 if head_dim > 128 else 128
+
+
+def sm90_smem_bytes(head_dim: int, elem: int = 2) -> int:
+    """Q tile + STAGES K and V stages + 128 bytes of barriers + 1024 of slack to align the base to 1024."""
+    tile_kv = sm90_tile_kv(head_dim)
+    return TILE_Q * head_dim * elem + 2 * STAGES * tile_kv * head_dim * elem + 128 + 1024
+
+
+class PrefillSM90Family(KernelFamily):
+    op = "prefill_sm90"
+    template = "prefill_sm90.cu.j2"
+
+    def project(self, spec: object) -> AttentionSpec:
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
+        return spec
+
+    def check(self, spec: AttentionSpec) -> None:
+        if spec.head_dim not in SM90_HEAD_DIMS or spec.head_dim_vo != spec.head_dim:
+            raise SpecError(f"head_dim: got {spec.head_dim} (head_dim_vo {spec.head_dim_vo}), prefill_sm90 supports "
+                            f"head_dim == head_dim_vo in {SM90_HEAD_DIMS}")
+        if spec.dtype not in CPP_TYPES or spec.kv_dtype != spec.dtype:
+            raise SpecError(f"kv_dtype: got dtype {spec.dtype} / kv_dtype {spec.kv_dtype}, prefill_sm90 supports "
+                            "float16 or bfloat16 with kv_dtype == dtype")
+        if not isinstance(spec.kv_layout, Ragged):
+            raise SpecError(f"kv_layout: got {spec.kv_layout!r}, prefill_sm90 supports Ragged() so far")
+        if not isinstance(spec.mask, (NoMask, Causal)):
+            raise SpecError(f"mask: got {spec.mask!r}, prefill_sm90 supports NoMask() or Causal() so far")
+        if spec.pos_encoding is not None:
+            raise SpecError(f"pos_encoding: got {spec.pos_encoding!r}, prefill_sm90 supports None so far")
+        if spec.soft_cap is not None:
+            raise SpecError(f"soft_cap: got {spec.soft_cap}, prefill_sm90 supports None so far")
+
+    def context(self, spec: AttentionSpec) -> dict:
+        d = spec.head_dim
+        smem = sm90_smem_bytes(d)
+        assert smem <= SMEM_LIMIT, (d, smem)
+        return {
+            "DTypeQ": CPP_TYPES[spec.dtype],
+            "DTypeKV": CPP_TYPES[spec.kv_dtype],
+            "DTypeO": CPP_TYPES[spec.dtype],
+            "HEAD_DIM": d,
+            "TILE_Q": TILE_Q,
+            "TILE_KV": sm90_tile_kv(d),
+            "STAGES": STAGES,
+            "SMEM_BYTES": smem,
+            "PRODUCER_REGS": PRODUCER_REGS,
+            "CONSUMER_REGS": CONSUMER_REGS,
+            "THREADS": THREADS,
+            "CAUSAL": "true" if isinstance(spec.mask, Causal) else "false",
+        }
+
+    def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
+        q = CPP_TYPES[spec.dtype]
+        i32 = "const int32_t*"
+        params = struct(
+            "PrefillSM90Params",
+            ("CUtensorMap", "tma_k"), ("CUtensorMap", "tma_v"),
+            (f"const {q}*", "q"), (f"{q}*", "o"), ("float*", "lse"),
+            (i32, "qo_indptr"), (i32, "kv_indptr"), (i32, "kv_len"), (i32, "request_idx"), (i32, "qo_tile_idx"),
+            (i32, "kv_start"), (i32, "kv_end"),
+            ("int32_t", "num_qo_heads"), ("int32_t", "group_size"), ("float", "sm_scale"),
+        )
+        return (EntryPoint("prefill_sm90", params),)
+
+
+register(PrefillSM90Family())
