@@ -1,11 +1,8 @@
 """The prefill family compiles with nvcc for sm_80 and sm_90a over a representative matrix, without spills."""
 
-import re
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from flashgen import jit
+from compile_checks import assert_sound_cubin, build_all
 from flashgen.spec import ALiBi, AttentionSpec, Causal, CustomMask, Paged, Ragged, RoPE, SlidingWindow
 
 PREFILL_SPECS = [
@@ -23,15 +20,6 @@ MATRIX = [(spec, arch) for arch in ("sm_80", "sm_90a") for spec in PREFILL_SPECS
 
 @pytest.mark.nvcc
 def test_prefill_matrix_compiles_without_spills(cache_dir):
-    def one(item):
-        spec, arch = item
-        entry = jit.ensure_compiled(spec, "prefill", arch)
-        return entry, (entry.path / "ptxas.log").read_text()
-
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        results = list(pool.map(one, MATRIX))
+    results = build_all([("prefill", spec, arch) for spec, arch in MATRIX], workers=8)
     for (spec, arch), (entry, report) in zip(MATRIX, results):
-        assert entry.cubin[:4] == b"\x7fELF", entry.uri
-        spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
-        assert spills and not any(spills), f"{entry.uri} ({arch}) spills registers: {report}"
-        assert entry.manifest["entry_points"] == ["prefill"]
+        assert_sound_cubin(entry, report, ["prefill"], arch)
