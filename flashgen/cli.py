@@ -10,10 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import __version__, knobs
-from .spec import MergeSpec, spec_from_dict
+from .spec import AttentionSpec, Causal, MergeSpec, Paged, Ragged, spec_from_dict
 
-# the kernels `flashgen build` compiles when given no plan
-DEFAULT_BUILDS = tuple(("merge_states", MergeSpec(d)) for d in ("float16", "bfloat16", "float32"))
+# the kernels `flashgen build` compiles when given no plan: the merges, and a Llama-style (bf16, head_dim
+# 128) paged decode and causal ragged prefill
+DEFAULT_BUILDS = tuple(("merge_states", MergeSpec(d)) for d in ("float16", "bfloat16", "float32")) + (
+    ("decode", AttentionSpec(128, kv_layout=Paged(16))),
+    ("prefill", AttentionSpec(128, kv_layout=Ragged(), mask=Causal())),
+)
 
 
 def _store():

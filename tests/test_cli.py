@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from flashgen.cli import DEFAULT_BUILDS
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -23,16 +25,17 @@ def test_info_runs(tmp_path):
 def test_build_list_verify_clean(tmp_path):
     built = flashgen("build", "--arch", "sm_90a", cache=tmp_path)
     assert built.returncode == 0, built.stderr
-    assert len(built.stdout.strip().splitlines()) == 3 and built.stdout.count("sm_90a  merge_states_") == 3
+    assert len(built.stdout.strip().splitlines()) == len(DEFAULT_BUILDS) == 5
+    assert built.stdout.count("sm_90a  merge_states_") == 3 and "sm_90a  decode_d128" in built.stdout
     listed = flashgen("cache", "list", cache=tmp_path)
-    assert listed.stdout.count(" ok") == 3
+    assert listed.stdout.count(" ok") == 5
     assert flashgen("cache", "verify", cache=tmp_path).returncode == 0
     cubin = next((tmp_path / "sm_90a").glob("merge_states_f16-*")) / "kernel.cubin"
     cubin.write_bytes(b"\x7fELF garbage")
     bad = flashgen("cache", "verify", cache=tmp_path)
     assert bad.returncode == 1 and "BAD" in bad.stdout
     assert flashgen("cache", "clean", "--corrupt", cache=tmp_path).returncode == 0
-    assert flashgen("cache", "list", cache=tmp_path).stdout.count(" ok") == 2
+    assert flashgen("cache", "list", cache=tmp_path).stdout.count(" ok") == 4
     flashgen("cache", "clean", cache=tmp_path)
     assert flashgen("cache", "list", cache=tmp_path).stdout.strip() == ""
 
