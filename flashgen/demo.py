@@ -20,7 +20,8 @@ def run_demo(arch: str | None) -> int:
     print(f"\n== building the default kernels for {target}")
     cmd_build(argparse.Namespace(arch=target, plan=[], jobs=2))
     if device_arch() is None:
-        print("\nno GPU visible: kernels compiled and cached; run `flashgen demo` on a GPU machine to execute them")
+        print("\nno GPU visible: kernels compiled and cached; on a GPU machine `flashgen demo` also runs the merge "
+              "kernels against the fp64 reference (and `pytest -m cuda` checks every kernel)")
         return 0
     print("\n== running them on the GPU against the fp64 reference")
     return 0 if _check_merge() else 1
