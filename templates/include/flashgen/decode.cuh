@@ -146,6 +146,144 @@ __device__ __forceinline__ void widen_tile(const FP8* src, T* dst) {
   }
 }
 
+// Q: 16 rows (padded with zeros) into shared memory, RoPE applied on the way
+template <class C, class Params>
+__device__ __forceinline__ void stage_q(const Params& p, typename C::DTypeQ* q_smem, int token, int q_head0,
+                                        int rows_valid, int q_pos) {
+  using L = Layout<C>;
+  using DTypeQ = typename C::DTypeQ;
+  constexpr int D = C::HEAD_DIM;
+  const int tid = threadIdx.x;
+  for (int job = tid; job < 16 * L::Q_CHUNKS / 2; job += L::THREADS) {
+    const int r = job / (L::Q_CHUNKS / 2), c = job % (L::Q_CHUNKS / 2);
+    float lo[8], hi[8];
+    if (r < rows_valid) {
+      const DTypeQ* src = p.q + (int64_t(token) * p.num_qo_heads + q_head0 + r) * D;
+      const uint4 a = *reinterpret_cast<const uint4*>(src + c * 8);
+      const uint4 b = *reinterpret_cast<const uint4*>(src + D / 2 + c * 8);
+      const uint32_t* aw = reinterpret_cast<const uint32_t*>(&a);
+      const uint32_t* bw = reinterpret_cast<const uint32_t*>(&b);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 x = unpack2<DTypeQ>(aw[i]), y = unpack2<DTypeQ>(bw[i]);
+        lo[2 * i] = x.x; lo[2 * i + 1] = x.y; hi[2 * i] = y.x; hi[2 * i + 1] = y.y;
+      }
+      if constexpr (C::ROPE) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) rope_rotate(lo[i], hi[i], float(q_pos), c * 8 + i, D, p.rope_rcp_scale, p.rope_log2_theta);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) lo[i] = hi[i] = 0.f;
+    }
+    uint4 a, b;
+    uint32_t* aw = reinterpret_cast<uint32_t*>(&a);
+    uint32_t* bw = reinterpret_cast<uint32_t*>(&b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      aw[i] = pack2<DTypeQ>(lo[2 * i], lo[2 * i + 1]);
+      bw[i] = pack2<DTypeQ>(hi[2 * i], hi[2 * i + 1]);
+    }
+    *reinterpret_cast<uint4*>(q_smem + tile_index(r, c, L::Q_CHUNKS)) = a;
+    *reinterpret_cast<uint4*>(q_smem + tile_index(r, c + L::Q_CHUNKS / 2, L::Q_CHUNKS)) = b;
+  }
+}
+
+// one tile's step of the online softmax (base 2) for rows g and g + 8: new running max, rescaled sum and O,
+// and the scores turned into probabilities in place
+template <int DV>
+__device__ __forceinline__ void online_softmax(float (&s)[2][4], float (&m)[2], float (&l)[2], float (&o)[DV / 8][4]) {
+  #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        const float m_new = fmaxf(m[h], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float scale = exp2f(m[h] - m_use);
+        m[h] = m_new;
+        l[h] *= scale;
+        if (__any_sync(0xffffffff, scale != 1.f)) {  // once the running max settles, most tiles skip this
+  #pragma unroll
+          for (int j = 0; j < DV / 8; ++j) {
+            o[j][2 * h] *= scale;
+            o[j][2 * h + 1] *= scale;
+          }
+        }
+  #pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          s[nt][2 * h] = exp2f(s[nt][2 * h] - m_use);
+          s[nt][2 * h + 1] = exp2f(s[nt][2 * h + 1] - m_use);
+          l[h] += s[nt][2 * h] + s[nt][2 * h + 1];
+        }
+      }
+}
+
+// the warps' (m, l, O) merged through shared memory (the pipeline's, free now) and written: to out and lse,
+// or for an item of a split request to its partial row, the last item of the request merging them all
+template <class C, class Params>
+__device__ __forceinline__ void write_states(const Params& p, uint8_t* smem, int item, int token, int request,
+                                             int q_head0, int rows_valid, float (&o)[C::HEAD_DIM_VO / 8][4],
+                                             float (&m)[2], float (&l)[2]) {
+  using L = Layout<C>;
+  using DTypeO = typename C::DTypeO;
+  constexpr int DV = C::HEAD_DIM_VO;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  float* o_part = reinterpret_cast<float*>(smem + L::K_OFFSET);      // [NUM_WARPS][16][DV]
+  float* ml_part = o_part + C::NUM_WARPS * 16 * DV;                  // [NUM_WARPS][16][2]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
+    const int r = g + 8 * h;
+    if (t4 == 0) {
+      ml_part[(warp * 16 + r) * 2] = m[h];
+      ml_part[(warp * 16 + r) * 2 + 1] = l[h];
+    }
+#pragma unroll
+    for (int j = 0; j < DV / 8; ++j) {
+      *reinterpret_cast<float2*>(o_part + (warp * 16 + r) * DV + 8 * j + 2 * t4) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+    }
+  }
+  __syncthreads();
+
+  const bool split = p.chunk_idx[item] >= 0;
+  const int64_t out_row = split ? int64_t(p.merge_indptr[token] + p.chunk_idx[item]) : int64_t(token);
+  constexpr int COLS = 8;  // output columns per thread job
+  for (int job = tid; job < 16 * DV / COLS; job += L::THREADS) {
+    const int r = job / (DV / COLS), col = (job % (DV / COLS)) * COLS;
+    if (r >= rows_valid) continue;
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < C::NUM_WARPS; ++w) m_all = fmaxf(m_all, ml_part[(w * 16 + r) * 2]);
+    float acc[COLS] = {}, l_all = 0.f;
+    if (m_all != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < C::NUM_WARPS; ++w) {
+        const float wgt = exp2f(ml_part[(w * 16 + r) * 2] - m_all);
+        l_all += wgt * ml_part[(w * 16 + r) * 2 + 1];
+#pragma unroll
+        for (int i = 0; i < COLS; ++i) acc[i] += wgt * o_part[(w * 16 + r) * DV + col + i];
+      }
+    }
+    const float inv = l_all > 0.f ? p.v_scale / l_all : 0.f;  // fp8 V: its per-tensor scale
+#pragma unroll
+    for (int i = 0; i < COLS; ++i) acc[i] *= inv;
+    const float lse = l_all > 0.f ? (m_all + log2f(l_all)) * LN2 : -INFINITY;
+    const int64_t head = q_head0 + r;
+    if (split) {
+      float* dst = p.tmp_o + (out_row * p.num_qo_heads + head) * DV + col;
+#pragma unroll
+      for (int i = 0; i < COLS; i += 4) *reinterpret_cast<float4*>(dst + i) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+      if (col == 0) p.tmp_lse[out_row * p.num_qo_heads + head] = lse;
+    } else {
+      store_row<DTypeO, COLS>(p.o + (out_row * p.num_qo_heads + head) * DV + col, acc);
+      if (col == 0 && p.lse != nullptr) p.lse[out_row * p.num_qo_heads + head] = lse;
+    }
+  }
+  if (split) merge_if_last<C>(p, token, request, q_head0, rows_valid);
+}
+
 template <class C, class Params>
 __device__ __forceinline__ void run(const Params& p) {
   using L = Layout<C>;
@@ -231,40 +369,7 @@ __device__ __forceinline__ void run(const Params& p) {
 #pragma unroll
   for (int tile = 0; tile <= S; ++tile) first_pages[tile] = page_of(tile);
 
-  // ---- Q: 16 rows (padded with zeros) into shared memory, RoPE applied on the way
-  for (int job = tid; job < 16 * L::Q_CHUNKS / 2; job += L::THREADS) {
-    const int r = job / (L::Q_CHUNKS / 2), c = job % (L::Q_CHUNKS / 2);
-    float lo[8], hi[8];
-    if (r < rows_valid) {
-      const DTypeQ* src = p.q + (int64_t(token) * p.num_qo_heads + q_head0 + r) * D;
-      const uint4 a = *reinterpret_cast<const uint4*>(src + c * 8);
-      const uint4 b = *reinterpret_cast<const uint4*>(src + D / 2 + c * 8);
-      const uint32_t* aw = reinterpret_cast<const uint32_t*>(&a);
-      const uint32_t* bw = reinterpret_cast<const uint32_t*>(&b);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 x = unpack2<DTypeQ>(aw[i]), y = unpack2<DTypeQ>(bw[i]);
-        lo[2 * i] = x.x; lo[2 * i + 1] = x.y; hi[2 * i] = y.x; hi[2 * i + 1] = y.y;
-      }
-      if constexpr (C::ROPE) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) rope_rotate(lo[i], hi[i], float(q_pos), c * 8 + i, D, p.rope_rcp_scale, p.rope_log2_theta);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) lo[i] = hi[i] = 0.f;
-    }
-    uint4 a, b;
-    uint32_t* aw = reinterpret_cast<uint32_t*>(&a);
-    uint32_t* bw = reinterpret_cast<uint32_t*>(&b);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      aw[i] = pack2<DTypeQ>(lo[2 * i], lo[2 * i + 1]);
-      bw[i] = pack2<DTypeQ>(hi[2 * i], hi[2 * i + 1]);
-    }
-    *reinterpret_cast<uint4*>(q_smem + tile_index(r, c, L::Q_CHUNKS)) = a;
-    *reinterpret_cast<uint4*>(q_smem + tile_index(r, c + L::Q_CHUNKS / 2, L::Q_CHUNKS)) = b;
-  }
+  stage_q<C>(p, q_smem, token, q_head0, rows_valid, q_pos);
 
 
   // prologue: tiles 0 .. S-2 in flight, offsets of tile S-1 stored, page ids of tile S in registers
@@ -377,30 +482,7 @@ __device__ __forceinline__ void run(const Params& p) {
         s[nt][e] = last_tile && pos >= kv_end ? -INFINITY : transform(s[nt][e], pos - q_pos);
       }
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-      const float m_new = fmaxf(m[h], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float scale = exp2f(m[h] - m_use);
-      m[h] = m_new;
-      l[h] *= scale;
-      if (__any_sync(0xffffffff, scale != 1.f)) {  // once the running max settles, most tiles skip this
-#pragma unroll
-        for (int j = 0; j < DV / 8; ++j) {
-          o[j][2 * h] *= scale;
-          o[j][2 * h + 1] *= scale;
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        s[nt][2 * h] = exp2f(s[nt][2 * h] - m_use);
-        s[nt][2 * h + 1] = exp2f(s[nt][2 * h + 1] - m_use);
-        l[h] += s[nt][2 * h] + s[nt][2 * h + 1];
-      }
-    }
+    online_softmax<DV>(s, m, l, o);
 
     // O += P V: P from the S accumulators (C layout -> A layout), V fragments by ldmatrix.trans
     uint32_t pa[4] = {pack2<DTypeMMA>(s[0][0], s[0][1]), pack2<DTypeMMA>(s[0][2], s[0][3]),
@@ -416,60 +498,7 @@ __device__ __forceinline__ void run(const Params& p) {
   cp_async_wait<0>();
   __syncthreads();  // the pipeline's shared memory is reused below
 
-  // ---- merge the warps' states and write
-  float* o_part = reinterpret_cast<float*>(smem + L::K_OFFSET);      // [NUM_WARPS][16][DV]
-  float* ml_part = o_part + C::NUM_WARPS * 16 * DV;                  // [NUM_WARPS][16][2]
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
-    l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
-    const int r = g + 8 * h;
-    if (t4 == 0) {
-      ml_part[(warp * 16 + r) * 2] = m[h];
-      ml_part[(warp * 16 + r) * 2 + 1] = l[h];
-    }
-#pragma unroll
-    for (int j = 0; j < DV / 8; ++j) {
-      *reinterpret_cast<float2*>(o_part + (warp * 16 + r) * DV + 8 * j + 2 * t4) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
-    }
-  }
-  __syncthreads();
-
-  const bool split = p.chunk_idx[item] >= 0;
-  const int64_t out_row = split ? int64_t(p.merge_indptr[token] + p.chunk_idx[item]) : int64_t(token);
-  constexpr int COLS = 8;  // output columns per thread job
-  for (int job = tid; job < 16 * DV / COLS; job += L::THREADS) {
-    const int r = job / (DV / COLS), col = (job % (DV / COLS)) * COLS;
-    if (r >= rows_valid) continue;
-    float m_all = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < C::NUM_WARPS; ++w) m_all = fmaxf(m_all, ml_part[(w * 16 + r) * 2]);
-    float acc[COLS] = {}, l_all = 0.f;
-    if (m_all != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < C::NUM_WARPS; ++w) {
-        const float wgt = exp2f(ml_part[(w * 16 + r) * 2] - m_all);
-        l_all += wgt * ml_part[(w * 16 + r) * 2 + 1];
-#pragma unroll
-        for (int i = 0; i < COLS; ++i) acc[i] += wgt * o_part[(w * 16 + r) * DV + col + i];
-      }
-    }
-    const float inv = l_all > 0.f ? p.v_scale / l_all : 0.f;  // fp8 V: its per-tensor scale
-#pragma unroll
-    for (int i = 0; i < COLS; ++i) acc[i] *= inv;
-    const float lse = l_all > 0.f ? (m_all + log2f(l_all)) * LN2 : -INFINITY;
-    const int64_t head = q_head0 + r;
-    if (split) {
-      float* dst = p.tmp_o + (out_row * p.num_qo_heads + head) * DV + col;
-#pragma unroll
-      for (int i = 0; i < COLS; i += 4) *reinterpret_cast<float4*>(dst + i) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
-      if (col == 0) p.tmp_lse[out_row * p.num_qo_heads + head] = lse;
-    } else {
-      store_row<DTypeO, COLS>(p.o + (out_row * p.num_qo_heads + head) * DV + col, acc);
-      if (col == 0 && p.lse != nullptr) p.lse[out_row * p.num_qo_heads + head] = lse;
-    }
-  }
-  if (split) merge_if_last<C>(p, token, request, q_head0, rows_valid);
+  write_states<C>(p, smem, item, token, request, q_head0, rows_valid, o, m, l);
 }
 
 }  // namespace flashgen::decode
