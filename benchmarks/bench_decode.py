@@ -11,7 +11,6 @@ same run. Output: JSON, a markdown table (same stem) and a PNG plot (bandwidth v
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
-from timing import commit, copy_rate, timed  # noqa: E402
+from timing import commit, copy_rate, pyplot, save_results, timed  # noqa: E402
 from flashgen import AttentionSpec, Paged  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -176,11 +175,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit_id,
               "copy_GBps": copy_gbps, "shape": {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": D},
               "rows": rows}
-    out = Path(args.out)
-    out.write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(markdown(result))
-    plot(result, out.with_suffix(".png"))
-    print(markdown(result))
+    save_results(result, Path(args.out), markdown, plot)
 
 
 def markdown(result: dict) -> str:
@@ -201,13 +196,8 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     rows = [r for r in result["rows"] if isinstance(r["page_size"], int) and r["batch"] >= 64 and r["kv_len"] >= 4096]
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -13,7 +13,6 @@ the same run. FlexAttention's compile time is reported separately. Output: JSON,
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
-from timing import commit, matmul_rate, timed  # noqa: E402
+from timing import commit, matmul_rate, pyplot, save_results, timed  # noqa: E402
 from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow  # noqa: E402
 
 HQ, HKV, TOKENS, WINDOW, DOCS = 32, 8, 16384, 1024, 8
@@ -222,11 +221,7 @@ def main() -> None:
     commit_id = commit(args.commit)
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit_id,
               "matmul_TFLOPs": mm, "shape": {"num_qo_heads": HQ, "num_kv_heads": HKV, "tokens": TOKENS}, "rows": rows}
-    out = Path(args.out)
-    out.write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(markdown(result))
-    plot(result, out.with_suffix(".png"))
-    print(markdown(result))
+    save_results(result, Path(args.out), markdown, plot)
 
 
 def markdown(result: dict) -> str:
@@ -252,13 +247,8 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     rows = [r for r in result["rows"] if r["head_dim"] == 128 and r["mask"] in ("none", "causal")]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)

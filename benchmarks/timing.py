@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -51,3 +52,26 @@ def commit(given: str = "") -> str:
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent)
     return out.stdout.strip()
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None (with a message) where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return None
+    return plt
+
+
+def save_results(result: dict, out: Path, markdown, plot) -> None:
+    """Write ``result`` as JSON at ``out``, its markdown table beside it (.md) and its plot (.png); print the table."""
+    out = Path(out)
+    out.write_text(json.dumps(result, indent=1))
+    table = markdown(result)
+    out.with_suffix(".md").write_text(table)
+    plot(result, out.with_suffix(".png"))
+    print(table)
