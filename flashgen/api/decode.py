@@ -13,7 +13,7 @@ from ..plan import PlanError, plan_decode
 from ..spec import AttentionSpec, RoPE, SlidingWindow
 from .checks import check_tensor
 from .device import current_stream
-from .kv_inputs import TORCH_DTYPES, device_page_ids, kv_view, page_table
+from .kv_inputs import TORCH_DTYPES, kv_view, page_ids_pointer, page_table
 from .staging import DeviceBuffer, HostStaging
 
 _NULL = 0
@@ -95,7 +95,7 @@ class BatchDecodeWrapper:
         extras = {} if table.kv_indptr_host is None else {"kv_indptr": self._indptr_extra(table.kv_indptr_host)}
         views = self._staging.upload(plan, extras, self._plan_buf)  # one host-to-device copy
         indptr_ptr = views["kv_indptr"].data_ptr() if extras else _NULL
-        pages_ptr, bt_stride = self._page_ids(table)
+        pages_ptr, bt_stride, self._page_ids_held = page_ids_pointer(table, self.device, self._upload_pages)
         tmp_o = self._tmp_o.get(info.partial_capacity * num_qo_heads * self.spec.head_dim_vo, "tmp_o")
         tmp_lse = self._tmp_lse.get(info.partial_capacity * num_qo_heads, "tmp_lse")
         counters = self._counter_buffer(info.max_total_q * num_qo_heads)
@@ -133,18 +133,10 @@ class BatchDecodeWrapper:
             return indptr
         return np.concatenate([indptr, np.full(self.max_batch_size + 1 - indptr.size, indptr[-1], indptr.dtype)])
 
-    def _page_ids(self, table) -> tuple[int, int]:
-        ids = table.block_table if table.block_table is not None else table.kv_indices
-        if ids is None:
-            return _NULL, 0
-        if ids.is_cuda:
-            self._page_ids_held = ids  # the kernel reads it in place: keep it alive until the next plan
-            return device_page_ids(ids, self.device)
-        buf = self._pages_buf.get(ids.numel(), "page ids")
-        host = ids.to(torch.int32).contiguous()
+    def _upload_pages(self, host: torch.Tensor) -> int:
+        buf = self._pages_buf.get(host.numel(), "page ids")
         buf[: host.numel()].copy_(host.pin_memory(), non_blocking=True)
-        self._keep_pages = host
-        return buf.data_ptr(), (ids.shape[1] if ids.dim() == 2 else 0)
+        return buf.data_ptr()
 
     def _runtime(self, sm_scale, rope_theta, rope_scale, window_left, soft_cap, k_scale) -> tuple:
         spec = self.spec

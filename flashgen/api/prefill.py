@@ -15,7 +15,7 @@ from ..plan import PlanError, host_array, plan_prefill
 from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Ragged, RoPE, SlidingWindow
 from .checks import check_tensor
 from .device import current_stream
-from .kv_inputs import TORCH_DTYPES, device_page_ids, kv_view, page_table
+from .kv_inputs import TORCH_DTYPES, kv_view, page_ids_pointer, page_table
 from .staging import DeviceBuffer
 
 _NULL = 0
@@ -90,7 +90,8 @@ class BatchPrefillWrapper:
         tmp_lse = self._bufs["tmp_lse"].get(info.partial_capacity * num_qo_heads, "tmp_lse")
         if self._kernel is None:
             self._load_kernel()
-        pages_ptr, bt_stride = self._page_ids(table)
+        pages_ptr, bt_stride, self._page_ids_held = page_ids_pointer(
+            table, self.device, lambda host: self._copy("pages", host.numpy(), 0))
         self._planned = {
             "rows": info.max_total_q, "info": info, "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads,
             "max_page": table.max_page, "block_table": table.block_table is not None,
@@ -155,16 +156,6 @@ class BatchPrefillWrapper:
                 raise PlanError(f"custom_mask: expected uint8 [{need}] packed bits, got {packed.dtype} {packed.shape}")
             mask_ptr = self._copy("mask", packed, 0)
         return mask_ptr, self._copy("mask_offset", offsets, self.max_batch_size or 0)
-
-    def _page_ids(self, table) -> tuple[int, int]:
-        ids = table.block_table if table.block_table is not None else table.kv_indices
-        if ids is None:
-            return _NULL, 0
-        if ids.is_cuda:
-            self._page_ids_held = ids  # the kernel reads it in place: keep it alive until the next plan
-            return device_page_ids(ids, self.device)
-        host = ids.to(torch.int32).contiguous()
-        return self._copy("pages", host.numpy(), 0), (ids.shape[1] if ids.dim() == 2 else 0)
 
     def _runtime(self, sm_scale, rope_theta, rope_scale, window_left, soft_cap) -> tuple:
         spec = self.spec
