@@ -8,6 +8,8 @@ The kernel is ``templates/include/flashgen/sm90/prefill_sm90.cuh``; the runner `
 
 from __future__ import annotations
 
+import os
+
 from ..spec import AttentionSpec, Causal, NoMask, Ragged, SpecError
 from .family import EntryPoint, KernelFamily, register, struct
 
@@ -79,6 +81,7 @@ class PrefillSM90Family(KernelFamily):
             "CONSUMER_REGS": CONSUMER_REGS,
             "THREADS": THREADS,
             "CAUSAL": "true" if isinstance(spec.mask, Causal) else "false",
+            "PINGPONG": "false" if os.environ.get("FLASHGEN_SM90_PINGPONG") == "0" else "true",  # experiment toggle
         }
 
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:

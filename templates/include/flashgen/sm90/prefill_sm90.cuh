@@ -132,9 +132,10 @@ __device__ __forceinline__ void load_q(const Params& p, const Work& w, uint8_t* 
   named_barrier_sync(1 + wg, 128);
 }
 
-// S = Q K^T over head_dim in k16 steps; Q rows of this warpgroup start at q_wg (block 0)
+// Issue S = Q K^T over head_dim in k16 steps (asynchronous: the caller commits and waits). Q rows of this
+// warpgroup start at q_wg (block 0).
 template <class C>
-__device__ __forceinline__ void qk(float (&s)[C::TILE_KV / 2], uint32_t q_wg, uint32_t k_stage) {
+__device__ __forceinline__ void issue_qk(float (&s)[C::TILE_KV / 2], uint32_t q_wg, uint32_t k_stage) {
   using L = Layout<C>;
   wgmma_fence();
 #pragma unroll
@@ -143,14 +144,12 @@ __device__ __forceinline__ void qk(float (&s)[C::TILE_KV / 2], uint32_t q_wg, ui
     Wgmma<C::TILE_KV, typename C::DTypeKV>::ss(s, desc_k_major(q_wg + col * L::Q_BLOCK + in_row),
                                                 desc_k_major(k_stage + col * L::KV_BLOCK + in_row), k > 0);
   }
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_operands(s);
 }
 
-// O += P V over the tile's tokens in k16 steps (V: rows = tokens, 64-column blocks at KV_BLOCK bytes)
+// Issue O += P V over the tile's tokens in k16 steps (V: rows = tokens, 64-column blocks at KV_BLOCK bytes)
 template <class C>
-__device__ __forceinline__ void pv(float (&o)[C::HEAD_DIM / 2], uint32_t (&pa)[C::TILE_KV / 16][4], uint32_t v_stage) {
+__device__ __forceinline__ void issue_pv(float (&o)[C::HEAD_DIM / 2], uint32_t (&pa)[C::TILE_KV / 16][4],
+                                         uint32_t v_stage) {
   using L = Layout<C>;
   fence_operands(o);
   fence_operands(pa);
@@ -158,9 +157,13 @@ __device__ __forceinline__ void pv(float (&o)[C::HEAD_DIM / 2], uint32_t (&pa)[C
 #pragma unroll
   for (int kk = 0; kk < C::TILE_KV / 16; ++kk)
     Wgmma<C::HEAD_DIM, typename C::DTypeKV>::rs(o, pa[kk], desc_mn_major(v_stage + kk * 16 * 128, L::KV_BLOCK), 1);
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_operands(o);
+}
+
+// 2^x by ex2.approx.ftz (exp2f adds a denormal fix-up around the same instruction); 2^-inf = 0
+__device__ __forceinline__ float exp2_fast(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Per-thread row state: rows g and g + 8 of the warp's 16 (h = 0, 1).
@@ -169,16 +172,17 @@ struct RowState {
   int q_pos[2];
 };
 
-// S -> P (in place, base 2) with the online-softmax update of m, l and O; masked tiles hide (row, key)
-// pairs past kv_hi or after the row's query position.
+// S -> P in place: P = 2^(S * scale_log2 - m) with the running max m (base 2, scaled units) and sum l; masked
+// tiles hide (row, key) pairs past kv_hi or after the row's query position. o_scale is the factor O must be
+// multiplied by before P V is added (applied by the caller once the previous P V has completed).
+// sm_scale > 0 (checked at plan time): the max of raw S scales to the max of the logits.
 template <class C>
-__device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], float (&o)[C::HEAD_DIM / 2], RowState& rs,
+__device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs, float (&o_scale)[2],
                                         float scale_log2, bool masked, int t0, int kv_hi) {
   const int q4 = threadIdx.x % 4;
+  if (masked) {
 #pragma unroll
-  for (int i = 0; i < C::TILE_KV / 2; ++i) {
-    s[i] *= scale_log2;
-    if (masked) {
+    for (int i = 0; i < C::TILE_KV / 2; ++i) {
       const int pos = t0 + 8 * (i / 4) + 2 * q4 + i % 2;
       bool ok = pos < kv_hi;
       if constexpr (C::CAUSAL) ok = ok && pos <= rs.q_pos[(i / 2) % 2];
@@ -192,23 +196,25 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], float (&o)[C
     for (int i = 2 * h; i < C::TILE_KV / 2; i += 4) mx = fmaxf(mx, fmaxf(s[i], s[i + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-    const float m_new = fmaxf(rs.m[h], mx);
+    const float m_new = fmaxf(rs.m[h], mx * scale_log2);
     const float m_use = m_new == -INFINITY ? 0.f : m_new;  // nothing visible yet: P = 0, not NaN
-    const float scale = exp2f(rs.m[h] - m_use);
+    o_scale[h] = exp2_fast(rs.m[h] - m_use);
     rs.m[h] = m_new;
-    rs.l[h] *= scale;
-#pragma unroll
-    for (int i = 2 * h; i < C::HEAD_DIM / 2; i += 4) {
-      o[i] *= scale;
-      o[i + 1] *= scale;
-    }
+    float sum = 0.f;
 #pragma unroll
     for (int i = 2 * h; i < C::TILE_KV / 2; i += 4) {
-      s[i] = exp2f(s[i] - m_use);
-      s[i + 1] = exp2f(s[i + 1] - m_use);
-      rs.l[h] += s[i] + s[i + 1];
+      s[i] = exp2_fast(fmaf(s[i], scale_log2, -m_use));
+      s[i + 1] = exp2_fast(fmaf(s[i + 1], scale_log2, -m_use));
+      sum += s[i] + s[i + 1];
     }
+    rs.l[h] = rs.l[h] * o_scale[h] + sum;
   }
+}
+
+template <class C>
+__device__ __forceinline__ void rescale(float (&o)[C::HEAD_DIM / 2], const float (&o_scale)[2]) {
+#pragma unroll
+  for (int i = 0; i < C::HEAD_DIM / 2; ++i) o[i] *= o_scale[(i / 2) % 2];
 }
 
 // P as RS A fragments: k-step kk is S registers 8 kk .. 8 kk + 7 in pairs (see wgmma.cuh)
@@ -243,7 +249,26 @@ __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const
   }
 }
 
-// WG1 / WG2: the main loop over the CTA's KV tiles
+// Ping-pong of the two consumer warpgroups (C::PINGPONG): each takes its turn to issue its GEMMs (hardware
+// barrier 3 + wg), then hands the turn to the other, so one warpgroup's softmax runs under the other's GEMMs.
+// WG2 gives WG1 the first turn; every step of WG1 hands over, every step of WG2 but its last.
+template <class C>
+struct Scheduler {
+  int wg;
+  __device__ __forceinline__ void start(int num_tiles) const {
+    if constexpr (C::PINGPONG) if (wg == 1 && num_tiles > 0) named_barrier_arrive(3, 256);
+  }
+  __device__ __forceinline__ void wait_turn() const {
+    if constexpr (C::PINGPONG) named_barrier_sync(3 + wg, 256);
+  }
+  __device__ __forceinline__ void pass_turn(bool last) const {
+    if constexpr (C::PINGPONG) if (wg == 0 || !last) named_barrier_arrive(4 - wg, 256);
+  }
+};
+
+// WG1 / WG2: the main loop over the CTA's KV tiles. The GEMMs of consecutive tiles overlap the softmax
+// (FlashAttention-3's intra-warpgroup pipelining): step t issues S_t = Q K_t and O += P_(t-1) V_(t-1) together,
+// waits for S_t only, runs the softmax of tile t under the P V, then waits for it and rescales O.
 template <class C, class Params>
 __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem, uint32_t smem_base,
                                         const Barriers<C>& bars, int wg) {
@@ -264,22 +289,61 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   for (int i = 0; i < C::HEAD_DIM / 2; ++i) o[i] = 0.f;
   const float scale_log2 = p.sm_scale * LOG2E;
   const uint32_t q_wg = smem_base + wg * L::WG_ROWS * 128;
-  for (int t = 0; t < w.num_tiles; ++t) {
-    const int s = t % C::STAGES;
-    const uint32_t parity = (t / C::STAGES) & 1;
-    const int t0 = w.kv_lo + t * C::TILE_KV;
-    bool masked = t0 + C::TILE_KV > w.kv_hi;
-    if constexpr (C::CAUSAL) masked = masked || t0 + C::TILE_KV - 1 > wq_min;
-    float sc[C::TILE_KV / 2];
-    mbarrier_wait(bars.full_k(s), parity);
-    qk<C>(sc, q_wg, smem_base + L::K_OFFSET + s * L::KV_STAGE);
-    mbarrier_arrive(bars.empty_k(s));
-    softmax<C>(sc, o, rs, scale_log2, masked, t0, w.kv_hi);
-    uint32_t pa[C::TILE_KV / 16][4];
+  const uint32_t k_base = smem_base + L::K_OFFSET, v_base = smem_base + L::V_OFFSET;
+  const Scheduler<C> sched{wg};
+  const int n = w.num_tiles;
+  sched.start(n);
+  auto masked = [&](int t0) {
+    bool m = t0 + C::TILE_KV > w.kv_hi;
+    if constexpr (C::CAUSAL) m = m || t0 + C::TILE_KV - 1 > wq_min;
+    return m;
+  };
+  float sc[C::TILE_KV / 2], o_scale[2];
+  uint32_t pa[C::TILE_KV / 16][4];
+  if (n > 0) {
+    mbarrier_wait(bars.full_k(0), 0);
+    sched.wait_turn();
+    issue_qk<C>(sc, q_wg, k_base);
+    wgmma_commit();
+    sched.pass_turn(false);
+    wgmma_wait<0>();
+    fence_operands(sc);
+    mbarrier_arrive(bars.empty_k(0));
+    softmax<C>(sc, rs, o_scale, scale_log2, masked(w.kv_lo), w.kv_lo, w.kv_hi);
     pack_p<C>(pa, sc);
-    mbarrier_wait(bars.full_v(s), parity);
-    pv<C>(o, pa, smem_base + L::V_OFFSET + s * L::KV_STAGE);
-    mbarrier_arrive(bars.empty_v(s));
+  }
+  for (int t = 1; t < n; ++t) {
+    const int s = t % C::STAGES, prev = (t - 1) % C::STAGES;
+    const int t0 = w.kv_lo + t * C::TILE_KV;
+    mbarrier_wait(bars.full_k(s), (t / C::STAGES) & 1);
+    mbarrier_wait(bars.full_v(prev), ((t - 1) / C::STAGES) & 1);
+    sched.wait_turn();
+    issue_qk<C>(sc, q_wg, k_base + s * L::KV_STAGE);
+    wgmma_commit();
+    issue_pv<C>(o, pa, v_base + prev * L::KV_STAGE);
+    wgmma_commit();
+    sched.pass_turn(false);
+    wgmma_wait<1>();
+    fence_operands(sc);
+    mbarrier_arrive(bars.empty_k(s));
+    softmax<C>(sc, rs, o_scale, scale_log2, masked(t0), t0, w.kv_hi);
+    wgmma_wait<0>();
+    fence_operands(o);
+    fence_operands(pa);
+    mbarrier_arrive(bars.empty_v(prev));
+    rescale<C>(o, o_scale);
+    pack_p<C>(pa, sc);
+  }
+  if (n > 0) {
+    const int last = (n - 1) % C::STAGES;
+    mbarrier_wait(bars.full_v(last), ((n - 1) / C::STAGES) & 1);
+    sched.wait_turn();
+    issue_pv<C>(o, pa, v_base + last * L::KV_STAGE);
+    wgmma_commit();
+    sched.pass_turn(true);
+    wgmma_wait<0>();
+    fence_operands(o);
+    mbarrier_arrive(bars.empty_v(last));
   }
   write_rows<C>(p, w, o, rs, wg);
 }
@@ -287,7 +351,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
 template <class C, class Params>
 __device__ __forceinline__ void run(const Params& p) {
   using L = Layout<C>;
-  const int item = blockIdx.x;
+  const int item = gridDim.x - 1 - blockIdx.x;  // the plan lists a request's q tiles in order: later (longer causal) tiles first
   const int request = p.request_idx[item];
   if (request < 0) return;  // padding item of a fixed-capacity plan (uniform over the CTA)
   const Work w = work_of<C>(p, request, item);
