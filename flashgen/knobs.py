@@ -9,6 +9,7 @@ Read at call time (not import time) so tests can scope them with ``monkeypatch.s
 | ``FLASHGEN_CUDA_ARCH`` | target arch (``sm_90a``, ``90a``, ``9.0a``), overriding the GPU's own |
 | ``FLASHGEN_DISABLE_JIT`` | ``1``: a cache miss raises ``MissingKernelError`` instead of compiling |
 | ``FLASHGEN_NVCC_THREADS`` | ``nvcc --threads`` value (default 1) |
+| ``FLASHGEN_PREFILL_TILES`` | tiles of the portable prefill kernel: a preset (``kv32``, ``kv64``) or ``warps=4,rows=32,kv=64[,stages=2][,ctas=2]``; part of the kernel uri |
 | ``FLASHGEN_VERBOSE`` | ``1``: print each compile and its time to stderr |
 | ``CUDA_HOME`` / ``CUDA_PATH`` | where to look for ``bin/nvcc`` before ``PATH`` |
 """
@@ -44,6 +45,11 @@ def disable_jit() -> bool:
 
 def nvcc_threads() -> int:
     return int(os.environ.get("FLASHGEN_NVCC_THREADS", "1"))
+
+
+def prefill_tiles() -> str | None:
+    value = os.environ.get("FLASHGEN_PREFILL_TILES", "").strip()
+    return value or None
 
 
 def verbose() -> bool:

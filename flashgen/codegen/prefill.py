@@ -1,11 +1,15 @@
 """The prefill family: batch prefill / append over ragged or paged KV on tensor cores (sm_80+, mma.sync).
 
-Python decides the tiles (``prefill_tiles``): a CTA of ``NUM_WARPS`` warps, each owning ``16 * MMA_Q`` packed q rows (token x q
-head of one GQA group), streams KV tiles of ``TILE_KV`` tokens through a ``STAGES``-deep cp.async pipeline.
+Python decides the tiles (``prefill_tiles``; the ``FLASHGEN_PREFILL_TILES`` knob picks a preset): a CTA of
+``NUM_WARPS`` warps, each owning ``16 * MMA_Q`` packed q rows (token x q head of one GQA group), streams KV
+tiles of ``TILE_KV`` tokens through a ``STAGES``-deep cp.async pipeline. The tiles are part of the uri.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from .. import knobs
 from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
 from .family import EntryPoint, KernelFamily, register, struct
 
@@ -17,24 +21,84 @@ def _flag(value: bool) -> str:
     return "true" if value else "false"
 
 
-def prefill_tiles(head_dim: int, head_dim_vo: int) -> tuple[int, int, int]:
-    """``(NUM_WARPS, MMA_Q, TILE_KV)``: warps per CTA, 16-row mma tiles per warp, KV tokens per stage.
+@dataclass(frozen=True)
+class PrefillTiles:
+    """One tile configuration: ``NUM_WARPS`` warps of ``16 * MMA_Q`` q rows, KV tiles of ``TILE_KV`` tokens,
+    ``STAGES`` pipeline stages (None: 3 when they fit the SM's share, else 2), ``CTAS_PER_SM`` (the launch
+    bound's minimum, so registers a thread <= 64K / (threads x CTAs))."""
 
-    Up to head_dim 128 a warp owns 32 rows (two m16 tiles), so each K/V fragment brought in by ldmatrix
-    feeds two mma (16 rows a warp left the kernel shared-memory bound at ~220 TFLOP/s on the H200), and 4
-    warps make a 128-row CTA tile, two CTAs an SM. Worked example: head_dim 128: O takes 128 fp32
-    registers; a 32 x 64 score tile (64 more) left no room for the pipeline and mask state (spills), so KV
-    tiles are 32 tokens (32 registers) and Q is read from shared memory. head_dim 64: O 64, scores 32, Q 32
-    in registers (64-token tiles spilled with a custom mask and ALiBi). Up to 192 the 32-row warp would not
-    fit the register file: 8 warps of 16 rows, one CTA per SM. head_dim 256 doubles O and Q (~240 registers), so KV tiles halve to 32 tokens
-    and 4 warps (two CTAs per SM) keep the register file.
-    """
-    widest = max(head_dim, head_dim_vo)
+    num_warps: int
+    mma_q: int
+    tile_kv: int
+    stages: int | None = None
+    ctas_per_sm: int | None = None
+
+    @property
+    def ctas(self) -> int:
+        return self.ctas_per_sm or (2 if self.num_warps <= 4 else 1)
+
+
+
+def _kv32(widest: int) -> PrefillTiles:
+    """The v1 tiles. Up to head_dim 128 a warp owns 32 rows (two m16 tiles), so each K/V fragment brought in
+    by ldmatrix feeds two mma (16 rows a warp left the kernel shared-memory bound at ~220 TFLOP/s on the
+    H200), and 4 warps make a 128-row CTA tile, two CTAs an SM, with KV tiles of 32 tokens. Up to 192 the
+    32-row warp would not fit the register file: 8 warps of 16 rows, one CTA per SM. head_dim 256 doubles O
+    (~240 registers), so KV tiles of 32 tokens and 4 warps (two CTAs per SM) keep the register file."""
     if widest <= 128:
-        return 4, 2, 32
+        return PrefillTiles(4, 2, 32)
     if widest <= 192:
-        return 8, 1, 64
-    return 4, 1, 32
+        return PrefillTiles(8, 1, 64)
+    return PrefillTiles(4, 1, 32)
+
+
+def _kv64(widest: int) -> PrefillTiles:
+    """FA2's d=128 tiles: up to head_dim 128, 4 warps x 32 rows and KV tiles of 64 tokens (two stages, two
+    CTAs an SM: Q 32 KB + 2 x 32 KB = 96 KB each); per key, half the barriers, pipeline steps and softmax
+    row reductions of ``kv32``. Wider heads as ``kv32``."""
+    return PrefillTiles(4, 2, 64) if widest <= 128 else _kv32(widest)
+
+
+PRESETS = {"kv32": _kv32, "kv64": _kv64}
+DEFAULT_PRESET = "kv32"
+_KEYS = {"warps": "num_warps", "rows": "mma_q", "kv": "tile_kv", "stages": "stages", "ctas": "ctas_per_sm"}
+
+
+def parse_tiles(value: str | None, widest: int) -> PrefillTiles:
+    """The tiles ``FLASHGEN_PREFILL_TILES`` asks for at head width ``widest``: a preset name (default
+    ``DEFAULT_PRESET``), or ``warps=W,rows=R,kv=K[,stages=S][,ctas=C]`` for every head dim (an experiment).
+
+    Example: ``parse_tiles("warps=8,rows=16,kv=64,ctas=2", 128)`` == ``PrefillTiles(8, 1, 64, None, 2)``.
+    """
+    value = value or DEFAULT_PRESET
+    if value in PRESETS:
+        return PRESETS[value](widest)
+    fields = {}
+    for item in value.split(","):
+        key, _, number = item.partition("=")
+        if key.strip() not in _KEYS or not number.strip().isdigit():
+            raise SpecError(f"FLASHGEN_PREFILL_TILES: got {value!r}, expected one of {', '.join(PRESETS)} or "
+                            "warps=W,rows=R,kv=K[,stages=S][,ctas=C]")
+        fields[_KEYS[key.strip()]] = int(number)
+    if not {"num_warps", "mma_q", "tile_kv"} <= fields.keys():
+        raise SpecError(f"FLASHGEN_PREFILL_TILES: got {value!r}, warps, rows and kv are required")
+    rows = fields["mma_q"]
+    if rows % 16 or fields["tile_kv"] % 16 or fields["tile_kv"] > 32 * fields["num_warps"]:
+        raise SpecError(f"FLASHGEN_PREFILL_TILES: got {value!r}; rows and kv must be multiples of 16, "
+                        "kv at most 32 x warps")
+    fields["mma_q"] = rows // 16
+    return PrefillTiles(**fields)
+
+
+def tiles_for(head_dim: int, head_dim_vo: int) -> PrefillTiles:
+    """The tile configuration of (head_dim, head_dim_vo) under the ``FLASHGEN_PREFILL_TILES`` knob."""
+    return parse_tiles(knobs.prefill_tiles(), max(head_dim, head_dim_vo))
+
+
+def prefill_tiles(head_dim: int, head_dim_vo: int) -> tuple[int, int, int]:
+    """``(NUM_WARPS, MMA_Q, TILE_KV)``: warps per CTA, 16-row mma tiles per warp, KV tokens per stage."""
+    t = tiles_for(head_dim, head_dim_vo)
+    return t.num_warps, t.mma_q, t.tile_kv
 
 
 def prefill_tile_q(head_dim: int, head_dim_vo: int) -> int:
@@ -51,18 +115,23 @@ def prefill_smem_bytes(head_dim: int, head_dim_vo: int, stages: int, elem: int =
 
 
 def prefill_ctas_per_sm(head_dim: int, head_dim_vo: int) -> int:
-    """CTAs per SM: 8-warp CTAs of ~185-250 registers a thread fill the register file alone; 4-warp CTAs
-    (<= 255 registers) fit two. Used by the planner (slots = SMs x this) and by ``prefill_stages``."""
-    return 1 if prefill_tiles(head_dim, head_dim_vo)[0] == 8 else 2
+    """CTAs per SM (the launch bound's minimum): 8-warp CTAs of ~185-250 registers a thread fill the register
+    file alone; 4-warp CTAs (<= 255 registers) fit two. Used by the planner (slots = SMs x this) and by
+    ``prefill_stages``."""
+    return tiles_for(head_dim, head_dim_vo).ctas
 
 
 def prefill_stages(head_dim: int, head_dim_vo: int) -> int:
     """Pipeline depth: 3 stages when they fit the CTAs of one SM (227 KB, 1 KB reserved per CTA), else 2.
 
     Worked example: head_dim 128, two 4-warp CTAs per SM: Q 32 KB + 3 x 16 KB = 81 KB <= 112 KB -> 3;
-    head_dim 64: Q 16 KB + 3 x 8 KB = 41 KB -> 3. head_dim 192, one 8-warp CTA: Q 48 KB +
-    3 x 40 KB = 169 KB -> 3. head_dim 256, two CTAs: Q 32 KB + 3 x 32 KB = 129 KB > 112 KB -> 2 (97 KB).
+    with 64-token KV tiles Q 32 KB + 3 x 32 KB = 129 KB > 112 KB -> 2 (97 KB). head_dim 64: Q 16 KB +
+    3 x 8 KB = 41 KB -> 3. head_dim 192, one 8-warp CTA: Q 48 KB + 3 x 40 KB = 169 KB -> 3. head_dim 256,
+    two CTAs: Q 32 KB + 3 x 32 KB = 129 KB > 112 KB -> 2 (97 KB).
     """
+    stages = tiles_for(head_dim, head_dim_vo).stages
+    if stages is not None:
+        return stages
     budget = (227 * 1024) // prefill_ctas_per_sm(head_dim, head_dim_vo) - 1024
     return 3 if prefill_smem_bytes(head_dim, head_dim_vo, 3) <= budget else 2
 
@@ -79,6 +148,13 @@ def prefill_q_in_regs(head_dim: int, head_dim_vo: int) -> bool:
     return head_dim * mma_q <= 128 and regs <= 160
 
 
+def _tiles_tag(head_dim: int, head_dim_vo: int) -> str:
+    """``w4r32kv64s2c2``: the tiles as the uri names them (warps, rows a warp, KV tile, stages, CTAs/SM)."""
+    warps, mma_q, tile_kv = prefill_tiles(head_dim, head_dim_vo)
+    return (f"w{warps}r{16 * mma_q}kv{tile_kv}s{prefill_stages(head_dim, head_dim_vo)}"
+            f"c{prefill_ctas_per_sm(head_dim, head_dim_vo)}")
+
+
 class PrefillFamily(KernelFamily):
     op = "prefill"
     template = "prefill.cu.j2"
@@ -87,6 +163,9 @@ class PrefillFamily(KernelFamily):
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
         return spec
+
+    def uri(self, spec: AttentionSpec) -> str:
+        return f"{self.op}_{spec.uri}_{_tiles_tag(spec.head_dim, spec.head_dim_vo)}"
 
     def check(self, spec: AttentionSpec) -> None:
         for name in ("head_dim", "head_dim_vo"):
@@ -117,6 +196,7 @@ class PrefillFamily(KernelFamily):
             "MMA_Q": mma_q,
             "TILE_KV": tile_kv,
             "STAGES": stages,
+            "CTAS_PER_SM": prefill_ctas_per_sm(d, dv),
             "SMEM_BYTES": prefill_smem_bytes(d, dv, stages),
             "Q_IN_REGS": _flag(prefill_q_in_regs(d, dv)),
             "PAGED": _flag(paged),
