@@ -1,8 +1,9 @@
-"""Hopper prefill runner (``prefill_sm90``): TMA descriptors built on the host and a plan/run wrapper.
+"""Hopper prefill (``prefill_sm90``) behind ``BatchPrefillWrapper(backend="sm90")``: TMA descriptors built on
+the host, plan buffers and the launch.
 
-Not yet behind ``BatchPrefillWrapper``: it is selected there once its GPU tests pass on an H200. v1 supports
-what ``PrefillSM90Family.check`` accepts (Ragged KV, NoMask / Causal, fp16 / bf16, head_dim 64 / 128 / 256) and
-plans every request unsplit (one item per (request, 128-row q tile), its whole KV).
+``BatchPrefillWrapper`` selects it by itself (``backend="auto"``) on a compute-capability 9.0 GPU for what
+``PrefillSM90Family.check`` accepts (Ragged KV, NoMask / Causal, fp16 / bf16, head_dim == head_dim_vo in
+64 / 128 / 256); v1 plans every request unsplit (one item per (request, 128-row q tile), its whole KV).
 """
 
 from __future__ import annotations
@@ -12,14 +13,12 @@ import ctypes
 import numpy as np
 import torch
 
-from ..codegen import family
-from ..codegen import prefill_sm90 as _family  # noqa: F401  (registers the prefill_sm90 family)
 from ..codegen.prefill_sm90 import THREADS, TILE_Q, sm90_smem_bytes, sm90_tile_kv
-from ..plan import PlanError, host_array, plan_prefill
+from ..plan import plan_prefill
 from ..spec import AttentionSpec
-from .checks import check_tensor
 from .device import current_stream
-from .kv_inputs import TORCH_DTYPES, kv_view, page_table
+from .kv_inputs import KVView, PageTable
+from .prefill import BatchPrefillWrapper, Runtime
 from .staging import DeviceBuffer, HostStaging
 
 _TMA_DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", torch.float16: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"}
@@ -30,9 +29,10 @@ def kv_tensor_map(t: torch.Tensor, rows: int, tile_kv: int) -> bytes:
     """The 128-byte TMA descriptor of ``t [total_kv, num_kv_heads, head_dim]`` (fp16/bf16, rows contiguous,
     16-byte aligned strides) seen as a 3-D tensor ``{head_dim, num_kv_heads, rows}`` (innermost first) with
     boxes of ``{64, 1, tile_kv}`` landing 128B-swizzled. ``rows`` (>= 1) bounds the tensor: a box reaching past
-    it reads zeros, so the last tile of the batch never reads rows no request owns.
+    it reads zeros. The wrapper passes the tensor's own length (``t.shape[0]``), never a plan's ``kv_indptr[-1]``:
+    the descriptor is a kernel parameter, captured by value in a CUDA graph, so it must not depend on the plan.
 
-    >>> desc = kv_tensor_map(k, int(kv_indptr[-1]), 128)   # pack into a CUtensorMap params field
+    >>> desc = kv_tensor_map(k, k.shape[0], 128)   # pack into a CUtensorMap params field
     """
     from cuda.bindings import driver as cu
 
@@ -52,55 +52,44 @@ def kv_tensor_map(t: torch.Tensor, rows: int, tile_kv: int) -> bytes:
     return ctypes.string_at(tensor_map.getPtr(), 128)
 
 
-class PrefillSM90:
-    """Batch prefill on Hopper over a ragged KV cache, the API of ``BatchPrefillWrapper`` (Ragged specs).
-
-    Example::
-
-        runner = PrefillSM90(AttentionSpec(128, kv_layout=Ragged(), mask=Causal()))
-        runner.plan(qo_indptr=[0, 100, 612], kv_indptr=[0, 100, 612], num_qo_heads=32, num_kv_heads=8)
-        out, lse = runner.run(q, (k, v), return_lse=True)  # q [612, 32, 128] bf16 -> out [612, 32, 128], lse fp32
+class SM90Prefill:
+    """The ``prefill_sm90`` kernel behind ``BatchPrefillWrapper(backend="sm90")``: plan buffers, tensor maps,
+    launch. ``graph``: ``(max_batch_size, max_total_q)`` of a CUDA-graph wrapper (the plan buffer is sized at
+    the first plan and never moves; padding items have ``request_idx = -1``, which the kernel skips), or None.
     """
 
-    def __init__(self, spec: AttentionSpec, device: torch.device | int | None = None, num_sms: int | None = None):
-        self.spec = family("prefill_sm90").project(spec)
-        family("prefill_sm90").check(self.spec)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.num_sms = num_sms or torch.cuda.get_device_properties(self.device).multi_processor_count
-        self._plan_buf = DeviceBuffer(torch.int32, self.device, False)
-        self._staging = HostStaging(self.device)
+    def __init__(self, spec: AttentionSpec, device: torch.device, num_sms: int, graph: tuple[int, int] | None):
+        self.spec, self.device, self.num_sms = spec, device, num_sms
+        self.max_batch_size, self.max_total_q = graph or (None, None)
+        self._plan_buf = DeviceBuffer(torch.int32, device, graph is not None)
+        self._staging = HostStaging(device)
+        self._tile_kv = sm90_tile_kv(spec.head_dim)
         self._kernel = None
-        self._planned = None
-        self._maps: dict[tuple, bytes] = {}
-        self._empty = None  # a one-row stand-in for an empty K / V (a tensor map needs a real address)
+        self._empty: dict[tuple, torch.Tensor] = {}  # one-row stand-ins for an empty K / V (a map needs an address)
 
-    def plan(self, *, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, sm_scale: float | None = None) -> None:
-        """Plan a batch from host arrays ``qo_indptr [batch + 1]`` and ``kv_indptr [batch + 1]`` (token offsets)."""
-        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
-            raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
-        table = page_table(self.spec, kv_indptr=kv_indptr)
-        qo = host_array("qo_indptr", qo_indptr)
-        if qo.size != table.kv_lens.size + 1:
-            raise PlanError(f"qo_indptr: has {qo.size} entries, expected batch_size + 1 = {table.kv_lens.size + 1}")
-        tile_kv = sm90_tile_kv(self.spec.head_dim)
+    def plan(self, qo: np.ndarray, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime,
+             custom_mask, enable_split: bool) -> int:
+        """Plan unsplit (``enable_split`` is ignored) and upload; returns the rows of q and out (total_q, or
+        max_total_q in CUDA-graph mode). ``custom_mask`` is always None here (NoMask / Causal specs only)."""
+        graph = self.max_batch_size is not None
+        options = {"max_batch_size": self.max_batch_size, "max_total_q": self.max_total_q} if graph else {}
         plan = self._staging.plan(lambda host: plan_prefill(
             qo, table.kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, tile_rows=TILE_Q,
-            kv_granularity=tile_kv, num_sms=self.num_sms, enable_split=False, host_buffer=host))
-        extras = {"kv_indptr": table.kv_indptr_host.astype(np.int32)}
-        views = self._staging.upload(plan, extras, self._plan_buf)
+            kv_granularity=self._tile_kv, num_sms=self.num_sms, enable_split=False, host_buffer=host, **options))
+        indptr = table.kv_indptr_host.astype(np.int32)
+        if graph:  # a fixed length keeps the whole upload, and so every address, the same from plan to plan
+            indptr = np.concatenate([indptr, np.full(self.max_batch_size + 1 - indptr.size, indptr[-1], np.int32)])
+        views = self._staging.upload(plan, {"kv_indptr": indptr}, self._plan_buf)
         if self._kernel is None:
             self._load_kernel()
-        scale = self.spec.default_sm_scale if sm_scale is None else sm_scale
-        self._planned = {
-            "info": plan.info, "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads,
-            "total_q": int(qo[-1]), "total_kv": int(table.kv_indptr_host[-1]),
-            "ptrs": tuple(views[n].data_ptr() for n in ("qo_indptr", "kv_indptr", "kv_len", "request_idx",
-                                                          "qo_tile_idx", "kv_start", "kv_end")),
-            "scalars": (num_qo_heads, num_qo_heads // num_kv_heads, float(scale)),
-        }
+        # persistent CTAs, one an SM, walk the capacity x num_kv_heads work items (the kernel strides over them)
+        self._grid = (max(1, min(plan.info.capacity * num_kv_heads, self.num_sms)), 1, 1)
+        # the params struct after (tma_k, tma_v, q, o, lse)
+        self._args = tuple(views[n].data_ptr() for n in ("qo_indptr", "kv_indptr", "kv_len", "request_idx",
+                                                         "qo_tile_idx", "kv_start", "kv_end")) + (
+            num_qo_heads, num_qo_heads // num_kv_heads, runtime.sm_scale, plan.info.capacity, num_kv_heads)
         self._keep = plan
+        return plan.info.max_total_q
 
     def _load_kernel(self) -> None:
         from ..jit import build
@@ -110,44 +99,33 @@ class PrefillSM90:
         self._smem = sm90_smem_bytes(self.spec.head_dim)
         self._fn.set_max_dynamic_shared_memory(self._smem)
 
-    def _tensor_map(self, t: torch.Tensor, rows: int) -> bytes:
-        if t.shape[0] == 0:
-            if self._empty is None:
-                self._empty = torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=t.device)
-            t = self._empty
-        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, rows)
-        desc = self._maps.get(key)
-        if desc is None:
-            if len(self._maps) > 64:
-                self._maps.clear()
-            desc = self._maps[key] = kv_tensor_map(t, rows, sm90_tile_kv(self.spec.head_dim))
-        return desc
+    def kv_args(self, kv: KVView) -> tuple[bytes, bytes]:
+        """The TMA descriptors of K and V, bounded by the tensors' own length (the wrapper memoises them)."""
+        return self._tensor_map(kv.k), self._tensor_map(kv.v)
 
-    def run(self, q: torch.Tensor, kv_cache, out: torch.Tensor | None = None, return_lse: bool = False):
-        """``q [total_q, num_qo_heads, head_dim]`` over ``kv_cache = (k, v)``, each ``[total_kv, num_kv_heads,
-        head_dim]`` (q's dtype). Returns ``out`` (q's shape and dtype), with ``return_lse`` also ``lse [total_q,
-        num_qo_heads]`` fp32 (natural log; -inf for a row that sees no key)."""
-        planned = self._planned
-        if planned is None:
-            raise RuntimeError("run: call plan() first")
-        hq, d = planned["num_qo_heads"], self.spec.head_dim
-        shape = (planned["total_q"], hq, d)
-        check_tensor("q", q, dtypes=(TORCH_DTYPES[self.spec.dtype],), ndim=3, device=self.device)
-        if tuple(q.shape) != shape or not q.is_contiguous():
-            raise ValueError(f"q: expected a contiguous tensor of shape {shape}, got {tuple(q.shape)}")
-        kv = kv_view(self.spec, kv_cache, planned["num_kv_heads"])
-        if kv.k.shape[0] < planned["total_kv"]:
-            raise ValueError(f"kv_cache: {kv.k.shape[0]} tokens, kv_indptr[-1] = {planned['total_kv']}")
-        if out is None:
-            out = torch.empty(shape, dtype=q.dtype, device=q.device)
-        else:
-            check_tensor("out", out, dtypes=(q.dtype,), ndim=3, device=self.device)
-            if tuple(out.shape) != shape or not out.is_contiguous():
-                raise ValueError(f"out: expected a contiguous tensor of shape {shape}, got {tuple(out.shape)}")
-        lse = torch.empty(shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
-        rows = planned["total_kv"]
-        self._fn.launch((planned["info"].capacity, planned["num_kv_heads"], 1), (THREADS, 1, 1), self._smem,
-                        current_stream(self.device.index), self._tensor_map(kv.k, rows), self._tensor_map(kv.v, rows),
-                        q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0, *planned["ptrs"],
-                        *planned["scalars"])
-        return (out, lse) if return_lse else out
+    def _tensor_map(self, t: torch.Tensor) -> bytes:
+        if t.shape[0] == 0:
+            key = (tuple(t.shape[1:]), t.dtype)
+            if key not in self._empty:
+                self._empty[key] = torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            t = self._empty[key]
+        return kv_tensor_map(t, t.shape[0], self._tile_kv)
+
+    def launch(self, q: torch.Tensor, kv: tuple[bytes, bytes], out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        self._fn.launch(self._grid, (THREADS, 1, 1), self._smem, current_stream(self.device.index), kv[0], kv[1],
+                        q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0, *self._args)
+
+
+class PrefillSM90(BatchPrefillWrapper):
+    """``BatchPrefillWrapper(spec, backend="sm90")``: the Hopper kernel or an error, never the portable one.
+
+    Example::
+
+        runner = PrefillSM90(AttentionSpec(128, kv_layout=Ragged(), mask=Causal()))
+        runner.plan(qo_indptr=[0, 100, 612], kv_indptr=[0, 100, 612], num_qo_heads=32, num_kv_heads=8)
+        out, lse = runner.run(q, (k, v), return_lse=True)  # q [612, 32, 128] bf16 -> out [612, 32, 128], lse fp32
+    """
+
+    def __init__(self, spec: AttentionSpec, device: torch.device | int | None = None, num_sms: int | None = None,
+                 **options):
+        super().__init__(spec, device=device, num_sms=num_sms, backend="sm90", **options)
