@@ -1,5 +1,9 @@
 """GPU tests of batch prefill against the fp64 reference: fresh random inputs, NaN-poisoned outputs and NaN
-in every cache slot no request owns. Lengths straddle the 64-row q tiles and 32/64-token KV tiles."""
+in every cache slot no request owns. Lengths straddle the 64-row q tiles and 32/64-token KV tiles.
+
+The wrapper runs the portable kernel here (``backend="portable"``) on every GPU, the H200 included; a few
+representative tests also run on the sm90 backend where it supports the spec (on a Hopper GPU).
+tests/test_prefill_backend.py tests backend selection and the sm90 backend behind the wrapper."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import torch
 
 import flashgen
 from flashgen import ALiBi, AttentionSpec, Causal, CustomMask, Paged, Ragged, RoPE, SlidingWindow
+from flashgen.api.prefill import _select_backend
 from flashgen.plan import PlanError, csr_to_block_table
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import pack_custom_mask, reference_attention
@@ -49,13 +54,28 @@ HEADS = [
     (AttentionSpec(128, kv_layout=Ragged(), mask=Causal()), 1),
 ]
 ALL_SPECS = {s for s in LAYOUT_MASKS} | {s for s, _ in OPTIONS} | {s for s, _ in HEADS}
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+SM90_SPECS = {s for s in ALL_SPECS if _select_backend(s, "auto", (9, 0)) == "sm90"}
+
+
+def with_backends(cases, ids):
+    """Each case (a tuple of arguments) on the portable backend, and on sm90 too where it runs the spec
+    (skipped off Hopper)."""
+    params = []
+    for case in cases:
+        params.append(pytest.param(*case, "portable", id=f"{ids(case)}-portable"))
+        if case[0] in SM90_SPECS:
+            params.append(pytest.param(*case, "sm90", id=f"{ids(case)}-sm90", marks=pytest.mark.skipif(
+                not HOPPER, reason="the sm90 backend needs a Hopper GPU (sm_90a)")))
+    return params
 
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
     """Compile every spec of this module in parallel up front (nvcc runs are the slow part)."""
+    jobs = [(s, "prefill") for s in ALL_SPECS] + ([(s, "prefill_sm90") for s in SM90_SPECS] if HOPPER else [])
     with ThreadPoolExecutor(max_workers=16) as pool:
-        list(pool.map(lambda s: flashgen.ensure_compiled(s, "prefill"), ALL_SPECS))
+        list(pool.map(lambda job: flashgen.ensure_compiled(*job), jobs))
 
 
 def make_batch(spec, qo_lens, kv_lens, num_kv_heads, group, *, combined=False, seed=None):
@@ -81,8 +101,10 @@ def check(spec, q, kv, table, qo_indptr, out, lse=None, custom_mask=None, **runt
         assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
 
 
-def run_prefill(spec, q, kv, table, qo_indptr, num_kv_heads, *, custom_mask=None, plan_kwargs=None, **runtime):
-    wrapper = flashgen.BatchPrefillWrapper(spec)
+def run_prefill(spec, q, kv, table, qo_indptr, num_kv_heads, *, custom_mask=None, plan_kwargs=None,
+                backend="portable", **runtime):
+    wrapper = flashgen.BatchPrefillWrapper(spec, backend=backend)
+    assert wrapper.backend == backend
     tab = dict(table)
     if "kv_indices" in tab:
         tab["kv_indices"] = tab["kv_indices"].cuda()
@@ -93,16 +115,19 @@ def run_prefill(spec, q, kv, table, qo_indptr, num_kv_heads, *, custom_mask=None
     return wrapper.run(q.cuda(), to_cuda(kv), out=out, return_lse=True)
 
 
-def run_and_check(spec, qo_lens, kv_lens, heads, group, *, combined=False, plan_kwargs=None, **runtime):
+def run_and_check(spec, qo_lens, kv_lens, heads, group, *, combined=False, plan_kwargs=None, backend="portable",
+                  **runtime):
     q, kv, table, qo_indptr, mask = make_batch(spec, qo_lens, kv_lens, heads, group, combined=combined)
-    out, lse = run_prefill(spec, q, kv, table, qo_indptr, heads, custom_mask=mask, plan_kwargs=plan_kwargs, **runtime)
+    out, lse = run_prefill(spec, q, kv, table, qo_indptr, heads, custom_mask=mask, plan_kwargs=plan_kwargs,
+                           backend=backend, **runtime)
     check(spec, q, kv, table, qo_indptr, out, lse, custom_mask=mask, **runtime)
     return out, lse
 
 
-@pytest.mark.parametrize("spec", LAYOUT_MASKS, ids=lambda s: s.uri)
-def test_layouts_and_masks(spec):
-    run_and_check(spec, QO, KV, 2, 4, combined=isinstance(spec.kv_layout, Paged) and spec.kv_layout.page_size == 5)
+@pytest.mark.parametrize("spec,backend", with_backends([(s,) for s in LAYOUT_MASKS], lambda c: c[0].uri))
+def test_layouts_and_masks(spec, backend):
+    run_and_check(spec, QO, KV, 2, 4, combined=isinstance(spec.kv_layout, Paged) and spec.kv_layout.page_size == 5,
+                  backend=backend)
 
 
 @pytest.mark.parametrize("spec,runtime", OPTIONS, ids=lambda x: x.uri if isinstance(x, AttentionSpec) else str(x))
@@ -110,9 +135,9 @@ def test_options(spec, runtime):
     run_and_check(spec, QO, KV, 2, 4, **runtime)
 
 
-@pytest.mark.parametrize("spec,group", HEADS, ids=lambda x: x.uri if isinstance(x, AttentionSpec) else str(x))
-def test_head_dims_and_groups(spec, group):
-    run_and_check(spec, [33, 0, 200, 1], [90, 4, 200, 1], 2, group)
+@pytest.mark.parametrize("spec,group,backend", with_backends(HEADS, lambda c: f"{c[0].uri}-{c[1]}"))
+def test_head_dims_and_groups(spec, group, backend):
+    run_and_check(spec, [33, 0, 200, 1], [90, 4, 200, 1], 2, group, backend=backend)
 
 
 @pytest.mark.parametrize("spec", [LAYOUT_MASKS[1], LAYOUT_MASKS[4], OPTIONS[5][0]], ids=lambda s: s.uri)
@@ -130,7 +155,7 @@ def test_block_table():
     spec = LAYOUT_MASKS[-1]
     q, kv, table, qo_indptr, _ = make_batch(spec, QO, KV, 2, 4)
     block_table, seq_lens = csr_to_block_table(table["kv_indptr"], table["kv_indices"], table["kv_last_page_len"], 16)
-    wrapper = flashgen.BatchPrefillWrapper(spec)
+    wrapper = flashgen.BatchPrefillWrapper(spec, backend="portable")
     wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=8, num_kv_heads=2, block_table=block_table.cuda(), seq_lens=seq_lens)
     out = wrapper.run(q.cuda(), to_cuda(kv))
     check(spec, q, kv, {"block_table": block_table, "seq_lens": seq_lens}, qo_indptr, out)
@@ -139,7 +164,8 @@ def test_block_table():
 def test_cuda_graph_replay_after_replanning():
     spec = LAYOUT_MASKS[-1]
     max_batch, max_q, heads, group, pool_pages = 8, 600, 2, 4, 400
-    wrapper = flashgen.BatchPrefillWrapper(spec, use_cuda_graph=True, max_batch_size=max_batch, max_total_q=max_q)
+    wrapper = flashgen.BatchPrefillWrapper(spec, use_cuda_graph=True, max_batch_size=max_batch, max_total_q=max_q,
+                                           backend="portable")
     pool_q = torch.zeros(max_q, heads * group, 128, dtype=torch.bfloat16, device="cuda")
     pool_kv = tuple(torch.empty(pool_pages, 16, heads, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     indices_buf = torch.zeros(pool_pages, dtype=torch.int32, device="cuda")
@@ -170,11 +196,14 @@ def test_cuda_graph_replay_after_replanning():
         check(spec, q, kv, table, qo_indptr, out[:n], lse[:n])
 
 
-def test_attention_one_shot():
-    q = torch.randn(300, 8, 128, dtype=torch.bfloat16, device="cuda")
-    k, v = (torch.randn(700, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+@pytest.mark.parametrize("head_dim", [128, 192])
+def test_attention_one_shot(head_dim):
+    """head_dim 128: the backend auto picks (sm90 on Hopper); 192 (head_dim_vo 128): portable everywhere."""
+    q = torch.randn(300, 8, head_dim, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(700, 2, head_dim, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(700, 2, 128, dtype=torch.bfloat16, device="cuda")
     out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
-    spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal())
+    spec = AttentionSpec(head_dim, head_dim_vo=128, kv_layout=Ragged(), mask=Causal())
     table = {"kv_indptr": [0, 700]}
     check(spec, q.cpu(), (k.cpu(), v.cpu()), table, [0, 300], out, lse)
 
@@ -182,7 +211,7 @@ def test_attention_one_shot():
 def test_bad_arguments_are_named():
     spec = LAYOUT_MASKS[-1]
     q, kv, table, qo_indptr, _ = make_batch(spec, [10, 20], [40, 100], 2, 4)
-    wrapper = flashgen.BatchPrefillWrapper(spec)
+    wrapper = flashgen.BatchPrefillWrapper(spec, backend="portable")
     with pytest.raises(PlanError, match="qo_indptr"):
         wrapper.plan(qo_indptr=[0, 10], num_qo_heads=8, num_kv_heads=2, **table)
     with pytest.raises(PlanError, match="num_qo_heads"):

@@ -24,7 +24,7 @@ ELIGIBLE = [AttentionSpec(d, dtype=dtype, kv_layout=Ragged(), mask=mask)
             for d, dtype, mask in ((64, "bfloat16", Causal()), (128, "bfloat16", NoMask()),
                                    (128, "float16", Causal()), (256, "bfloat16", Causal()))]
 PORTABLE_ONLY = [
-    AttentionSpec(128, kv_layout=Paged(16), mask=Causal()),
+    AttentionSpec(128, kv_layout=Paged(1), mask=Causal()),  # pages of one token: never a TMA box
     AttentionSpec(128, kv_layout=Ragged(), mask=SlidingWindow(64)),
     AttentionSpec(128, kv_layout=Ragged(), mask=CustomMask()),
     AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), pos_encoding=RoPE()),
@@ -89,7 +89,8 @@ def test_wrapper_backend_follows_the_device(monkeypatch, capability, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or capability)
     wrapper = flashgen.BatchPrefillWrapper(ELIGIBLE[1], device=CUDA0, num_sms=132)
     assert wrapper.backend == expected and asked == [CUDA0]
-    assert flashgen.BatchPrefillWrapper(ELIGIBLE[1], device=CUDA0, num_sms=132, backend="portable").backend == "portable"
+    forced = flashgen.BatchPrefillWrapper(ELIGIBLE[1], device=CUDA0, num_sms=132, backend="portable")
+    assert forced.backend == "portable"
     assert flashgen.BatchPrefillWrapper(PORTABLE_ONLY[0], device=CUDA0, num_sms=132).backend == "portable"
     if expected == "portable":
         with pytest.raises(ValueError, match="^backend: 'sm90' needs a GPU of compute capability 9.0"):
