@@ -12,6 +12,9 @@ from flashgen.spec import ALiBi, AttentionSpec, Causal, NoMask, Paged, Ragged, S
 SM90_SPECS = [
     AttentionSpec(d, dtype=dtype, kv_layout=Ragged(), mask=mask)
     for d in (64, 128, 256) for dtype in ("bfloat16", "float16") for mask in (NoMask(), Causal())
+] + [
+    AttentionSpec(d, kv_layout=layout, mask=Causal())
+    for d, layout in ((128, Paged(16)), (128, Paged(8, "HND")), (64, Paged(256)), (256, Paged(32)), (256, Paged(128)))
 ]
 BUILD_SECONDS = 60  # per variant on the 2-core build machine (about 1 s measured with nvcc 13.0)
 
@@ -32,7 +35,9 @@ def test_sm90_variant_compiles_without_spills(cache_dir, spec):
 
 
 @pytest.mark.parametrize("spec", [
-    AttentionSpec(128, kv_layout=Paged(16)),
+    AttentionSpec(128, kv_layout=Paged(1)),
+    AttentionSpec(128, kv_layout=Paged(24)),
+    AttentionSpec(256, kv_layout=Paged(96)),
     AttentionSpec(128, kv_layout=Ragged(), mask=SlidingWindow(64)),
     AttentionSpec(128, kv_layout=Ragged(), pos_encoding=ALiBi()),
     AttentionSpec(128, kv_layout=Ragged(), soft_cap=30.0),
@@ -49,5 +54,5 @@ def test_sm90_params_struct_packs_tensor_maps():
     (entry,) = family("prefill_sm90").entry_points(SM90_SPECS[0])
     layout = entry.params
     assert layout.offsets[:2] == (0, 128) and layout.size % 64 == 0
-    packed = layout.packer().pack(b"\1" * 128, b"\2" * 128, *([0] * (len(layout.fields) - 5)), 1, 1, 0.5)
+    packed = layout.packer().pack(b"\1" * 128, b"\2" * 128, *([0] * (len(layout.fields) - 8)), 1, 1, 0.5, 1, 1, 0)
     assert packed[:128] == b"\1" * 128 and packed[128:256] == b"\2" * 128 and len(packed) == layout.size

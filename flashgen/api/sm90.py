@@ -15,9 +15,9 @@ import torch
 
 from ..codegen.prefill_sm90 import THREADS, TILE_Q, sm90_smem_bytes, sm90_tile_kv
 from ..plan import plan_prefill
-from ..spec import AttentionSpec
+from ..spec import AttentionSpec, Paged
 from .device import current_stream
-from .kv_inputs import KVView, PageTable
+from .kv_inputs import KVView, PageTable, device_page_ids
 from .prefill import BatchPrefillWrapper, Runtime
 from .staging import DeviceBuffer, HostStaging
 
@@ -25,14 +25,16 @@ _TMA_DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", torch.float16
 TMA_BOX_COLS = 64  # 64 16-bit values = the 128-byte swizzle span; a head_dim of 128 is two boxes
 
 
-def kv_tensor_map(t: torch.Tensor, rows: int, tile_kv: int) -> bytes:
-    """The 128-byte TMA descriptor of ``t [total_kv, num_kv_heads, head_dim]`` (fp16/bf16, rows contiguous,
-    16-byte aligned strides) seen as a 3-D tensor ``{head_dim, num_kv_heads, rows}`` (innermost first) with
-    boxes of ``{64, 1, tile_kv}`` landing 128B-swizzled. ``rows`` (>= 1) bounds the tensor: a box reaching past
-    it reads zeros. The wrapper passes the tensor's own length (``t.shape[0]``), never a plan's ``kv_indptr[-1]``:
-    the descriptor is a kernel parameter, captured by value in a CUDA graph, so it must not depend on the plan.
+def kv_tensor_map(spec: AttentionSpec, kv: KVView, t: torch.Tensor) -> bytes:
+    """The 128-byte TMA descriptor of ``t`` (K or V of ``kv``: fp16/bf16, rows contiguous, 16-byte aligned
+    strides) as a 4-D tensor, innermost first, dims ordered by stride: paged NHD ``{head_dim, kv_heads,
+    page_size, pages}``, paged HND ``{head_dim, page_size, kv_heads, pages}``, ragged ``{head_dim, kv_heads,
+    rows, 1}``. Boxes are one head's 64 columns of ``min(page_size, tile_kv)`` rows (ragged: ``tile_kv`` rows),
+    landing 128B-swizzled. The map is bounded by the tensor's own size, never a plan's: it is a kernel
+    parameter, captured by value in a CUDA graph, so it must not depend on the plan; rows past the end read
+    zeros.
 
-    >>> desc = kv_tensor_map(k, k.shape[0], 128)   # pack into a CUtensorMap params field
+    >>> desc = kv_tensor_map(spec, kv_view(spec, (k, v), 8), k)   # pack into a CUtensorMap params field
     """
     from cuda.bindings import driver as cu
 
@@ -40,12 +42,22 @@ def kv_tensor_map(t: torch.Tensor, rows: int, tile_kv: int) -> bytes:
 
     ensure_context(t.device.index)
     u64, u32 = cu.cuuint64_t, cu.cuuint32_t
-    elem = t.element_size()
-    dims = [u64(t.shape[2]), u64(t.shape[1]), u64(max(rows, 1))]
-    strides = [u64(t.stride(1) * elem), u64(t.stride(0) * elem)]
-    box = [u32(TMA_BOX_COLS), u32(1), u32(tile_kv)]
+    elem, tile_kv = t.element_size(), sm90_tile_kv(spec.head_dim)
+    if isinstance(spec.kv_layout, Paged):
+        ps = spec.kv_layout.page_size
+        heads = t.shape[2] if spec.kv_layout.order == "NHD" else t.shape[1]
+        rows = min(ps, tile_kv)
+        if spec.kv_layout.order == "NHD":
+            dims, strides, box = [t.shape[3], heads, ps, t.shape[0]], [kv.stride_head, kv.stride_token, kv.stride_page], [1, rows]
+        else:
+            dims, strides, box = [t.shape[3], ps, heads, t.shape[0]], [kv.stride_token, kv.stride_head, kv.stride_page], [rows, 1]
+    else:
+        heads = t.shape[1]
+        dims = [t.shape[2], heads, max(t.shape[0], 1), 1]
+        strides, box = [kv.stride_head, kv.stride_token, kv.stride_token * max(t.shape[0], 1)], [1, tile_kv]
     tensor_map = check(cu.cuTensorMapEncodeTiled(
-        getattr(cu.CUtensorMapDataType, _TMA_DTYPES[t.dtype]), 3, t.data_ptr(), dims, strides, box, [u32(1)] * 3,
+        getattr(cu.CUtensorMapDataType, _TMA_DTYPES[t.dtype]), 4, t.data_ptr(), [u64(x) for x in dims],
+        [u64(x * elem) for x in strides], [u32(TMA_BOX_COLS), *(u32(x) for x in box), u32(1)], [u32(1)] * 4,
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
@@ -79,7 +91,18 @@ class SM90Prefill:
         indptr = table.kv_indptr_host.astype(np.int32)
         if graph:  # a fixed length keeps the whole upload, and so every address, the same from plan to plan
             indptr = np.concatenate([indptr, np.full(self.max_batch_size + 1 - indptr.size, indptr[-1], np.int32)])
-        views = self._staging.upload(plan, {"kv_indptr": indptr}, self._plan_buf)
+        ids = table.block_table if table.block_table is not None else table.kv_indices
+        extras = {"kv_indptr": indptr}
+        if ids is not None and not ids.is_cuda:  # host page ids travel with the plan, last (the rest keep their place)
+            extras["pages"] = ids.to(torch.int32).contiguous().numpy().ravel()
+        views = self._staging.upload(plan, extras, self._plan_buf)
+        if ids is None:
+            pages, bt_stride, self._page_ids_held = 0, 0, None
+        elif ids.is_cuda:
+            (pages, bt_stride), self._page_ids_held = device_page_ids(ids, self.device), ids
+        else:
+            pages, bt_stride, self._page_ids_held = views["pages"].data_ptr(), (ids.shape[1] if ids.dim() == 2 else 0), None
+        block_table = table.block_table is not None
         if self._kernel is None:
             self._load_kernel()
         # persistent CTAs, one an SM, walk the capacity x num_kv_heads work items (the kernel strides over them)
@@ -87,7 +110,8 @@ class SM90Prefill:
         # the params struct after (tma_k, tma_v, q, o, lse)
         self._args = tuple(views[n].data_ptr() for n in ("qo_indptr", "kv_indptr", "kv_len", "request_idx",
                                                          "qo_tile_idx", "kv_start", "kv_end")) + (
-            num_qo_heads, num_qo_heads // num_kv_heads, runtime.sm_scale, plan.info.capacity, num_kv_heads)
+            0 if block_table else pages, pages if block_table else 0,
+            num_qo_heads, num_qo_heads // num_kv_heads, runtime.sm_scale, plan.info.capacity, num_kv_heads, bt_stride)
         self._keep = plan
         return plan.info.max_total_q
 
@@ -100,16 +124,14 @@ class SM90Prefill:
         self._fn.set_max_dynamic_shared_memory(self._smem)
 
     def kv_args(self, kv: KVView) -> tuple[bytes, bytes]:
-        """The TMA descriptors of K and V, bounded by the tensors' own length (the wrapper memoises them)."""
-        return self._tensor_map(kv.k), self._tensor_map(kv.v)
-
-    def _tensor_map(self, t: torch.Tensor) -> bytes:
-        if t.shape[0] == 0:
-            key = (tuple(t.shape[1:]), t.dtype)
+        """The TMA descriptors of K and V, bounded by the tensors' own size (the wrapper memoises them)."""
+        if kv.k.shape[0] == 0:  # a map needs an address: an empty cache is read through a one-row stand-in
+            key = (tuple(kv.k.shape[1:]), kv.k.dtype)
             if key not in self._empty:
-                self._empty[key] = torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=t.device)
-            t = self._empty[key]
-        return kv_tensor_map(t, t.shape[0], self._tile_kv)
+                self._empty[key] = torch.zeros((1, *kv.k.shape[1:]), dtype=kv.k.dtype, device=kv.k.device)
+            stand_in = self._empty[key]
+            return kv_tensor_map(self.spec, kv, stand_in), kv_tensor_map(self.spec, kv, stand_in)
+        return kv_tensor_map(self.spec, kv, kv.k), kv_tensor_map(self.spec, kv, kv.v)
 
     def launch(self, q: torch.Tensor, kv: tuple[bytes, bytes], out: torch.Tensor, lse: torch.Tensor | None) -> None:
         self._fn.launch(self._grid, (THREADS, 1, 1), self._smem, current_stream(self.device.index), kv[0], kv[1],

@@ -1,8 +1,10 @@
 """The Hopper prefill family (op ``prefill_sm90``): TMA + wgmma, a producer and two consumer warpgroups (sm_90a).
 
-v1 scope (``check`` raises ``SpecError`` for the rest): fp16 / bf16 with ``kv_dtype == dtype``, ``head_dim ==
-head_dim_vo`` in {64, 128, 256}, ``Ragged()`` KV, ``NoMask()`` or ``Causal()``, no positional encoding, no
-soft-cap, any GQA group (packed rows), unsplit plans (``enable_split=False``: every item covers its whole KV).
+Scope (``check`` raises ``SpecError`` for the rest): fp16 / bf16 with ``kv_dtype == dtype``, ``head_dim ==
+head_dim_vo`` in {64, 128, 256}, ``Ragged()`` KV or ``Paged(page_size)`` NHD / HND with page sizes the TMA
+loads page by page (multiples of 8 that divide the KV tile or are divided by it: 8 ... 256 and beyond at d <= 128),
+``NoMask()`` or ``Causal()``, no positional encoding, no soft-cap, any GQA group (packed rows), unsplit plans
+(``enable_split=False``: every item covers its whole KV).
 The kernel is ``templates/include/flashgen/sm90/prefill_sm90.cuh``; the runner ``flashgen.api.sm90``.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from ..spec import AttentionSpec, Causal, NoMask, Ragged, SpecError
+from ..spec import AttentionSpec, Causal, NoMask, Paged, Ragged, SpecError
 from .family import EntryPoint, KernelFamily, register, struct
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -55,8 +57,15 @@ class PrefillSM90Family(KernelFamily):
         if spec.dtype not in CPP_TYPES or spec.kv_dtype != spec.dtype:
             raise SpecError(f"kv_dtype: got dtype {spec.dtype} / kv_dtype {spec.kv_dtype}, prefill_sm90 supports "
                             "float16 or bfloat16 with kv_dtype == dtype")
-        if not isinstance(spec.kv_layout, Ragged):
-            raise SpecError(f"kv_layout: got {spec.kv_layout!r}, prefill_sm90 supports Ragged() so far")
+        layout = spec.kv_layout
+        if isinstance(layout, Paged):
+            tile = sm90_tile_kv(spec.head_dim)
+            if layout.page_size % 8 or (tile % layout.page_size and layout.page_size % tile):
+                raise SpecError(f"kv_layout: page_size {layout.page_size} at head_dim {spec.head_dim}: prefill_sm90 "
+                                f"loads pages by TMA and takes page sizes that are multiples of 8 and divide, or are "
+                                f"divided by, its {tile}-token KV tile")
+        elif not isinstance(layout, Ragged):
+            raise SpecError(f"kv_layout: got {layout!r}, prefill_sm90 supports Ragged() or Paged(page_size)")
         if not isinstance(spec.mask, (NoMask, Causal)):
             raise SpecError(f"mask: got {spec.mask!r}, prefill_sm90 supports NoMask() or Causal() so far")
         if spec.pos_encoding is not None:
@@ -66,6 +75,7 @@ class PrefillSM90Family(KernelFamily):
 
     def context(self, spec: AttentionSpec) -> dict:
         d = spec.head_dim
+        paged = isinstance(spec.kv_layout, Paged)
         smem = sm90_smem_bytes(d)
         assert smem <= SMEM_LIMIT, (d, smem)
         return {
@@ -81,6 +91,9 @@ class PrefillSM90Family(KernelFamily):
             "CONSUMER_REGS": CONSUMER_REGS,
             "THREADS": THREADS,
             "CAUSAL": "true" if isinstance(spec.mask, Causal) else "false",
+            "PAGED": "true" if paged else "false",
+            "PAGE_SIZE": spec.kv_layout.page_size if paged else 0,
+            "HND": "true" if paged and spec.kv_layout.order == "HND" else "false",
             "PINGPONG": "false" if os.environ.get("FLASHGEN_SM90_PINGPONG") == "0" else "true",  # experiment toggle
         }
 
@@ -92,8 +105,9 @@ class PrefillSM90Family(KernelFamily):
             ("CUtensorMap", "tma_k"), ("CUtensorMap", "tma_v"),
             (f"const {q}*", "q"), (f"{q}*", "o"), ("float*", "lse"),
             (i32, "qo_indptr"), (i32, "kv_indptr"), (i32, "kv_len"), (i32, "request_idx"), (i32, "qo_tile_idx"),
-            (i32, "kv_start"), (i32, "kv_end"),
+            (i32, "kv_start"), (i32, "kv_end"), (i32, "kv_indices"), (i32, "block_table"),
             ("int32_t", "num_qo_heads"), ("int32_t", "group_size"), ("float", "sm_scale"),
+            ("int32_t", "num_items"), ("int32_t", "num_kv_heads"), ("int32_t", "block_table_stride"),
         )
         return (EntryPoint("prefill_sm90", params),)
 

@@ -1,19 +1,22 @@
-// Batch prefill on Hopper (sm_90a), FlashAttention-3 recipe, v1 (correctness first).
+// Batch prefill on Hopper (sm_90a), FlashAttention-3 recipe.
 //
-// One CTA runs one work item of the split-KV plan (request, qo tile, whole KV range: plans are unsplit) for
-// the kv head blockIdx.y, with 3 warpgroups:
-//   WG0 producer: setmaxnreg.dec; one thread streams K and V tiles of TILE_KV tokens by TMA (3-D maps over
-//       [total_kv, num_kv_heads, head_dim], box [TILE_KV, 1, 64]) into STAGES-deep rings, each stage with a
-//       full barrier (1 arrival + the tile's bytes) and an empty barrier (every consumer thread arrives).
-//   WG1, WG2 consumers: setmaxnreg.inc; each owns 64 packed q rows of the 128-row tile (packed row =
-//       token * group + q head in the group). Q is loaded once with plain loads into the 128B-swizzled layout.
-//       Per KV tile: S = Q K^T (wgmma SS, fp32), online softmax in registers (base 2), P -> 16-bit A
-//       fragments, O += P V (wgmma RS, V MN-major), release the stage.
-// Epilogue: O / l and lse (natural log) straight from registers to global memory.
+// Persistent CTAs (one per SM) walk the work list: work index x in [0, num_items * num_kv_heads) is kv head
+// x / num_items and plan item num_items - 1 - x % num_items (a request's later, longer causal q tiles first);
+// CTA c takes x = c, c + gridDim.x, ... Each item is (request, 128-row packed q tile, whole KV range: plans are
+// unsplit). Three warpgroups:
+//   WG0 producer (setmaxnreg.dec). Warp 0: K and V tiles of TILE_KV tokens by TMA (4-D maps; ragged: one box of
+//       TILE_KV rows a 64-column block, paged: one box a page, lanes issuing in parallel) into STAGES-deep rings, each stage with a full
+//       barrier (1 arrival + the tile's bytes) and an empty barrier (every consumer thread arrives); the stage
+//       counter runs on across items, so the next item's tiles stream in while the consumers finish the last.
+//       Warps 1-3: the item's 128 packed Q rows with plain loads into the 128B-swizzled Q tile, once the
+//       consumers released the previous Q (q_empty), then fence.proxy.async and q_full.
+//   WG1, WG2 consumers (setmaxnreg.inc): 64 packed q rows each (packed row = token * group + q head in the
+//       group). Per KV tile: S = Q K^T (wgmma SS, fp32), online softmax in registers (base 2), P -> 16-bit A
+//       fragments, O += P V (wgmma RS, V MN-major). The GEMMs of consecutive tiles overlap the softmax, and the
+//       two warpgroups take turns issuing them (ping-pong). Epilogue: O / l and lse straight from registers.
 //
 // Masks: causal (aligned to the KV end: q_pos = kv_len - qo_len + token) clips the KV range to what the tile's
 // rows can see; the element mask runs on tiles that cross kv_hi or a causal boundary of the warpgroup's rows.
-// Not yet: ping-pong between consumers, softmax/GEMM overlap, persistent scheduling, split-KV partials.
 #pragma once
 #include <flashgen/logits.cuh>
 #include <flashgen/mma.cuh>
@@ -38,11 +41,13 @@ struct Layout {
   static_assert(D % 64 == 0 && sizeof(typename C::DTypeQ) == 2, "rows of whole 128-byte blocks of 16-bit values");
   static_assert(C::TILE_KV % 16 == 0 && C::TILE_KV <= 256 && (C::TILE_KV == 64 || C::TILE_KV == 128 || C::TILE_KV == 256),
                 "wgmma N of S");
-  static_assert(4 * C::STAGES * 8 <= BAR_BYTES, "barriers fit their region");
+  static_assert((4 * C::STAGES + 2) * 8 <= BAR_BYTES, "barriers fit their region");
   static_assert(C::PRODUCER_REGS * 128 + C::CONSUMER_REGS * 256 <= 65536, "register budgets fit the SM");
 };
 
-// The barrier ring: full and empty barriers of K and V for each stage, 8 bytes each.
+constexpr int Q_LOADERS = 96;  // warps 1-3 of the producer warpgroup
+
+// The barrier ring: full and empty barriers of K and V for each stage, then Q's full and empty; 8 bytes each.
 template <class C>
 struct Barriers {
   uint32_t base;
@@ -50,7 +55,11 @@ struct Barriers {
   __device__ __forceinline__ uint32_t full_v(int s) const { return base + 8 * (C::STAGES + s); }
   __device__ __forceinline__ uint32_t empty_k(int s) const { return base + 8 * (2 * C::STAGES + s); }
   __device__ __forceinline__ uint32_t empty_v(int s) const { return base + 8 * (3 * C::STAGES + s); }
+  __device__ __forceinline__ uint32_t q_full() const { return base + 8 * (4 * C::STAGES); }
+  __device__ __forceinline__ uint32_t q_empty() const { return base + 8 * (4 * C::STAGES + 1); }
   __device__ __forceinline__ void init() const {
+    mbarrier_init(q_full(), Q_LOADERS);
+    mbarrier_init(q_empty(), 256);
     for (int s = 0; s < C::STAGES; ++s) {
       mbarrier_init(full_k(s), 1);
       mbarrier_init(full_v(s), 1);
@@ -61,19 +70,24 @@ struct Barriers {
   }
 };
 
-// The CTA's work: its packed rows and KV range. Packed row prow -> token token0 + prow / group,
+// A work item: its packed rows and KV range. Packed row prow -> token token0 + prow / group,
 // q head kv_head * group + prow % group, query position q_base + prow / group.
 struct Work {
-  int token0, row0, rows_total, last_row, kv_head, group, q_base, kv_lo, kv_hi, kv_row0, num_tiles;
+  int token0, row0, rows_total, last_row, kv_head, group, q_base, kv_lo, kv_hi, kv_row0, num_tiles, last_page;
+  const int32_t* pages;  // paged: the request's page ids (kv_indices + kv_indptr[request], or a block_table row)
+  bool valid;
 };
 
 template <class C, class Params>
-__device__ __forceinline__ Work work_of(const Params& p, int request, int item) {
+__device__ __forceinline__ Work work_of(const Params& p, int x) {
   Work w;
+  const int item = p.num_items - 1 - x % p.num_items, request = p.request_idx[item];
+  w.valid = request >= 0;  // padding items of a fixed-capacity plan are skipped by every warp alike
+  if (!w.valid) return w;
   w.token0 = p.qo_indptr[request];
   const int qo_len = p.qo_indptr[request + 1] - w.token0, kv_len = p.kv_len[request];
   w.group = p.group_size;
-  w.kv_head = blockIdx.y;
+  w.kv_head = x / p.num_items;
   w.row0 = p.qo_tile_idx[item] * C::TILE_Q;
   w.rows_total = qo_len * w.group;
   w.last_row = min(w.row0 + C::TILE_Q, w.rows_total) - 1;
@@ -82,54 +96,104 @@ __device__ __forceinline__ Work work_of(const Params& p, int request, int item) 
   w.kv_hi = p.kv_end[item];
   if constexpr (C::CAUSAL) w.kv_hi = min(w.kv_hi, w.q_base + w.last_row / w.group + 1);
   w.num_tiles = w.kv_hi > w.kv_lo ? (w.kv_hi - w.kv_lo + C::TILE_KV - 1) / C::TILE_KV : 0;
-  w.kv_row0 = p.kv_indptr[request] + w.kv_lo;  // row of the K / V tensors (ragged: requests concatenated)
+  if constexpr (C::PAGED) {
+    w.pages = p.block_table != nullptr ? p.block_table + int64_t(request) * p.block_table_stride
+                                       : p.kv_indices + p.kv_indptr[request];
+    w.last_page = max(kv_len - 1, 0) / C::PAGE_SIZE;
+    w.kv_row0 = 0;
+  } else {
+    w.pages = nullptr;
+    w.last_page = 0;
+    w.kv_row0 = p.kv_indptr[request];  // row of the K / V tensors (ragged: requests concatenated)
+  }
   return w;
 }
 
-// WG0, one thread: K and V tiles into the stage rings. Stage s = t % STAGES is refilled once every consumer
-// thread released it; a fresh empty barrier passes the first wait (parity 1).
+// The boxes of one KV tile (per 64-column block): TILE_KV rows of a ragged tensor, or BOX rows of each page it
+// spans (PAGE_SIZE is a multiple of 8 that divides TILE_KV or is divided by it, so boxes never straddle pages
+// and land on whole 8-row swizzle atoms). Maps are 4-D, innermost first: NHD {dim, head, row, page}, HND
+// {dim, row, head, page}; a ragged tensor is one page of all its rows.
+template <class C>
+struct KVBoxes {
+  static constexpr int BOX = C::PAGED && C::PAGE_SIZE < C::TILE_KV ? C::PAGE_SIZE : C::TILE_KV;
+  static constexpr int PER_TILE = C::TILE_KV / BOX * Layout<C>::BLOCKS;
+  static_assert(!C::PAGED || (C::PAGE_SIZE % 8 == 0 && (C::TILE_KV % C::PAGE_SIZE == 0 || C::PAGE_SIZE % C::TILE_KV == 0)),
+                "page size: a multiple of 8 that divides the KV tile or is divided by it");
+
+  // box j of the tile starting at request position pos0 into the stage at dst
+  __device__ __forceinline__ static void load(uint32_t dst, const CUtensorMap* map, uint32_t bar, const Work& w, int pos0,
+                                              int j) {
+    const int b = j % Layout<C>::BLOCKS, chunk = j / Layout<C>::BLOCKS, pos = pos0 + chunk * BOX;
+    int row = w.kv_row0 + pos, page = 0;
+    if constexpr (C::PAGED) {
+      page = __ldg(w.pages + min(pos / C::PAGE_SIZE, w.last_page));  // past the request: a real page, masked later
+      row = pos % C::PAGE_SIZE;
+    }
+    dst += b * Layout<C>::KV_BLOCK + chunk * BOX * 128;
+    if constexpr (C::HND) tma_load_4d(dst, map, bar, 64 * b, row, w.kv_head, page);
+    else tma_load_4d(dst, map, bar, 64 * b, w.kv_head, row, page);
+  }
+};
+
+// WG0 warp 0: K and V tiles of every item of the CTA into the stage rings, the tile's boxes issued by the warp's
+// lanes. Stage s = it % STAGES of the CTA's running tile count it is refilled once every consumer thread released
+// it; a fresh empty barrier passes the first wait (parity 1).
 template <class C, class Params>
-__device__ __forceinline__ void produce(const Params& p, const Work& w, uint32_t k_smem, uint32_t v_smem,
-                                        const Barriers<C>& bars) {
+__device__ __forceinline__ void produce_kv(const Params& p, uint32_t k_smem, uint32_t v_smem, const Barriers<C>& bars) {
   using L = Layout<C>;
-  prefetch_tensormap(&p.tma_k);
-  prefetch_tensormap(&p.tma_v);
-  for (int t = 0; t < w.num_tiles; ++t) {
-    const int s = t % C::STAGES;
-    const uint32_t parity = ((t / C::STAGES) & 1) ^ 1;
-    const int row = w.kv_row0 + t * C::TILE_KV;
-    mbarrier_wait(bars.empty_k(s), parity);
-    mbarrier_arrive_expect_tx(bars.full_k(s), L::KV_STAGE);
-#pragma unroll
-    for (int b = 0; b < L::BLOCKS; ++b)
-      tma_load_3d(k_smem + s * L::KV_STAGE + b * L::KV_BLOCK, &p.tma_k, bars.full_k(s), 64 * b, w.kv_head, row);
-    mbarrier_wait(bars.empty_v(s), parity);
-    mbarrier_arrive_expect_tx(bars.full_v(s), L::KV_STAGE);
-#pragma unroll
-    for (int b = 0; b < L::BLOCKS; ++b)
-      tma_load_3d(v_smem + s * L::KV_STAGE + b * L::KV_BLOCK, &p.tma_v, bars.full_v(s), 64 * b, w.kv_head, row);
+  using Boxes = KVBoxes<C>;
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) {
+    prefetch_tensormap(&p.tma_k);
+    prefetch_tensormap(&p.tma_v);
+  }
+  int it = 0;
+  for (int x = blockIdx.x; x < p.num_items * p.num_kv_heads; x += gridDim.x) {
+    const Work w = work_of<C>(p, x);
+    if (!w.valid) continue;
+    for (int t = 0; t < w.num_tiles; ++t, ++it) {
+      const int s = it % C::STAGES;
+      const uint32_t parity = ((it / C::STAGES) & 1) ^ 1;
+      const int pos0 = w.kv_lo + t * C::TILE_KV;
+      mbarrier_wait(bars.empty_k(s), parity);
+      if (lane == 0) mbarrier_arrive_expect_tx(bars.full_k(s), L::KV_STAGE);
+      __syncwarp();
+      for (int j = lane; j < Boxes::PER_TILE; j += 32)
+        Boxes::load(k_smem + s * L::KV_STAGE, &p.tma_k, bars.full_k(s), w, pos0, j);
+      mbarrier_wait(bars.empty_v(s), parity);
+      if (lane == 0) mbarrier_arrive_expect_tx(bars.full_v(s), L::KV_STAGE);
+      __syncwarp();
+      for (int j = lane; j < Boxes::PER_TILE; j += 32)
+        Boxes::load(v_smem + s * L::KV_STAGE, &p.tma_v, bars.full_v(s), w, pos0, j);
+    }
   }
 }
 
-// The warpgroup's 64 rows of Q into the swizzled Q tile (rows past the request are zeros), then made visible
-// to wgmma: fence.proxy.async by every writer, then a barrier of the warpgroup.
+// WG0 warps 1-3: each item's 128 packed Q rows into the swizzled Q tile (rows past the request are zeros) once
+// the consumers released the previous item's Q, made visible to wgmma by fence.proxy.async before q_full.
 template <class C, class Params>
-__device__ __forceinline__ void load_q(const Params& p, const Work& w, uint8_t* q_smem, int wg) {
+__device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, const Barriers<C>& bars) {
   using L = Layout<C>;
   constexpr int CHUNKS = L::D / 8;  // 16-byte chunks of a row
-  const int tid = threadIdx.x % 128;
-#pragma unroll 4
-  for (int job = tid; job < L::WG_ROWS * CHUNKS; job += 128) {
-    const int r = wg * L::WG_ROWS + job / CHUNKS, c = job % CHUNKS, prow = w.row0 + r;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (prow < w.rows_total) {
-      const int64_t qo_row = int64_t(w.token0 + prow / w.group) * p.num_qo_heads + w.kv_head * w.group + prow % w.group;
-      v = *reinterpret_cast<const uint4*>(p.q + qo_row * L::D + c * 8);
+  const int tid = threadIdx.x - 32;
+  int k = 0;
+  for (int x = blockIdx.x; x < p.num_items * p.num_kv_heads; x += gridDim.x) {
+    const Work w = work_of<C>(p, x);
+    if (!w.valid) continue;
+    mbarrier_wait(bars.q_empty(), (k++ & 1) ^ 1);
+#pragma unroll 2
+    for (int job = tid; job < C::TILE_Q * CHUNKS; job += Q_LOADERS) {
+      const int r = job / CHUNKS, c = job % CHUNKS, prow = w.row0 + r;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (prow < w.rows_total) {
+        const int64_t qo_row = int64_t(w.token0 + prow / w.group) * p.num_qo_heads + w.kv_head * w.group + prow % w.group;
+        v = *reinterpret_cast<const uint4*>(p.q + qo_row * L::D + c * 8);
+      }
+      *reinterpret_cast<uint4*>(q_smem + (c / 8) * L::Q_BLOCK + r * 128 + (swizzle(r, c % 8) * 16)) = v;
     }
-    *reinterpret_cast<uint4*>(q_smem + (c / 8) * L::Q_BLOCK + r * 128 + (swizzle(r, c % 8) * 16)) = v;
+    fence_proxy_async();
+    mbarrier_arrive(bars.q_full());
   }
-  fence_proxy_async();
-  named_barrier_sync(1 + wg, 128);
 }
 
 // Issue S = Q K^T over head_dim in k16 steps (asynchronous: the caller commits and waits). Q rows of this
@@ -266,14 +330,14 @@ struct Scheduler {
   }
 };
 
-// WG1 / WG2: the main loop over the CTA's KV tiles. The GEMMs of consecutive tiles overlap the softmax
-// (FlashAttention-3's intra-warpgroup pipelining): step t issues S_t = Q K_t and O += P_(t-1) V_(t-1) together,
-// waits for S_t only, runs the softmax of tile t under the P V, then waits for it and rescales O.
+// WG1 / WG2: one item. The GEMMs of consecutive tiles overlap the softmax (FlashAttention-3's intra-warpgroup
+// pipelining): step t issues S_t = Q K_t and O += P_(t-1) V_(t-1) together, waits for S_t only, runs the softmax
+// of tile t under the P V, then waits for it and rescales O. `it` is the CTA's running tile count (stages and
+// barrier phases), `k` its running item count (Q's barrier phase).
 template <class C, class Params>
-__device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem, uint32_t smem_base,
-                                        const Barriers<C>& bars, int wg) {
+__device__ __forceinline__ void consume(const Params& p, const Work& w, uint32_t smem_base, const Barriers<C>& bars,
+                                        int wg, int it, int k) {
   using L = Layout<C>;
-  load_q<C>(p, w, smem, wg);
   const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
   const int wg_first = min(w.row0 + wg * 64, w.last_row);
   const int wq_min = w.q_base + wg_first / w.group;
@@ -292,58 +356,62 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   const uint32_t k_base = smem_base + L::K_OFFSET, v_base = smem_base + L::V_OFFSET;
   const Scheduler<C> sched{wg};
   const int n = w.num_tiles;
-  sched.start(n);
   auto masked = [&](int t0) {
     bool m = t0 + C::TILE_KV > w.kv_hi;
     if constexpr (C::CAUSAL) m = m || t0 + C::TILE_KV - 1 > wq_min;
     return m;
   };
+  auto stage = [&](int t) { return (it + t) % C::STAGES; };
+  auto phase = [&](int t) { return uint32_t((it + t) / C::STAGES) & 1; };
+  mbarrier_wait(bars.q_full(), k & 1);
+  if (n == 0) mbarrier_arrive(bars.q_empty());
+  sched.start(n);
   float sc[C::TILE_KV / 2], o_scale[2];
   uint32_t pa[C::TILE_KV / 16][4];
   if (n > 0) {
-    mbarrier_wait(bars.full_k(0), 0);
+    mbarrier_wait(bars.full_k(stage(0)), phase(0));
     sched.wait_turn();
-    issue_qk<C>(sc, q_wg, k_base);
+    issue_qk<C>(sc, q_wg, k_base + stage(0) * L::KV_STAGE);
     wgmma_commit();
     sched.pass_turn(false);
     wgmma_wait<0>();
     fence_operands(sc);
-    mbarrier_arrive(bars.empty_k(0));
+    mbarrier_arrive(bars.empty_k(stage(0)));
+    if (n == 1) mbarrier_arrive(bars.q_empty());  // the item's last Q K^T is done: the producer may load the next Q
     softmax<C>(sc, rs, o_scale, scale_log2, masked(w.kv_lo), w.kv_lo, w.kv_hi);
     pack_p<C>(pa, sc);
   }
   for (int t = 1; t < n; ++t) {
-    const int s = t % C::STAGES, prev = (t - 1) % C::STAGES;
     const int t0 = w.kv_lo + t * C::TILE_KV;
-    mbarrier_wait(bars.full_k(s), (t / C::STAGES) & 1);
-    mbarrier_wait(bars.full_v(prev), ((t - 1) / C::STAGES) & 1);
+    mbarrier_wait(bars.full_k(stage(t)), phase(t));
+    mbarrier_wait(bars.full_v(stage(t - 1)), phase(t - 1));
     sched.wait_turn();
-    issue_qk<C>(sc, q_wg, k_base + s * L::KV_STAGE);
+    issue_qk<C>(sc, q_wg, k_base + stage(t) * L::KV_STAGE);
     wgmma_commit();
-    issue_pv<C>(o, pa, v_base + prev * L::KV_STAGE);
+    issue_pv<C>(o, pa, v_base + stage(t - 1) * L::KV_STAGE);
     wgmma_commit();
     sched.pass_turn(false);
     wgmma_wait<1>();
     fence_operands(sc);
-    mbarrier_arrive(bars.empty_k(s));
+    mbarrier_arrive(bars.empty_k(stage(t)));
+    if (t == n - 1) mbarrier_arrive(bars.q_empty());
     softmax<C>(sc, rs, o_scale, scale_log2, masked(t0), t0, w.kv_hi);
     wgmma_wait<0>();
     fence_operands(o);
     fence_operands(pa);
-    mbarrier_arrive(bars.empty_v(prev));
+    mbarrier_arrive(bars.empty_v(stage(t - 1)));
     rescale<C>(o, o_scale);
     pack_p<C>(pa, sc);
   }
   if (n > 0) {
-    const int last = (n - 1) % C::STAGES;
-    mbarrier_wait(bars.full_v(last), ((n - 1) / C::STAGES) & 1);
+    mbarrier_wait(bars.full_v(stage(n - 1)), phase(n - 1));
     sched.wait_turn();
-    issue_pv<C>(o, pa, v_base + last * L::KV_STAGE);
+    issue_pv<C>(o, pa, v_base + stage(n - 1) * L::KV_STAGE);
     wgmma_commit();
     sched.pass_turn(true);
     wgmma_wait<0>();
     fence_operands(o);
-    mbarrier_arrive(bars.empty_v(last));
+    mbarrier_arrive(bars.empty_v(stage(n - 1)));
   }
   write_rows<C>(p, w, o, rs, wg);
 }
@@ -351,11 +419,6 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
 template <class C, class Params>
 __device__ __forceinline__ void run(const Params& p) {
   using L = Layout<C>;
-  const int item = gridDim.x - 1 - blockIdx.x;  // the plan lists a request's q tiles in order: later (longer causal) tiles first
-  const int request = p.request_idx[item];
-  if (request < 0) return;  // padding item of a fixed-capacity plan (uniform over the CTA)
-  const Work w = work_of<C>(p, request, item);
-
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw), base = (raw + 1023) & ~1023u;  // swizzle atoms need 1024 alignment
   uint8_t* smem = smem_raw + (base - raw);
@@ -366,10 +429,17 @@ __device__ __forceinline__ void run(const Params& p) {
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<C::PRODUCER_REGS>();
-    if (threadIdx.x == 0) produce<C>(p, w, base + L::K_OFFSET, base + L::V_OFFSET, bars);
+    if (threadIdx.x < 32) produce_kv<C>(p, base + L::K_OFFSET, base + L::V_OFFSET, bars);
+    else produce_q<C>(p, smem, bars);
   } else {
     setmaxnreg_inc<C::CONSUMER_REGS>();
-    consume<C>(p, w, smem, base, bars, wg - 1);
+    int it = 0, k = 0;
+    for (int x = blockIdx.x; x < p.num_items * p.num_kv_heads; x += gridDim.x) {
+      const Work w = work_of<C>(p, x);
+      if (!w.valid) continue;
+      consume<C>(p, w, base, bars, wg - 1, it, k++);
+      it += w.num_tiles;
+    }
   }
 }
 
