@@ -1,5 +1,8 @@
 """Batch prefill benchmark: flashgen against torch SDPA (flash, cuDNN), FlexAttention and FlashInfer FA2, in one run.
 
+flashgen runs once per backend of ``--backends`` (default: portable, and on a Hopper GPU also sm90, for the
+specs the sm90 kernel supports), each its own labelled row: ``flashgen-portable``, ``flashgen-sm90``.
+
 bf16, 32 q heads / 8 kv heads, head_dim 64/128/256, 16k tokens as batch x seqlen (1x16384, 4x4096, 16x1024),
 causal and not, KV ragged or paged (page 16 and 1, pages in random order); for head_dim 128 also a sliding
 window of 1024 and a document mask (8 causal documents per sequence, as a custom bit mask). Every timed call
@@ -26,11 +29,20 @@ sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
 from timing import commit, matmul_rate, pyplot, save_results, timed  # noqa: E402
-from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow  # noqa: E402
+from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError  # noqa: E402
+from flashgen.codegen import family  # noqa: E402
 
 HQ, HKV, TOKENS, WINDOW, DOCS = 32, 8, 16384, 1024, 8
+OPS = {"portable": "prefill", "sm90": "prefill_sm90"}  # the kernel family of each BatchPrefillWrapper backend
 
 
+def runs(spec: AttentionSpec, backend: str) -> bool:
+    """Whether ``backend`` runs ``spec`` (the sm90 kernel supports a subset; the portable one every spec here)."""
+    try:
+        family(OPS[backend]).check(spec)
+        return True
+    except SpecError:
+        return False
 
 
 def visible_pairs(mask: str, seqlen: int) -> float:
@@ -58,9 +70,9 @@ def spec_for(d: int, layout: str, mask: str) -> AttentionSpec:
     return AttentionSpec(d, kv_layout=kv_layout, mask=m)
 
 
-def bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, reps):
+def bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, reps, backend):
     spec = spec_for(d, layout, mask)
-    wrapper = flashgen.BatchPrefillWrapper(spec)
+    wrapper = flashgen.BatchPrefillWrapper(spec, backend=backend)
     indptr = np.arange(batch + 1) * seqlen
     custom = None
     if mask == "doc":
@@ -161,12 +173,19 @@ def parse_args():
     parser.add_argument("--shapes", default="1x16384,4x4096,16x1024")
     parser.add_argument("--layouts", default="ragged,paged16,paged1")
     parser.add_argument("--peers", default="sdpa,flex,flashinfer")
+    parser.add_argument("--backends", default=None,
+                        help="flashgen backends, one row each (default: portable,sm90 on Hopper, else portable)")
     parser.add_argument("--commit", default="", help="the commit measured (the device copy has no .git)")
     args = parser.parse_args()
     args.head_dims = [int(x) for x in args.head_dims.split(",")]
     args.shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     args.layouts = args.layouts.split(",")
     args.peers = set(args.peers.split(",")) if args.peers else set()
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    args.backends = args.backends.split(",") if args.backends else ["portable"] + (["sm90"] if hopper else [])
+    unknown = set(args.backends) - set(OPS)
+    if unknown:
+        parser.error(f"--backends: unknown {sorted(unknown)}, expected some of {sorted(OPS)}")
     return args
 
 
@@ -174,10 +193,11 @@ def main() -> None:
     args = parse_args()
     gen = torch.Generator().manual_seed(0)
     specs = {spec_for(d, layout, mask) for d, _, _, mask in grid(args) for layout in args.layouts}
+    jobs = [(s, OPS[b]) for s in specs for b in args.backends if runs(s, b)]
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=16) as pool:
-        list(pool.map(lambda s: flashgen.ensure_compiled(s, "prefill"), specs))
-    print(f"compiled {len(specs)} flashgen kernels in {time.perf_counter() - start:.0f} s", flush=True)
+        list(pool.map(lambda job: flashgen.ensure_compiled(*job), jobs))
+    print(f"compiled {len(jobs)} flashgen kernels in {time.perf_counter() - start:.0f} s", flush=True)
     mm = matmul_rate()
     print(f"bf16 matmul 8192^3: {mm:.0f} TFLOP/s", flush=True)
     try:
@@ -195,7 +215,7 @@ def main() -> None:
             tf = flops / us / 1e6
             rows.append({"peer": peer, "head_dim": d, "batch": batch, "seqlen": seqlen, "mask": mask, "layout": layout,
                          "us": us, "TFLOPs": tf, "pct_matmul": 100 * tf / mm, **extra})
-            print(f"d={d:3} {batch:2}x{seqlen:5} {mask:6} {layout:7} {peer:12} {us:9.1f} us {tf:6.0f} TFLOP/s "
+            print(f"d={d:3} {batch:2}x{seqlen:5} {mask:6} {layout:7} {peer:17} {us:9.1f} us {tf:6.0f} TFLOP/s "
                   f"{100 * tf / mm:5.1f} %", flush=True)
 
         def attempt(peer, layout, fn):
@@ -207,7 +227,10 @@ def main() -> None:
                 print(f"{peer} {layout} failed: {exc!r}"[:300], flush=True)
 
         for layout in args.layouts:
-            attempt("flashgen", layout, lambda: bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, args.reps))
+            for backend in args.backends:
+                if runs(spec_for(d, layout, mask), backend):
+                    attempt(f"flashgen-{backend}", layout, lambda: bench_flashgen(q, k, v, batch, seqlen, d, layout,
+                                                                                  mask, gen, args.reps, backend))
             if "flashinfer" in args.peers and mask != "doc":
                 attempt("flashinfer", layout,
                         lambda: bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, args.reps))
@@ -226,7 +249,8 @@ def main() -> None:
 
 def markdown(result: dict) -> str:
     rows = result["rows"]
-    cols = sorted({(r["peer"], r["layout"]) for r in rows}, key=lambda x: (x[0] != "flashgen", x))
+    cols = sorted({(r["peer"], r["layout"]) for r in rows},
+                  key=lambda x: (not x[0].startswith("flashgen"), x))
     lines = [f"# Prefill, {result['device']}, {result['date']}, commit {result['commit']}",
              f"bf16, {HQ} q / {HKV} kv heads, {TOKENS} tokens; bf16 matmul {result['matmul_TFLOPs']:.0f} TFLOP/s; "
              "cells: TFLOP/s (% of matmul)", "",

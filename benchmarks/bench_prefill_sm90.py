@@ -1,5 +1,5 @@
-"""Hopper prefill benchmark: flashgen's prefill_sm90 (v1) against the portable flashgen prefill, torch SDPA's
-cuDNN backend and FlashInfer's FA3 backend, in one run.
+"""Hopper prefill benchmark: flashgen's prefill_sm90 against the portable flashgen prefill (BatchPrefillWrapper
+with backend="sm90" and backend="portable"), torch SDPA's cuDNN backend and FlashInfer's FA3 backend, in one run.
 
 bf16, 32 q heads / 8 kv heads, head_dim 128, ragged KV, 16k tokens as 1x16384 and 4x4096, causal and not. Every
 timed call follows an L2 flush (benchmarks/timing.py); the median of --reps calls is reported as TFLOP/s
@@ -24,7 +24,6 @@ sys.path.insert(0, str(REPO))
 import flashgen  # noqa: E402
 from timing import commit, timed  # noqa: E402
 from flashgen import AttentionSpec, Causal, NoMask, Ragged  # noqa: E402
-from flashgen.api.sm90 import PrefillSM90  # noqa: E402
 
 HQ, HKV, D, TOKENS = 32, 8, 128, 16384
 
@@ -38,9 +37,9 @@ def sdpa(q, k, v, batch, seqlen, causal):
     return out.transpose(1, 2).reshape(q.shape)
 
 
-def flashgen_call(runner_cls, q, k, v, batch, seqlen, causal):
+def flashgen_call(backend, q, k, v, batch, seqlen, causal):
     spec = AttentionSpec(D, kv_layout=Ragged(), mask=Causal() if causal else NoMask())
-    runner = runner_cls(spec)
+    runner = flashgen.BatchPrefillWrapper(spec, backend=backend)
     indptr = np.arange(batch + 1) * seqlen
     runner.plan(qo_indptr=indptr, kv_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV)
     out = torch.empty_like(q)
@@ -72,8 +71,8 @@ def main() -> None:
         for causal in (False, True):
             flops = 4 * batch * HQ * seqlen * seqlen * D / (2 if causal else 1)
             ref = sdpa(q, k, v, batch, seqlen, causal)
-            calls = {"flashgen_sm90": flashgen_call(PrefillSM90, q, k, v, batch, seqlen, causal),
-                     "flashgen_portable": flashgen_call(flashgen.BatchPrefillWrapper, q, k, v, batch, seqlen, causal),
+            calls = {"flashgen_sm90": flashgen_call("sm90", q, k, v, batch, seqlen, causal),
+                     "flashgen_portable": flashgen_call("portable", q, k, v, batch, seqlen, causal),
                      "sdpa_cudnn": lambda: sdpa(q, k, v, batch, seqlen, causal)}
             try:
                 calls["flashinfer_fa3"] = flashinfer_call(q, k, v, batch, seqlen, causal)
