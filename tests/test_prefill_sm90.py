@@ -81,9 +81,9 @@ def test_sm_scale_and_empty_batch():
     run_and_check(spec, [4, 0], [0, 0], 1, 2)  # no KV at all: out = 0, lse = -inf
 
 
-def test_only_ragged_nomask_causal_are_accepted():
+def test_unsupported_specs_are_refused():
     from flashgen import Paged, SlidingWindow, SpecError
 
-    for spec in (AttentionSpec(128, kv_layout=Paged(16)), AttentionSpec(128, kv_layout=Ragged(), mask=SlidingWindow(8))):
+    for spec in (AttentionSpec(128, kv_layout=Paged(24)), AttentionSpec(128, kv_layout=Ragged(), mask=SlidingWindow(8))):
         with pytest.raises(SpecError):
             PrefillSM90(spec)
