@@ -14,6 +14,7 @@ struct KVRows {
   int64_t first_row;         // ragged: kv_indptr[request]
   int64_t stride_page, stride_token;
 
+  KVRows() = default;  // so that a KVRows can sit in shared memory
   template <typename Params>
   __device__ __forceinline__ KVRows(const Params& p, int request) : stride_page(p.stride_page), stride_token(p.stride_token) {
     if constexpr (PAGED) {

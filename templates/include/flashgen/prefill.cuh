@@ -22,6 +22,20 @@ struct MaskInfo {
   int64_t bit0;
 };
 
+// The CTA's row state that only boundary tiles (ALiBi: every tile) read waits in shared memory, where it
+// costs no registers in the main loop: the mask bounds, each packed row's query position and ALiBi slope.
+template <class C>
+struct RowInfo {
+  MaskInfo mi;
+  int full_lo[C::NUM_WARPS], full_hi[C::NUM_WARPS];  // a warp's tiles [full_lo, full_hi) need no element mask
+  int q_pos[Layout<C>::TILE_Q];
+  float slope[C::ALIBI ? Layout<C>::TILE_Q : 1];
+  // the CTA-local row of the thread's accumulator row h of mma tile mq
+  static __device__ __forceinline__ int row(int warp, int lane, int mq, int h) {
+    return warp * Layout<C>::WARP_ROWS + mq * 16 + lane / 4 + 8 * h;
+  }
+};
+
 // v, opaque to the compiler: per-lane swizzle terms derived from it are recomputed in every KV tile rather than
 // hoisted out of the main loop and held in registers (a few integer ops a tile; registers are the limit there)
 __device__ __forceinline__ int opaque(int v) {
@@ -35,15 +49,33 @@ __device__ __forceinline__ int64_t row_bit(const MaskInfo& mi, int q_pos) {
   return token < mi.qo_len ? mi.bit0 + int64_t(token) * mi.kv_len : -1;
 }
 
+// a row's custom-mask bits of keys [t0, t0 + TILE_KV), bit k = key t0 + k: TILE_KV / 8 + 1 byte loads and a
+// funnel shift (at the row's end, only its own bytes); 0 for a row past the request's queries
+template <int TILE_KV>
+__device__ __forceinline__ uint64_t mask_window(const MaskInfo& mi, int64_t bit_row, int t0) {
+  static_assert(TILE_KV <= 64, "a custom-mask window is one 64-bit word");
+  if (bit_row < 0) return 0;
+  const int64_t first = bit_row + t0;
+  const uint8_t* bytes = mi.bits + (first >> 3);
+  const int left = int(((bit_row + mi.kv_len - 1) >> 3) - (first >> 3));  // the row's bytes after the first
+  uint64_t lo = 0, hi = 0;
+  if (left >= TILE_KV / 8) {
+#pragma unroll
+    for (int i = 0; i < TILE_KV / 8; ++i) lo |= uint64_t(__ldg(bytes + i)) << (8 * i);
+    hi = __ldg(bytes + TILE_KV / 8);
+  } else {
+    for (int i = 0; i <= left; ++i) lo |= uint64_t(__ldg(bytes + i)) << (8 * i);
+  }
+  const int shift = int(first & 7);
+  return (lo >> shift) | (shift != 0 ? hi << (TILE_KV - shift) : 0);
+}
+
+// key pos of a row at q_pos is visible (causal, window and the KV end; the custom mask is a window of bits)
 template <class C>
-__device__ __forceinline__ bool visible(const MaskInfo& mi, int q_pos, int64_t bit_row, int pos) {
+__device__ __forceinline__ bool visible(const MaskInfo& mi, int q_pos, int pos) {
   bool ok = pos < mi.kv_hi;
   if constexpr (C::CAUSAL) ok = ok && pos <= q_pos;
   if constexpr (C::WINDOW) ok = ok && pos >= q_pos - mi.window_left;
-  if constexpr (C::CUSTOM_MASK) {
-    const int64_t bit = bit_row + pos;
-    ok = ok && bit_row >= 0 && ((__ldg(mi.bits + (bit >> 3)) >> (bit & 7)) & 1);
-  }
   return ok;
 }
 
@@ -96,44 +128,54 @@ __device__ __forceinline__ float exp2_fast(float x) {
 
 // S -> base-2 logits: one multiply by sm_scale * log2(e), or the full transform with ALiBi / soft-cap
 template <class C>
-__device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const int (&q_pos)[C::MMA_Q][2],
-                                       LogitsTransform<C::ALIBI, C::SOFT_CAP>& transform,
-                                       const float (&slope)[C::MMA_Q][2], int tile_start, int lane) {
+__device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const RowInfo<C>& ri,
+                                       LogitsTransform<C::ALIBI, C::SOFT_CAP>& transform, int tile_start, int warp,
+                                       int lane) {
   const float scale_log2 = transform.sm_scale * LOG2E;
 #pragma unroll
   for (int mq = 0; mq < C::MMA_Q; ++mq)
 #pragma unroll
-    for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if constexpr (C::ALIBI || C::SOFT_CAP) {
-          transform.slope = slope[mq][e / 2];
-          s[mq][nt][e] = transform(s[mq][nt][e], tile_start + nt * 8 + 2 * (lane % 4) + (e % 2) - q_pos[mq][e / 2]);
-        } else {
-          s[mq][nt][e] *= scale_log2;
-        }
+    for (int h = 0; h < 2; ++h) {
+      int q_pos = 0;
+      if constexpr (C::ALIBI) {
+        const int r = RowInfo<C>::row(warp, lane, mq, h);
+        q_pos = ri.q_pos[r];
+        transform.slope = ri.slope[r];
       }
+#pragma unroll
+      for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          if constexpr (C::ALIBI || C::SOFT_CAP)
+            s[mq][nt][e] = transform(s[mq][nt][e], tile_start + nt * 8 + 2 * (lane % 4) + (e % 2) - q_pos);
+          else
+            s[mq][nt][e] *= scale_log2;
+        }
+    }
 }
 
 // boundary tiles only: logits of (row, key) pairs the mask hides become -inf
 template <class C>
-__device__ __forceinline__ void apply_mask(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const int (&q_pos)[C::MMA_Q][2],
-                                           const MaskInfo& mi, int tile_start, int lane) {
+__device__ __forceinline__ void apply_mask(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const RowInfo<C>& ri,
+                                           int tile_start, int warp, int lane) {
+  const MaskInfo& mi = ri.mi;
 #pragma unroll
-  for (int mq = 0; mq < C::MMA_Q; ++mq) {
-    int64_t bit_row[2] = {0, 0};
-    if constexpr (C::CUSTOM_MASK) {
-      bit_row[0] = row_bit(mi, q_pos[mq][0]);
-      bit_row[1] = row_bit(mi, q_pos[mq][1]);
+  for (int mq = 0; mq < C::MMA_Q; ++mq)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int q_pos = ri.q_pos[RowInfo<C>::row(warp, lane, mq, h)];
+      uint64_t bits = 0;
+      if constexpr (C::CUSTOM_MASK) bits = mask_window<C::TILE_KV>(mi, row_bit(mi, q_pos), tile_start) >> (2 * (lane % 4));
+#pragma unroll
+      for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          const int pos = tile_start + nt * 8 + 2 * (lane % 4) + (e % 2);
+          bool ok = visible<C>(mi, q_pos, pos);
+          if constexpr (C::CUSTOM_MASK) ok = ok && ((bits >> (nt * 8 + e % 2)) & 1);
+          if (!ok) s[mq][nt][e] = -INFINITY;
+        }
     }
-#pragma unroll
-    for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int pos = tile_start + nt * 8 + 2 * (lane % 4) + (e % 2);
-        if (!visible<C>(mi, q_pos[mq][e / 2], bit_row[e / 2], pos)) s[mq][nt][e] = -INFINITY;
-      }
-  }
 }
 
 // online-softmax update over the tile's logits: s becomes P; O and l are rescaled only when some row

@@ -25,28 +25,45 @@ __device__ __forceinline__ void run(const Params& p) {
   if constexpr (C::CAUSAL) kv_hi = min(kv_hi, q_base + last_row / group + 1);
   if constexpr (C::WINDOW) kv_lo = max(kv_lo, q_base + tr.row0 / group - p.window_left);
   const int num_tiles = kv_hi > kv_lo ? (kv_hi - kv_lo + L::TILE_KV - 1) / L::TILE_KV : 0;
-  // this warp's rows: the query positions that decide its boundary tiles
+  // this warp's rows decide its boundary tiles: tiles [full_lo, full_hi) need no element mask
   const int w_first = min(tr.row0 + warp * L::WARP_ROWS, last_row);
   const int w_last = min(tr.row0 + (warp + 1) * L::WARP_ROWS - 1, last_row);
-  const int wq_min = q_base + w_first / group, wq_max = q_base + w_last / group;
+  int full_lo = 0, full_hi = C::CUSTOM_MASK ? 0 : (kv_hi - kv_lo) / L::TILE_KV;  // ... and the tile ends by kv_hi
+  if constexpr (C::CAUSAL)  // the tile's last key <= the warp's first query
+    full_hi = min(full_hi, max(0, (q_base + w_first / group - kv_lo + 1) / L::TILE_KV));
+  if constexpr (C::WINDOW) {  // the tile's first key >= the warp's last query - window_left
+    const int y = q_base + w_last / group - p.window_left - kv_lo;
+    full_lo = y > 0 ? (y + L::TILE_KV - 1) / L::TILE_KV : 0;
+  }
 
-  // the epilogue's tile and request wait in shared memory over the main loop, where registers are the limit
-  // (written before the prologue's barrier, read after the loop)
+  // What the main loop reads once a tile or less waits in shared memory, where registers are the limit: the
+  // KV source, the rows' mask and ALiBi state, and the epilogue's tile and request (read after the loop)
+  __shared__ KVSource<C> src;
+  __shared__ RowInfo<C> ri;
   __shared__ TileRows tr_saved;
   __shared__ int request_saved;
   if (threadIdx.x == 0) {
+    src = KVSource<C>{KVRows<C::PAGED, C::PAGE_SIZE>(p, request), p.k + int64_t(kv_head) * p.stride_head,
+                      p.v + KVPipeline<C>::v_offset(int64_t(kv_head) * p.stride_head), kv_lo, kv_hi, num_tiles};
+    ri.mi = MaskInfo{kv_hi, q_base, qo_len, kv_len, p.window_left, p.custom_mask, C::CUSTOM_MASK ? p.mask_offset[request] : 0};
     tr_saved = tr;
     request_saved = request;
+  }
+  if (lane == 0) {
+    ri.full_lo[warp] = full_lo;
+    ri.full_hi[warp] = full_hi;
+  }
+  for (int r = threadIdx.x; r < L::TILE_Q; r += L::THREADS) {
+    ri.q_pos[r] = q_base + (tr.row0 + r) / group;
+    if constexpr (C::ALIBI) ri.slope[r] = alibi_slope(int(tr.head(tr.row0 + r)), p.num_qo_heads);
   }
   extern __shared__ __align__(128) uint8_t smem[];
   DTypeQ* q_smem = reinterpret_cast<DTypeQ*>(smem);
   load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
+  __syncthreads();  // src and ri are written
 
-  const KVPipeline<C> pipe{KVRows<C::PAGED, C::PAGE_SIZE>(p, request),
-                           p.k + int64_t(kv_head) * p.stride_head,
-                           p.v + KVPipeline<C>::v_offset(int64_t(kv_head) * p.stride_head),
-                           reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET), reinterpret_cast<DTypeKV*>(smem + L::V_OFFSET),
-                           reinterpret_cast<int64_t*>(smem + L::ROW_OFFSETS), kv_lo, kv_hi, num_tiles};
+  const KVPipeline<C> pipe{src, reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET), reinterpret_cast<DTypeKV*>(smem + L::V_OFFSET),
+                           reinterpret_cast<int64_t*>(smem + L::ROW_OFFSETS)};
   // prologue: tiles 0 .. S-2 in flight, offsets of tile S-1 stored, page ids of tile S in registers
   for (int tile = 0; tile < S - 1; ++tile) {
     pipe.store_offset(tile, pipe.page_of(tile));
@@ -67,26 +84,20 @@ __device__ __forceinline__ void run(const Params& p) {
   }
 
   // per-thread row state: rows g and g + 8 of each of the warp's mma tiles
-  float o[MQ][L::DV / 8][4], m[MQ][2], l[MQ][2], slope[MQ][2];
-  int q_pos[MQ][2];
+  float o[MQ][L::DV / 8][4], m[MQ][2], l[MQ][2];
 #pragma unroll
   for (int mq = 0; mq < MQ; ++mq) {
 #pragma unroll
     for (int j = 0; j < L::DV / 8; ++j) o[mq][j][0] = o[mq][j][1] = o[mq][j][2] = o[mq][j][3] = 0.f;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int prow = tr.row0 + warp * L::WARP_ROWS + mq * 16 + lane / 4 + 8 * h;
       m[mq][h] = -INFINITY;
       l[mq][h] = 0.f;
-      q_pos[mq][h] = q_base + prow / group;
-      slope[mq][h] = C::ALIBI ? alibi_slope(int(tr.head(prow)), p.num_qo_heads) : 0.f;
     }
   }
   LogitsTransform<C::ALIBI, C::SOFT_CAP> transform{p.sm_scale, p.soft_cap, p.soft_cap > 0.f ? 1.f / p.soft_cap : 0.f, 0.f};
-  const MaskInfo mi{kv_hi, q_base, qo_len, kv_len, p.window_left, p.custom_mask,
-                    C::CUSTOM_MASK ? p.mask_offset[request] : 0};
 
-  for (int tile = 0; tile < num_tiles; ++tile) {
+  for (int tile = 0; tile < src.num_tiles; ++tile) {
     cp_async_wait<S - 2>();
     __syncthreads();
     pipe.issue(tile + S - 1);
@@ -96,15 +107,11 @@ __device__ __forceinline__ void run(const Params& p) {
       pipe.rope_k(p, tile);
       __syncthreads();
     }
-    const int t0 = kv_lo + tile * L::TILE_KV;
-    bool masked = C::CUSTOM_MASK || t0 + L::TILE_KV > kv_hi;
-    if constexpr (C::CAUSAL) masked = masked || t0 + L::TILE_KV - 1 > wq_min;
-    if constexpr (C::WINDOW) masked = masked || t0 < wq_max - p.window_left;
-
+    const int t0 = src.kv_lo + tile * L::TILE_KV;
     float s[MQ][L::TILE_KV / 8][4];
     scores<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
-    logits<C>(s, q_pos, transform, slope, t0, lane);
-    if (masked) apply_mask<C>(s, q_pos, mi, t0, lane);
+    logits<C>(s, ri, transform, t0, warp, lane);
+    if (tile < ri.full_lo[warp] || tile >= ri.full_hi[warp]) apply_mask<C>(s, ri, t0, warp, lane);
     online_softmax<C>(s, o, m, l);
     accumulate_pv<C>(o, s, pipe.v_tile(tile), lane);
   }

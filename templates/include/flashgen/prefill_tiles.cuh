@@ -77,28 +77,37 @@ __device__ __forceinline__ void load_q(const Params& p, typename C::DTypeQ* q_sm
   }
 }
 
+// The CTA's K/V source: where its rows live in global memory and its KV range [kv_lo, kv_hi) of num_tiles
+// tiles. Thread 0 writes it to shared memory once; the pipeline reads it there once a tile, so none of it
+// holds a register over the tile's math.
+template <class C>
+struct KVSource {
+  KVRows<C::PAGED, C::PAGE_SIZE> rows;
+  const typename C::DTypeKV* k_head;
+  const typename C::DTypeKV* v_head;
+  int kv_lo, kv_hi, num_tiles;
+};
+
 // K/V tiles of positions [kv_lo + t * TILE_KV, ...) clipped at kv_hi (rows past it are zero-filled).
 // Thread tid < TILE_KV owns row tid of every tile's offsets: its page id is loaded two tiles ahead.
 template <class C>
 struct KVPipeline {
   using L = Layout<C>;
   using DTypeKV = typename C::DTypeKV;
-  KVRows<C::PAGED, C::PAGE_SIZE> rows;
-  const DTypeKV* k_head;
-  const DTypeKV* v_head;
+  const KVSource<C>& src;  // in shared memory
   DTypeKV* k_smem;
   DTypeKV* v_smem;
   int64_t* row_offsets;  // [2][TILE_KV]
-  int kv_lo, kv_hi, num_tiles;
 
   __device__ __forceinline__ int32_t page_of(int tile) const {
-    const int tid = threadIdx.x, pos = kv_lo + tile * L::TILE_KV + tid;
-    return (tid < L::TILE_KV && tile < num_tiles && pos < kv_hi) ? rows.page(pos) : 0;
+    const int tid = threadIdx.x, pos = src.kv_lo + tile * L::TILE_KV + tid;
+    return (tid < L::TILE_KV && tile < src.num_tiles && pos < src.kv_hi) ? src.rows.page(pos) : 0;
   }
   __device__ __forceinline__ void store_offset(int tile, int32_t page_id) const {
-    const int tid = threadIdx.x, pos = kv_lo + tile * L::TILE_KV + tid;
+    const int tid = threadIdx.x, pos = src.kv_lo + tile * L::TILE_KV + tid;
     if (tid < L::TILE_KV)
-      row_offsets[(tile & 1) * L::TILE_KV + tid] = (tile < num_tiles && pos < kv_hi) ? rows.offset(pos, page_id) : -1;
+      row_offsets[(tile & 1) * L::TILE_KV + tid] =
+          (tile < src.num_tiles && pos < src.kv_hi) ? src.rows.offset(pos, page_id) : -1;
   }
   // V rows: the K row offset scaled by HEAD_DIM_VO / HEAD_DIM (the wrapper checks that V's strides are K's so scaled)
   static __device__ __forceinline__ int64_t v_offset(int64_t k_off) {
@@ -134,10 +143,10 @@ struct KVPipeline {
 
   // cp.async of one tile's K and V (one commit group; an empty group past the end keeps the counting uniform)
   __device__ __forceinline__ void issue(int tile) const {
-    if (tile < num_tiles) {
+    if (tile < src.num_tiles) {
       const int64_t* offsets = row_offsets + (tile & 1) * L::TILE_KV;
-      copy_rows<L::K_CHUNKS, false>(k_tile(tile), k_head, offsets);
-      copy_rows<L::V_CHUNKS, true>(v_tile(tile), v_head, offsets);
+      copy_rows<L::K_CHUNKS, false>(k_tile(tile), src.k_head, offsets);
+      copy_rows<L::V_CHUNKS, true>(v_tile(tile), src.v_head, offsets);
     }
     cp_async_commit();
   }
@@ -152,7 +161,7 @@ struct KVPipeline {
       uint4* a = reinterpret_cast<uint4*>(ks + tile_index(r, c, L::K_CHUNKS));
       uint4* b = reinterpret_cast<uint4*>(ks + tile_index(r, c + HALF, L::K_CHUNKS));
       uint4 x = *a, y = *b;
-      rope_chunk_pair<DTypeKV>(x, y, float(kv_lo + tile * L::TILE_KV + r), c * 8, L::D, p.rope_rcp_scale,
+      rope_chunk_pair<DTypeKV>(x, y, float(src.kv_lo + tile * L::TILE_KV + r), c * 8, L::D, p.rope_rcp_scale,
                                p.rope_log2_theta);
       *a = x;
       *b = y;
