@@ -86,3 +86,24 @@ def test_orders_and_combined_cache(order, combined):
 def test_page_table_forms(form, device_ids):
     run_and_check(AttentionSpec(128, kv_layout=Paged(16, "HND"), mask=Causal()), QO, KV, form=form,
                   device_ids=device_ids, seed=4)
+
+
+def test_ragged_rows_past_the_batch_hold_nan():
+    """Rows of K / V past kv_indptr[-1] (a preallocated buffer) are NaN: the last tile's tail must not reach O."""
+    from flashgen import Ragged
+
+    spec = AttentionSpec(128, kv_layout=Ragged(), mask=NoMask())
+    gen = torch.Generator().manual_seed(5)
+    qo_lens, kv_lens = [70, 3], [100, 37]
+    q, (k, v), table = random_batch(spec, qo_lens, kv_lens, 2, 4, generator=gen)
+    pad = torch.full((200, *k.shape[1:]), float("nan"), dtype=k.dtype)
+    k_buf, v_buf = torch.cat([k, pad]), torch.cat([v, pad])
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    wrapper = flashgen.BatchPrefillWrapper(spec, backend="sm90")
+    wrapper.plan(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"].numpy(), num_qo_heads=8, num_kv_heads=2)
+    out = wrapper.run(q.cuda(), (k_buf.cuda(), v_buf.cuda()), out=torch.full_like(q, float("nan"), device="cuda"))
+    torch.cuda.synchronize()
+    kw = dict(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"])
+    ref, _ = reference_attention(spec, q, (k, v), **kw)
+    low, _ = same_dtype_reference(spec, q, (k, v), **kw)
+    assert_attention_close(out.cpu(), ref, low)

@@ -313,6 +313,23 @@ __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const
   }
 }
 
+// V rows of the last tile past kv_hi (the tail of a request's last page, rows past a ragged request) hold anything,
+// NaN included, and P = 0 there does not cancel NaN: the warpgroup zeroes them before its last P V. Both consumer
+// warpgroups write the same zeros, so their overlap is harmless; the fence and the warpgroup barrier order this
+// warpgroup's writes before its own wgmma reads them.
+template <class C>
+__device__ __forceinline__ void zero_v_tail(uint8_t* smem, int v_stage_offset, int valid_rows, int wg) {
+  using L = Layout<C>;
+  if (valid_rows >= C::TILE_KV) return;  // uniform over the CTA
+  const int tail = C::TILE_KV - valid_rows;
+  for (int job = threadIdx.x % 128; job < L::BLOCKS * tail * 8; job += 128) {
+    const int b = job / (tail * 8), r = valid_rows + job % (tail * 8) / 8, c = job % 8;
+    *reinterpret_cast<uint4*>(smem + v_stage_offset + b * L::KV_BLOCK + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
+  }
+  fence_proxy_async();
+  named_barrier_sync(1 + wg, 128);
+}
+
 // Ping-pong of the two consumer warpgroups (C::PINGPONG): each takes its turn to issue its GEMMs (hardware
 // barrier 3 + wg), then hands the turn to the other, so one warpgroup's softmax runs under the other's GEMMs.
 // WG2 gives WG1 the first turn; every step of WG1 hands over, every step of WG2 but its last.
@@ -335,8 +352,8 @@ struct Scheduler {
 // of tile t under the P V, then waits for it and rescales O. `it` is the CTA's running tile count (stages and
 // barrier phases), `k` its running item count (Q's barrier phase).
 template <class C, class Params>
-__device__ __forceinline__ void consume(const Params& p, const Work& w, uint32_t smem_base, const Barriers<C>& bars,
-                                        int wg, int it, int k) {
+__device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem, uint32_t smem_base,
+                                        const Barriers<C>& bars, int wg, int it, int k) {
   using L = Layout<C>;
   const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
   const int wg_first = min(w.row0 + wg * 64, w.last_row);
@@ -405,6 +422,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint32_t
   }
   if (n > 0) {
     mbarrier_wait(bars.full_v(stage(n - 1)), phase(n - 1));
+    zero_v_tail<C>(smem, L::V_OFFSET + stage(n - 1) * L::KV_STAGE, w.kv_hi - (w.kv_lo + (n - 1) * C::TILE_KV), wg);
     sched.wait_turn();
     issue_pv<C>(o, pa, v_base + stage(n - 1) * L::KV_STAGE);
     wgmma_commit();
@@ -437,7 +455,7 @@ __device__ __forceinline__ void run(const Params& p) {
     for (int x = blockIdx.x; x < p.num_items * p.num_kv_heads; x += gridDim.x) {
       const Work w = work_of<C>(p, x);
       if (!w.valid) continue;
-      consume<C>(p, w, base, bars, wg - 1, it, k++);
+      consume<C>(p, w, smem, base, bars, wg - 1, it, k++);
       it += w.num_tiles;
     }
   }
