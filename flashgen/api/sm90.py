@@ -88,7 +88,8 @@ class SM90Prefill:
         plan = self._staging.plan(lambda host: plan_prefill(
             qo, table.kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, tile_rows=TILE_Q,
             kv_granularity=self._tile_kv, num_sms=self.num_sms, enable_split=False, host_buffer=host, **options))
-        indptr = table.kv_indptr_host.astype(np.int32)
+        # token offsets (ragged) or page offsets (CSR); a block table needs none
+        indptr = (table.kv_indptr_host if table.kv_indptr_host is not None else np.zeros(qo.size, np.int64)).astype(np.int32)
         if graph:  # a fixed length keeps the whole upload, and so every address, the same from plan to plan
             indptr = np.concatenate([indptr, np.full(self.max_batch_size + 1 - indptr.size, indptr[-1], np.int32)])
         ids = table.block_table if table.block_table is not None else table.kv_indices
