@@ -3,7 +3,8 @@
 Two backends run a plan. ``portable`` is the mma.sync kernel (family ``prefill``): every spec the family
 accepts, split-KV plans, any GPU flashgen targets. ``sm90`` is the Hopper kernel (family ``prefill_sm90``,
 runner in ``flashgen.api.sm90``): wgmma + TMA, sm_90a only, the specs ``PrefillSM90Family.check`` accepts
-(so far Ragged KV, NoMask / Causal, fp16 / bf16, head_dim == head_dim_vo in 64 / 128 / 256), unsplit plans. The
+(so far ragged KV or pages of a multiple of 8 tokens, NoMask / Causal, fp16 / bf16, head_dim == head_dim_vo
+in 64 / 128 / 256), unsplit plans. The
 wrapper owns what both share (argument checks, page-table intake, runtime values, q / out / lse, the memo of
 validated KV caches); a backend owns its plan buffers and its launch.
 """
@@ -140,12 +141,10 @@ class BatchPrefillWrapper:
     their addresses). ``workspace`` is accepted for FlashInfer-style call sites; the wrapper owns its buffers.
 
     ``backend``: ``"auto"`` (default) runs the Hopper kernel (``"sm90"``) on a compute-capability 9.0 GPU
-    when it supports the spec (``family("prefill_sm90").check``; so far Ragged KV, NoMask / Causal, fp16 /
-    bf16, head_dim == head_dim_vo in 64 / 128 / 256, no RoPE / ALiBi / soft-cap), else the ``"portable"``
-    kernel; naming one forces it (an ``"sm90"`` it cannot honour raises). ``wrapper.backend`` says which runs.
-    The sm90 kernel reads K / V by TMA in tiles of 64 or 128 tokens bounded by the tensors' own length: rows
-    of k / v past ``kv_indptr[-1]`` (a pool larger than the batch) may be read and weighted 0, so they must
-    hold finite values (0 * NaN is NaN).
+    when it supports the spec (``family("prefill_sm90").check``; so far ragged KV or pages of a multiple of
+    8 tokens, NoMask / Causal, fp16 / bf16, head_dim == head_dim_vo in 64 / 128 / 256, no RoPE / ALiBi /
+    soft-cap), else the ``"portable"`` kernel; naming one forces it (an ``"sm90"`` it cannot honour raises).
+    ``wrapper.backend`` says which runs.
     """
 
     def __init__(self, spec: AttentionSpec, workspace: torch.Tensor | None = None, use_cuda_graph: bool = False,
