@@ -35,10 +35,20 @@ def sm90_tile_kv(head_dim: int) -> int:
     return 64 if head_dim > 128 else 128
 
 
+def sm90_q_buffers(head_dim: int, elem: int = 2) -> int:
+    """Two Q tiles where they fit beside the KV stages (the next item's Q loads while this one runs), else one.
+
+    head_dim 128: 2 x 32 KB + 2 x (32 + 32) KB = 192 KB -> 2; head_dim 256: 2 x 64 + 2 x (32 + 32) = 256 KB -> 1.
+    """
+    kv = 2 * STAGES * sm90_tile_kv(head_dim) * head_dim * elem
+    return 2 if 2 * TILE_Q * head_dim * elem + kv + 128 + 1024 <= SMEM_LIMIT else 1
+
+
 def sm90_smem_bytes(head_dim: int, elem: int = 2) -> int:
-    """Q tile + STAGES K and V stages + 128 bytes of barriers + 1024 of slack to align the base to 1024."""
+    """Q tiles + STAGES K and V stages + 128 bytes of barriers + 1024 of slack to align the base to 1024."""
     tile_kv = sm90_tile_kv(head_dim)
-    return TILE_Q * head_dim * elem + 2 * STAGES * tile_kv * head_dim * elem + 128 + 1024
+    return (sm90_q_buffers(head_dim, elem) * TILE_Q * head_dim * elem + 2 * STAGES * tile_kv * head_dim * elem
+            + 128 + 1024)
 
 
 class PrefillSM90Family(KernelFamily):
@@ -86,6 +96,7 @@ class PrefillSM90Family(KernelFamily):
             "TILE_Q": TILE_Q,
             "TILE_KV": sm90_tile_kv(d),
             "STAGES": STAGES,
+            "Q_BUFFERS": sm90_q_buffers(d),
             "SMEM_BYTES": smem,
             "PRODUCER_REGS": PRODUCER_REGS,
             "CONSUMER_REGS": CONSUMER_REGS,

@@ -31,7 +31,7 @@ struct Layout {
   static constexpr int WG_ROWS = 64, THREADS = 384;
   static constexpr int Q_BLOCK = C::TILE_Q * 128, KV_BLOCK = C::TILE_KV * 128;
   static constexpr int Q_BYTES = BLOCKS * Q_BLOCK, KV_STAGE = BLOCKS * KV_BLOCK;
-  static constexpr int K_OFFSET = Q_BYTES;
+  static constexpr int K_OFFSET = C::Q_BUFFERS * Q_BYTES;  // Q buffers: the next item's Q loads during this one
   static constexpr int V_OFFSET = K_OFFSET + C::STAGES * KV_STAGE;
   static constexpr int BAR_OFFSET = V_OFFSET + C::STAGES * KV_STAGE;
   static constexpr int BAR_BYTES = 128, ALIGN_SLACK = 1024;  // the dynamic base is aligned up to 1024 at run time
@@ -41,7 +41,8 @@ struct Layout {
   static_assert(D % 64 == 0 && sizeof(typename C::DTypeQ) == 2, "rows of whole 128-byte blocks of 16-bit values");
   static_assert(C::TILE_KV % 16 == 0 && C::TILE_KV <= 256 && (C::TILE_KV == 64 || C::TILE_KV == 128 || C::TILE_KV == 256),
                 "wgmma N of S");
-  static_assert((4 * C::STAGES + 2) * 8 <= BAR_BYTES, "barriers fit their region");
+  static_assert((4 * C::STAGES + 2 * C::Q_BUFFERS) * 8 <= BAR_BYTES, "barriers fit their region");
+  static_assert(C::Q_BUFFERS == 1 || C::Q_BUFFERS == 2, "one or two Q buffers");
   static_assert(C::PRODUCER_REGS * 128 + C::CONSUMER_REGS * 256 <= 65536, "register budgets fit the SM");
 };
 
@@ -55,11 +56,13 @@ struct Barriers {
   __device__ __forceinline__ uint32_t full_v(int s) const { return base + 8 * (C::STAGES + s); }
   __device__ __forceinline__ uint32_t empty_k(int s) const { return base + 8 * (2 * C::STAGES + s); }
   __device__ __forceinline__ uint32_t empty_v(int s) const { return base + 8 * (3 * C::STAGES + s); }
-  __device__ __forceinline__ uint32_t q_full() const { return base + 8 * (4 * C::STAGES); }
-  __device__ __forceinline__ uint32_t q_empty() const { return base + 8 * (4 * C::STAGES + 1); }
+  __device__ __forceinline__ uint32_t q_full(int b) const { return base + 8 * (4 * C::STAGES + b); }
+  __device__ __forceinline__ uint32_t q_empty(int b) const { return base + 8 * (4 * C::STAGES + C::Q_BUFFERS + b); }
   __device__ __forceinline__ void init() const {
-    mbarrier_init(q_full(), Q_LOADERS);
-    mbarrier_init(q_empty(), 256);
+    for (int b = 0; b < C::Q_BUFFERS; ++b) {
+      mbarrier_init(q_full(b), Q_LOADERS);
+      mbarrier_init(q_empty(b), 256);
+    }
     for (int s = 0; s < C::STAGES; ++s) {
       mbarrier_init(full_k(s), 1);
       mbarrier_init(full_v(s), 1);
@@ -120,15 +123,20 @@ struct KVBoxes {
   static_assert(!C::PAGED || (C::PAGE_SIZE % 8 == 0 && (C::TILE_KV % C::PAGE_SIZE == 0 || C::PAGE_SIZE % C::TILE_KV == 0)),
                 "page size: a multiple of 8 that divides the KV tile or is divided by it");
 
-  // box j of the tile starting at request position pos0 into the stage at dst
+  static_assert(PER_TILE <= 32, "one box a lane");
+
+  // the page holding box j of the tile at request position pos0 (ragged: 0); past the request, a real page
+  // (its rows are masked later)
+  __device__ __forceinline__ static int page(const Work& w, int pos0, int j) {
+    if constexpr (C::PAGED) return __ldg(w.pages + min((pos0 + j / Layout<C>::BLOCKS * BOX) / C::PAGE_SIZE, w.last_page));
+    else return 0;
+  }
+
+  // box j of the tile at request position pos0 into the stage at dst
   __device__ __forceinline__ static void load(uint32_t dst, const CUtensorMap* map, uint32_t bar, const Work& w, int pos0,
-                                              int j) {
+                                              int j, int page) {
     const int b = j % Layout<C>::BLOCKS, chunk = j / Layout<C>::BLOCKS, pos = pos0 + chunk * BOX;
-    int row = w.kv_row0 + pos, page = 0;
-    if constexpr (C::PAGED) {
-      page = __ldg(w.pages + min(pos / C::PAGE_SIZE, w.last_page));  // past the request: a real page, masked later
-      row = pos % C::PAGE_SIZE;
-    }
+    const int row = C::PAGED ? pos % C::PAGE_SIZE : w.kv_row0 + pos;
     dst += b * Layout<C>::KV_BLOCK + chunk * BOX * 128;
     if constexpr (C::HND) tma_load_4d(dst, map, bar, 64 * b, row, w.kv_head, page);
     else tma_load_4d(dst, map, bar, 64 * b, w.kv_head, row, page);
@@ -151,20 +159,21 @@ __device__ __forceinline__ void produce_kv(const Params& p, uint32_t k_smem, uin
   for (int x = blockIdx.x; x < p.num_items * p.num_kv_heads; x += gridDim.x) {
     const Work w = work_of<C>(p, x);
     if (!w.valid) continue;
+    const bool boxer = lane < Boxes::PER_TILE;
+    int next_page = boxer ? Boxes::page(w, w.kv_lo, lane) : 0;  // page ids are read one tile ahead
     for (int t = 0; t < w.num_tiles; ++t, ++it) {
       const int s = it % C::STAGES;
       const uint32_t parity = ((it / C::STAGES) & 1) ^ 1;
-      const int pos0 = w.kv_lo + t * C::TILE_KV;
+      const int pos0 = w.kv_lo + t * C::TILE_KV, page = next_page;
+      if (boxer && t + 1 < w.num_tiles) next_page = Boxes::page(w, pos0 + C::TILE_KV, lane);
       mbarrier_wait(bars.empty_k(s), parity);
       if (lane == 0) mbarrier_arrive_expect_tx(bars.full_k(s), L::KV_STAGE);
       __syncwarp();
-      for (int j = lane; j < Boxes::PER_TILE; j += 32)
-        Boxes::load(k_smem + s * L::KV_STAGE, &p.tma_k, bars.full_k(s), w, pos0, j);
+      if (boxer) Boxes::load(k_smem + s * L::KV_STAGE, &p.tma_k, bars.full_k(s), w, pos0, lane, page);
       mbarrier_wait(bars.empty_v(s), parity);
       if (lane == 0) mbarrier_arrive_expect_tx(bars.full_v(s), L::KV_STAGE);
       __syncwarp();
-      for (int j = lane; j < Boxes::PER_TILE; j += 32)
-        Boxes::load(v_smem + s * L::KV_STAGE, &p.tma_v, bars.full_v(s), w, pos0, j);
+      if (boxer) Boxes::load(v_smem + s * L::KV_STAGE, &p.tma_v, bars.full_v(s), w, pos0, lane, page);
     }
   }
 }
@@ -180,7 +189,9 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
   for (int x = blockIdx.x; x < p.num_items * p.num_kv_heads; x += gridDim.x) {
     const Work w = work_of<C>(p, x);
     if (!w.valid) continue;
-    mbarrier_wait(bars.q_empty(), (k++ & 1) ^ 1);
+    const int buf = k % C::Q_BUFFERS;
+    mbarrier_wait(bars.q_empty(buf), ((k++ / C::Q_BUFFERS) & 1) ^ 1);
+    uint8_t* q_dst = q_smem + buf * L::Q_BYTES;
 #pragma unroll 2
     for (int job = tid; job < C::TILE_Q * CHUNKS; job += Q_LOADERS) {
       const int r = job / CHUNKS, c = job % CHUNKS, prow = w.row0 + r;
@@ -189,10 +200,10 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
         const int64_t qo_row = int64_t(w.token0 + prow / w.group) * p.num_qo_heads + w.kv_head * w.group + prow % w.group;
         v = *reinterpret_cast<const uint4*>(p.q + qo_row * L::D + c * 8);
       }
-      *reinterpret_cast<uint4*>(q_smem + (c / 8) * L::Q_BLOCK + r * 128 + (swizzle(r, c % 8) * 16)) = v;
+      *reinterpret_cast<uint4*>(q_dst + (c / 8) * L::Q_BLOCK + r * 128 + (swizzle(r, c % 8) * 16)) = v;
     }
     fence_proxy_async();
-    mbarrier_arrive(bars.q_full());
+    mbarrier_arrive(bars.q_full(buf));
   }
 }
 
@@ -369,7 +380,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
 #pragma unroll
   for (int i = 0; i < C::HEAD_DIM / 2; ++i) o[i] = 0.f;
   const float scale_log2 = p.sm_scale * LOG2E;
-  const uint32_t q_wg = smem_base + wg * L::WG_ROWS * 128;
+  const uint32_t q_wg = smem_base + (k % C::Q_BUFFERS) * L::Q_BYTES + wg * L::WG_ROWS * 128;
   const uint32_t k_base = smem_base + L::K_OFFSET, v_base = smem_base + L::V_OFFSET;
   const Scheduler<C> sched{wg};
   const int n = w.num_tiles;
@@ -380,8 +391,9 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   };
   auto stage = [&](int t) { return (it + t) % C::STAGES; };
   auto phase = [&](int t) { return uint32_t((it + t) / C::STAGES) & 1; };
-  mbarrier_wait(bars.q_full(), k & 1);
-  if (n == 0) mbarrier_arrive(bars.q_empty());
+  const int qb = k % C::Q_BUFFERS;
+  mbarrier_wait(bars.q_full(qb), (k / C::Q_BUFFERS) & 1);
+  if (n == 0) mbarrier_arrive(bars.q_empty(qb));
   sched.start(n);
   float sc[C::TILE_KV / 2], o_scale[2];
   uint32_t pa[C::TILE_KV / 16][4];
@@ -394,7 +406,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     wgmma_wait<0>();
     fence_operands(sc);
     mbarrier_arrive(bars.empty_k(stage(0)));
-    if (n == 1) mbarrier_arrive(bars.q_empty());  // the item's last Q K^T is done: the producer may load the next Q
+    if (n == 1) mbarrier_arrive(bars.q_empty(qb));  // the item's last Q K^T is done: the producer may load the next Q
     softmax<C>(sc, rs, o_scale, scale_log2, masked(w.kv_lo), w.kv_lo, w.kv_hi);
     pack_p<C>(pa, sc);
   }
@@ -411,7 +423,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     wgmma_wait<1>();
     fence_operands(sc);
     mbarrier_arrive(bars.empty_k(stage(t)));
-    if (t == n - 1) mbarrier_arrive(bars.q_empty());
+    if (t == n - 1) mbarrier_arrive(bars.q_empty(qb));
     softmax<C>(sc, rs, o_scale, scale_log2, masked(t0), t0, w.kv_hi);
     wgmma_wait<0>();
     fence_operands(o);
