@@ -4,11 +4,11 @@
 // x / num_items and plan item num_items - 1 - x % num_items (a request's later, longer causal q tiles first);
 // CTA c takes x = c, c + gridDim.x, ... Each item is (request, 128-row packed q tile, whole KV range: plans are
 // unsplit). Three warpgroups:
-//   WG0 producer (setmaxnreg.dec). Warp 0: K and V tiles of TILE_KV tokens by TMA (4-D maps; ragged: one box of
+//   WG0 producer (setmaxnreg.dec). Warp 0 K, warp 1 V: tiles of TILE_KV tokens by TMA (4-D maps; ragged: one box of
 //       TILE_KV rows a 64-column block, paged: one box a page, lanes issuing in parallel) into STAGES-deep rings, each stage with a full
 //       barrier (1 arrival + the tile's bytes) and an empty barrier (every consumer thread arrives); the stage
 //       counter runs on across items, so the next item's tiles stream in while the consumers finish the last.
-//       Warps 1-3: the item's 128 packed Q rows with plain loads into the 128B-swizzled Q tile, once the
+//       Warps 2-3: the item's 128 packed Q rows with plain loads into the 128B-swizzled Q tile, once the
 //       consumers released the previous Q (q_empty), then fence.proxy.async and q_full.
 //   WG1, WG2 consumers (setmaxnreg.inc): 64 packed q rows each (packed row = token * group + q head in the
 //       group). Per KV tile: S = Q K^T (wgmma SS, fp32), online softmax in registers (base 2), P -> 16-bit A
@@ -46,7 +46,7 @@ struct Layout {
   static_assert(C::PRODUCER_REGS * 128 + C::CONSUMER_REGS * 256 <= 65536, "register budgets fit the SM");
 };
 
-constexpr int Q_LOADERS = 96;  // warps 1-3 of the producer warpgroup
+constexpr int Q_LOADERS = 64;  // warps 2-3 of the producer warpgroup
 
 // The barrier ring: full and empty barriers of K and V for each stage, then Q's full and empty; 8 bytes each.
 template <class C>
@@ -143,18 +143,17 @@ struct KVBoxes {
   }
 };
 
-// WG0 warp 0: K and V tiles of every item of the CTA into the stage rings, the tile's boxes issued by the warp's
-// lanes. Stage s = it % STAGES of the CTA's running tile count it is refilled once every consumer thread released
-// it; a fresh empty barrier passes the first wait (parity 1).
+// WG0 warp 0 (K) and warp 1 (V): the tiles of every item of the CTA into their stage ring, a tile's boxes issued
+// by the warp's lanes (a paged tile is up to 32 boxes). Stage s = it % STAGES of the CTA's running tile count it
+// is refilled once every consumer thread released it; a fresh empty barrier passes the first wait (parity 1).
 template <class C, class Params>
-__device__ __forceinline__ void produce_kv(const Params& p, uint32_t k_smem, uint32_t v_smem, const Barriers<C>& bars) {
+__device__ __forceinline__ void produce_kv(const Params& p, const CUtensorMap* map, uint32_t ring,
+                                           uint32_t (Barriers<C>::*full)(int) const,
+                                           uint32_t (Barriers<C>::*empty)(int) const, const Barriers<C>& bars) {
   using L = Layout<C>;
   using Boxes = KVBoxes<C>;
   const int lane = threadIdx.x % 32;
-  if (lane == 0) {
-    prefetch_tensormap(&p.tma_k);
-    prefetch_tensormap(&p.tma_v);
-  }
+  if (lane == 0) prefetch_tensormap(map);
   int it = 0;
   for (int x = blockIdx.x; x < p.num_items * p.num_kv_heads; x += gridDim.x) {
     const Work w = work_of<C>(p, x);
@@ -163,34 +162,31 @@ __device__ __forceinline__ void produce_kv(const Params& p, uint32_t k_smem, uin
     int next_page = boxer ? Boxes::page(w, w.kv_lo, lane) : 0;  // page ids are read one tile ahead
     for (int t = 0; t < w.num_tiles; ++t, ++it) {
       const int s = it % C::STAGES;
-      const uint32_t parity = ((it / C::STAGES) & 1) ^ 1;
       const int pos0 = w.kv_lo + t * C::TILE_KV, page = next_page;
       if (boxer && t + 1 < w.num_tiles) next_page = Boxes::page(w, pos0 + C::TILE_KV, lane);
-      mbarrier_wait(bars.empty_k(s), parity);
-      if (lane == 0) mbarrier_arrive_expect_tx(bars.full_k(s), L::KV_STAGE);
+      mbarrier_wait((bars.*empty)(s), ((it / C::STAGES) & 1) ^ 1);
+      if (lane == 0) mbarrier_arrive_expect_tx((bars.*full)(s), L::KV_STAGE);
       __syncwarp();
-      if (boxer) Boxes::load(k_smem + s * L::KV_STAGE, &p.tma_k, bars.full_k(s), w, pos0, lane, page);
-      mbarrier_wait(bars.empty_v(s), parity);
-      if (lane == 0) mbarrier_arrive_expect_tx(bars.full_v(s), L::KV_STAGE);
-      __syncwarp();
-      if (boxer) Boxes::load(v_smem + s * L::KV_STAGE, &p.tma_v, bars.full_v(s), w, pos0, lane, page);
+      if (boxer) Boxes::load(ring + s * L::KV_STAGE, map, (bars.*full)(s), w, pos0, lane, page);
     }
   }
 }
 
-// WG0 warps 1-3: each item's 128 packed Q rows into the swizzled Q tile (rows past the request are zeros) once
+// WG0 warps 2-3: each item's 128 packed Q rows into the swizzled Q tile (rows past the request are zeros) once
 // the consumers released the previous item's Q, made visible to wgmma by fence.proxy.async before q_full.
 template <class C, class Params>
 __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, const Barriers<C>& bars) {
   using L = Layout<C>;
   constexpr int CHUNKS = L::D / 8;  // 16-byte chunks of a row
-  const int tid = threadIdx.x - 32;
+  const int tid = threadIdx.x - 64;
   int k = 0;
   for (int x = blockIdx.x; x < p.num_items * p.num_kv_heads; x += gridDim.x) {
     const Work w = work_of<C>(p, x);
     if (!w.valid) continue;
     const int buf = k % C::Q_BUFFERS;
-    mbarrier_wait(bars.q_empty(buf), ((k++ / C::Q_BUFFERS) & 1) ^ 1);
+    // the loaders wait most of an item for the buffer: they back off, leaving issue slots to the consumers
+    for (const uint32_t parity = ((k++ / C::Q_BUFFERS) & 1) ^ 1; !mbarrier_try_wait(bars.q_empty(buf), parity);)
+      __nanosleep(256);
     uint8_t* q_dst = q_smem + buf * L::Q_BYTES;
 #pragma unroll 2
     for (int job = tid; job < C::TILE_Q * CHUNKS; job += Q_LOADERS) {
@@ -459,8 +455,12 @@ __device__ __forceinline__ void run(const Params& p) {
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<C::PRODUCER_REGS>();
-    if (threadIdx.x < 32) produce_kv<C>(p, base + L::K_OFFSET, base + L::V_OFFSET, bars);
-    else produce_q<C>(p, smem, bars);
+    if (threadIdx.x < 32)
+      produce_kv<C>(p, &p.tma_k, base + L::K_OFFSET, &Barriers<C>::full_k, &Barriers<C>::empty_k, bars);
+    else if (threadIdx.x < 64)
+      produce_kv<C>(p, &p.tma_v, base + L::V_OFFSET, &Barriers<C>::full_v, &Barriers<C>::empty_v, bars);
+    else
+      produce_q<C>(p, smem, bars);
   } else {
     setmaxnreg_inc<C::CONSUMER_REGS>();
     int it = 0, k = 0;
