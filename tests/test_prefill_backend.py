@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
+from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SpecError
 from flashgen.api.prefill import _select_backend
 from flashgen.plan import PlanError
 from flashgen.testing.layouts import random_batch
@@ -25,11 +25,8 @@ ELIGIBLE = [AttentionSpec(d, dtype=dtype, kv_layout=Ragged(), mask=mask)
                                    (128, "float16", Causal()), (256, "bfloat16", Causal()))]
 PORTABLE_ONLY = [
     AttentionSpec(128, kv_layout=Paged(1), mask=Causal()),  # pages of one token: never a TMA box
-    AttentionSpec(128, kv_layout=Ragged(), mask=SlidingWindow(64)),
     AttentionSpec(128, kv_layout=Ragged(), mask=CustomMask()),
     AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), pos_encoding=RoPE()),
-    AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), pos_encoding=ALiBi()),
-    AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), soft_cap=30.0),
     AttentionSpec(192, head_dim_vo=128, kv_layout=Ragged(), mask=Causal()),
 ]
 

@@ -82,8 +82,8 @@ def test_sm_scale_and_empty_batch():
 
 
 def test_unsupported_specs_are_refused():
-    from flashgen import Paged, SlidingWindow, SpecError
+    from flashgen import CustomMask, Paged, SpecError
 
-    for spec in (AttentionSpec(128, kv_layout=Paged(24)), AttentionSpec(128, kv_layout=Ragged(), mask=SlidingWindow(8))):
+    for spec in (AttentionSpec(128, kv_layout=Paged(24)), AttentionSpec(128, kv_layout=Ragged(), mask=CustomMask())):
         with pytest.raises(SpecError):
             PrefillSM90(spec)

@@ -7,7 +7,7 @@ import pytest
 
 import flashgen.codegen.prefill_sm90  # noqa: F401  (registers the family)
 from flashgen import jit
-from flashgen.spec import ALiBi, AttentionSpec, Causal, NoMask, Paged, Ragged, SlidingWindow, SpecError
+from flashgen.spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
 
 SM90_SPECS = [
     AttentionSpec(d, dtype=dtype, kv_layout=Ragged(), mask=mask)
@@ -15,6 +15,11 @@ SM90_SPECS = [
 ] + [
     AttentionSpec(d, kv_layout=layout, mask=Causal())
     for d, layout in ((128, Paged(16)), (128, Paged(8, "HND")), (64, Paged(256)), (256, Paged(32)), (256, Paged(128)))
+] + [
+    AttentionSpec(128, kv_layout=Paged(16), mask=SlidingWindow(1024)),
+    AttentionSpec(128, kv_layout=Ragged(), pos_encoding=ALiBi(), soft_cap=30.0),
+    AttentionSpec(256, kv_layout=Ragged(), mask=SlidingWindow(64), soft_cap=20.0),
+    AttentionSpec(64, kv_layout=Paged(64, "HND"), mask=Causal(), pos_encoding=ALiBi()),
 ]
 BUILD_SECONDS = 60  # per variant on the 2-core build machine (about 1 s measured with nvcc 13.0)
 
@@ -38,9 +43,8 @@ def test_sm90_variant_compiles_without_spills(cache_dir, spec):
     AttentionSpec(128, kv_layout=Paged(1)),
     AttentionSpec(128, kv_layout=Paged(24)),
     AttentionSpec(256, kv_layout=Paged(96)),
-    AttentionSpec(128, kv_layout=Ragged(), mask=SlidingWindow(64)),
-    AttentionSpec(128, kv_layout=Ragged(), pos_encoding=ALiBi()),
-    AttentionSpec(128, kv_layout=Ragged(), soft_cap=30.0),
+    AttentionSpec(128, kv_layout=Ragged(), mask=CustomMask()),
+    AttentionSpec(128, kv_layout=Ragged(), pos_encoding=RoPE()),
     AttentionSpec(192, head_dim_vo=128, kv_layout=Ragged()),
 ], ids=lambda s: s.uri)
 def test_sm90_unsupported_specs_are_refused(spec):
@@ -54,5 +58,5 @@ def test_sm90_params_struct_packs_tensor_maps():
     (entry,) = family("prefill_sm90").entry_points(SM90_SPECS[0])
     layout = entry.params
     assert layout.offsets[:2] == (0, 128) and layout.size % 64 == 0
-    packed = layout.packer().pack(b"\1" * 128, b"\2" * 128, *([0] * (len(layout.fields) - 8)), 1, 1, 0.5, 1, 1, 0)
+    packed = layout.packer().pack(b"\1" * 128, b"\2" * 128, *([0] * (len(layout.fields) - 10)), 1, 1, 0.5, 1, 1, 0, 0, 0.0)
     assert packed[:128] == b"\1" * 128 and packed[128:256] == b"\2" * 128 and len(packed) == layout.size

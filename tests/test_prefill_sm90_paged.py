@@ -35,7 +35,7 @@ def block_table_of(table, page_size):
 
 
 def run_and_check(spec, qo_lens, kv_lens, num_kv_heads=2, group=4, *, combined=False, form="csr", device_ids=False,
-                  seed=0):
+                  seed=0, **runtime):
     gen = torch.Generator().manual_seed(seed)
     q, kv, table = random_batch(spec, qo_lens, kv_lens, num_kv_heads, group, combined=combined, generator=gen)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
@@ -51,12 +51,12 @@ def run_and_check(spec, qo_lens, kv_lens, num_kv_heads=2, group=4, *, combined=F
     if device_ids:
         key = "kv_indices" if form == "csr" else "block_table"
         pages[key] = pages[key].to(torch.int32).cuda()
-    wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads, **pages)
+    wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads, **pages, **runtime)
     kv_dev = kv.cuda() if isinstance(kv, torch.Tensor) else tuple(x.cuda() for x in kv)
     out = torch.full_like(q, float("nan"), device="cuda")
     out, lse = wrapper.run(q.cuda(), kv_dev, out=out, return_lse=True)
     torch.cuda.synchronize()
-    kw = dict(qo_indptr=qo_indptr, **ref_pages)
+    kw = dict(qo_indptr=qo_indptr, **ref_pages, **runtime)
     ref, ref_lse = reference_attention(spec, q, kv, **kw)
     low, low_lse = same_dtype_reference(spec, q, kv, **kw)
     assert_attention_close(out.cpu(), ref, low)
@@ -107,3 +107,56 @@ def test_ragged_rows_past_the_batch_hold_nan():
     ref, _ = reference_attention(spec, q, (k, v), **kw)
     low, _ = same_dtype_reference(spec, q, (k, v), **kw)
     assert_attention_close(out.cpu(), ref, low)
+
+
+@pytest.mark.parametrize("layout", ["ragged", "paged16"])
+@pytest.mark.parametrize("window_left", [0, 5, 100, 300])
+def test_sliding_window(layout, window_left):
+    """Tiles before the first row's window are skipped, the rest masked per row (window_left from plan())."""
+    from flashgen import Ragged, SlidingWindow
+
+    kv_layout = Ragged() if layout == "ragged" else Paged(16)
+    spec = AttentionSpec(128, kv_layout=kv_layout, mask=SlidingWindow(64))
+    if layout == "ragged":
+        check_ragged(spec, QO, KV, window_left=window_left)
+    else:
+        run_and_check(spec, QO, KV, seed=window_left, window_left=window_left)
+
+
+@pytest.mark.parametrize("case", ["alibi", "soft_cap", "alibi+soft_cap+window", "alibi+causal+d64", "soft_cap+d256"])
+def test_logits_transforms(case):
+    from flashgen import ALiBi, Ragged, SlidingWindow
+
+    d = 64 if "d64" in case else 256 if "d256" in case else 128
+    mask = SlidingWindow(50) if "window" in case else Causal() if "causal" in case else NoMask()
+    spec = AttentionSpec(d, kv_layout=Ragged(), mask=mask, pos_encoding=ALiBi() if "alibi" in case else None,
+                         soft_cap=20.0 if "soft_cap" in case else None)
+    check_ragged(spec, QO, KV, group=7)
+    if "soft_cap" in case:
+        check_ragged(spec, QO, KV, group=7, soft_cap=5.0)  # a runtime soft-cap overrides the spec's
+
+
+def check_ragged(spec, qo_lens, kv_lens, num_kv_heads=2, group=4, seed=0, **runtime):
+    gen = torch.Generator().manual_seed(seed)
+    q, kv, table = random_batch(spec, qo_lens, kv_lens, num_kv_heads, group, generator=gen)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    wrapper = flashgen.BatchPrefillWrapper(spec, backend="sm90")
+    wrapper.plan(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"].numpy(), num_qo_heads=q.shape[1],
+                 num_kv_heads=num_kv_heads, **runtime)
+    out = torch.full_like(q, float("nan"), device="cuda")
+    out, lse = wrapper.run(q.cuda(), tuple(x.cuda() for x in kv), out=out, return_lse=True)
+    torch.cuda.synchronize()
+    kw = dict(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"], **runtime)
+    ref, ref_lse = reference_attention(spec, q, kv, **kw)
+    low, low_lse = same_dtype_reference(spec, q, kv, **kw)
+    assert_attention_close(out.cpu(), ref, low)
+    assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+
+
+def test_sm_scale_must_be_positive():
+    from flashgen import Ragged
+    from flashgen.plan import PlanError
+
+    wrapper = flashgen.BatchPrefillWrapper(AttentionSpec(64, kv_layout=Ragged()), backend="sm90")
+    with pytest.raises(PlanError, match="^sm_scale: the sm90 backend needs sm_scale > 0"):
+        wrapper.plan(qo_indptr=[0, 4], kv_indptr=[0, 4], num_qo_heads=2, num_kv_heads=1, sm_scale=-0.1)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..codegen.prefill_sm90 import THREADS, TILE_Q, sm90_smem_bytes, sm90_tile_kv
-from ..plan import plan_prefill
+from ..plan import PlanError, plan_prefill
 from ..spec import AttentionSpec, Paged
 from .device import current_stream
 from .kv_inputs import KVView, PageTable, device_page_ids
@@ -83,6 +83,9 @@ class SM90Prefill:
              custom_mask, enable_split: bool) -> int:
         """Plan unsplit (``enable_split`` is ignored) and upload; returns the rows of q and out (total_q, or
         max_total_q in CUDA-graph mode). ``custom_mask`` is always None here (NoMask / Causal specs only)."""
+        if not runtime.sm_scale > 0:
+            raise PlanError(f"sm_scale: the sm90 backend needs sm_scale > 0, got {runtime.sm_scale} "
+                            "(backend='portable' takes any value)")
         graph = self.max_batch_size is not None
         options = {"max_batch_size": self.max_batch_size, "max_total_q": self.max_total_q} if graph else {}
         plan = self._staging.plan(lambda host: plan_prefill(
@@ -112,7 +115,8 @@ class SM90Prefill:
         self._args = tuple(views[n].data_ptr() for n in ("qo_indptr", "kv_indptr", "kv_len", "request_idx",
                                                          "qo_tile_idx", "kv_start", "kv_end")) + (
             0 if block_table else pages, pages if block_table else 0,
-            num_qo_heads, num_qo_heads // num_kv_heads, runtime.sm_scale, plan.info.capacity, num_kv_heads, bt_stride)
+            num_qo_heads, num_qo_heads // num_kv_heads, runtime.sm_scale, plan.info.capacity, num_kv_heads, bt_stride,
+            runtime.window_left, runtime.soft_cap)
         self._keep = plan
         return plan.info.max_total_q
 

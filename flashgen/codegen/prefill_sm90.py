@@ -3,7 +3,8 @@
 Scope (``check`` raises ``SpecError`` for the rest): fp16 / bf16 with ``kv_dtype == dtype``, ``head_dim ==
 head_dim_vo`` in {64, 128, 256}, ``Ragged()`` KV or ``Paged(page_size)`` NHD / HND with page sizes the TMA
 loads page by page (multiples of 8 that divide the KV tile or are divided by it: 8 ... 256 and beyond at d <= 128),
-``NoMask()`` or ``Causal()``, no positional encoding, no soft-cap, any GQA group (packed rows), unsplit plans
+``NoMask()``, ``Causal()`` or ``SlidingWindow()``, no positional encoding or ``ALiBi()`` (not RoPE yet), soft-cap,
+any GQA group (packed rows), unsplit plans
 (``enable_split=False``: every item covers its whole KV).
 The kernel is ``templates/include/flashgen/sm90/prefill_sm90.cuh``; the runner ``flashgen.api.sm90``.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from ..spec import AttentionSpec, Causal, NoMask, Paged, Ragged, SpecError
+from ..spec import ALiBi, AttentionSpec, Causal, NoMask, Paged, Ragged, SlidingWindow, SpecError
 from .family import EntryPoint, KernelFamily, register, struct
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -76,12 +77,11 @@ class PrefillSM90Family(KernelFamily):
                                 f"divided by, its {tile}-token KV tile")
         elif not isinstance(layout, Ragged):
             raise SpecError(f"kv_layout: got {layout!r}, prefill_sm90 supports Ragged() or Paged(page_size)")
-        if not isinstance(spec.mask, (NoMask, Causal)):
-            raise SpecError(f"mask: got {spec.mask!r}, prefill_sm90 supports NoMask() or Causal() so far")
-        if spec.pos_encoding is not None:
-            raise SpecError(f"pos_encoding: got {spec.pos_encoding!r}, prefill_sm90 supports None so far")
-        if spec.soft_cap is not None:
-            raise SpecError(f"soft_cap: got {spec.soft_cap}, prefill_sm90 supports None so far")
+        if not isinstance(spec.mask, (NoMask, Causal, SlidingWindow)):
+            raise SpecError(f"mask: got {spec.mask!r}, prefill_sm90 supports NoMask(), Causal() or SlidingWindow() "
+                            "so far")
+        if spec.pos_encoding is not None and not isinstance(spec.pos_encoding, ALiBi):
+            raise SpecError(f"pos_encoding: got {spec.pos_encoding!r}, prefill_sm90 supports None or ALiBi() so far")
 
     def context(self, spec: AttentionSpec) -> dict:
         d = spec.head_dim
@@ -101,7 +101,10 @@ class PrefillSM90Family(KernelFamily):
             "PRODUCER_REGS": PRODUCER_REGS,
             "CONSUMER_REGS": CONSUMER_REGS,
             "THREADS": THREADS,
-            "CAUSAL": "true" if isinstance(spec.mask, Causal) else "false",
+            "CAUSAL": "true" if isinstance(spec.mask, (Causal, SlidingWindow)) else "false",
+            "WINDOW": "true" if isinstance(spec.mask, SlidingWindow) else "false",
+            "ALIBI": "true" if isinstance(spec.pos_encoding, ALiBi) else "false",
+            "SOFT_CAP": "true" if spec.soft_cap is not None else "false",
             "PAGED": "true" if paged else "false",
             "PAGE_SIZE": spec.kv_layout.page_size if paged else 0,
             "HND": "true" if paged and spec.kv_layout.order == "HND" else "false",
@@ -119,6 +122,7 @@ class PrefillSM90Family(KernelFamily):
             (i32, "kv_start"), (i32, "kv_end"), (i32, "kv_indices"), (i32, "block_table"),
             ("int32_t", "num_qo_heads"), ("int32_t", "group_size"), ("float", "sm_scale"),
             ("int32_t", "num_items"), ("int32_t", "num_kv_heads"), ("int32_t", "block_table_stride"),
+            ("int32_t", "window_left"), ("float", "soft_cap"),
         )
         return (EntryPoint("prefill_sm90", params),)
 

@@ -16,7 +16,9 @@
 //       two warpgroups take turns issuing them (ping-pong). Epilogue: O / l and lse straight from registers.
 //
 // Masks: causal (aligned to the KV end: q_pos = kv_len - qo_len + token) clips the KV range to what the tile's
-// rows can see; the element mask runs on tiles that cross kv_hi or a causal boundary of the warpgroup's rows.
+// rows can see, a sliding window (causal, plus keys >= q_pos - window_left) also skips the tiles before the
+// first row's window; the element mask runs on tiles that cross kv_hi, a causal or a window boundary of the
+// warpgroup's rows. ALiBi and soft-cap transform the logits before the mask (logits.cuh).
 #pragma once
 #include <flashgen/logits.cuh>
 #include <flashgen/mma.cuh>
@@ -98,6 +100,10 @@ __device__ __forceinline__ Work work_of(const Params& p, int x) {
   w.kv_lo = p.kv_start[item];
   w.kv_hi = p.kv_end[item];
   if constexpr (C::CAUSAL) w.kv_hi = min(w.kv_hi, w.q_base + w.last_row / w.group + 1);
+  if constexpr (C::WINDOW) {  // keys before the first row's window: whole tiles skipped, the start tile-aligned
+    const int first = w.q_base + w.row0 / w.group - p.window_left;
+    if (first > w.kv_lo) w.kv_lo += (first - w.kv_lo) / C::TILE_KV * C::TILE_KV;
+  }
   w.num_tiles = w.kv_hi > w.kv_lo ? (w.kv_hi - w.kv_lo + C::TILE_KV - 1) / C::TILE_KV : 0;
   if constexpr (C::PAGED) {
     w.pages = p.block_table != nullptr ? p.block_table + int64_t(request) * p.block_table_stride
@@ -120,7 +126,8 @@ template <class C>
 struct KVBoxes {
   static constexpr int BOX = C::PAGED && C::PAGE_SIZE < C::TILE_KV ? C::PAGE_SIZE : C::TILE_KV;
   static constexpr int PER_TILE = C::TILE_KV / BOX * Layout<C>::BLOCKS;
-  static_assert(!C::PAGED || (C::PAGE_SIZE % 8 == 0 && (C::TILE_KV % C::PAGE_SIZE == 0 || C::PAGE_SIZE % C::TILE_KV == 0)),
+  static constexpr int PS = C::PAGED ? C::PAGE_SIZE : C::TILE_KV;
+  static_assert(PS % 8 == 0 && (C::TILE_KV % PS == 0 || PS % C::TILE_KV == 0),
                 "page size: a multiple of 8 that divides the KV tile or is divided by it");
 
   static_assert(PER_TILE <= 32, "one box a lane");
@@ -136,7 +143,8 @@ struct KVBoxes {
   __device__ __forceinline__ static void load(uint32_t dst, const CUtensorMap* map, uint32_t bar, const Work& w, int pos0,
                                               int j, int page) {
     const int b = j % Layout<C>::BLOCKS, chunk = j / Layout<C>::BLOCKS, pos = pos0 + chunk * BOX;
-    const int row = C::PAGED ? pos % C::PAGE_SIZE : w.kv_row0 + pos;
+    int row = w.kv_row0 + pos;
+    if constexpr (C::PAGED) row = pos % C::PAGE_SIZE;
     dst += b * Layout<C>::KV_BLOCK + chunk * BOX * 128;
     if constexpr (C::HND) tma_load_4d(dst, map, bar, 64 * b, row, w.kv_head, page);
     else tma_load_4d(dst, map, bar, 64 * b, w.kv_head, row, page);
@@ -237,29 +245,57 @@ __device__ __forceinline__ float exp2_fast(float x) {
   return y;
 }
 
+// tanh(x) = 1 - 2 / (e^(2x) + 1) by ex2.approx and rcp.approx (relative error ~1e-7 away from 0, absolute ~1e-7
+// near it), with far fewer registers than tanhf; saturates to +-1
+__device__ __forceinline__ float tanh_fast(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(exp2_fast(x * (2.f * LOG2E)) + 1.f));
+  return 1.f - 2.f * r;
+}
+
 // Per-thread row state: rows g and g + 8 of the warp's 16 (h = 0, 1).
 struct RowState {
   float m[2], l[2];
   int q_pos[2];
+  float slope[2];  // ALiBi slope of the row's q head
 };
 
-// S -> P in place: P = 2^(S * scale_log2 - m) with the running max m (base 2, scaled units) and sum l; masked
-// tiles hide (row, key) pairs past kv_hi or after the row's query position. o_scale is the factor O must be
-// multiplied by before P V is added (applied by the caller once the previous P V has completed).
-// sm_scale > 0 (checked at plan time): the max of raw S scales to the max of the logits.
+// The logits transform's runtime values (see logits.cuh for the order of the steps).
+struct LogitsParams {
+  float sm_scale, scale_log2, soft_cap, rcp_soft_cap;
+  int kv_hi, window_left;
+};
+
+// S -> P in place: P = 2^(logit - m) with the running max m (base 2) and sum l. Without ALiBi or soft-cap the
+// logit is S * scale_log2, folded into the exponent (sm_scale > 0, checked at plan time: the max of raw S is
+// then the max logit). Masked tiles hide (row, key) pairs past kv_hi, after the row's query position (causal)
+// or before its window. o_scale is the factor O must be multiplied by before P V is added (applied by the
+// caller once the previous P V has completed).
 template <class C>
 __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs, float (&o_scale)[2],
-                                        float scale_log2, bool masked, int t0, int kv_hi) {
+                                        const LogitsParams& lg, bool masked, int t0) {
+  constexpr bool RAW = !C::ALIBI && !C::SOFT_CAP;
   const int q4 = threadIdx.x % 4;
+  if constexpr (!RAW) {
+#pragma unroll
+    for (int i = 0; i < C::TILE_KV / 2; ++i) {
+      float x = s[i] * lg.sm_scale;
+      if constexpr (C::ALIBI) x += rs.slope[(i / 2) % 2] * float(t0 + 8 * (i / 4) + 2 * q4 + i % 2 - rs.q_pos[(i / 2) % 2]);
+      if constexpr (C::SOFT_CAP) x = lg.soft_cap * tanh_fast(x * lg.rcp_soft_cap);
+      s[i] = x * LOG2E;
+    }
+  }
   if (masked) {
 #pragma unroll
     for (int i = 0; i < C::TILE_KV / 2; ++i) {
-      const int pos = t0 + 8 * (i / 4) + 2 * q4 + i % 2;
-      bool ok = pos < kv_hi;
-      if constexpr (C::CAUSAL) ok = ok && pos <= rs.q_pos[(i / 2) % 2];
+      const int pos = t0 + 8 * (i / 4) + 2 * q4 + i % 2, q_pos = rs.q_pos[(i / 2) % 2];
+      bool ok = pos < lg.kv_hi;
+      if constexpr (C::CAUSAL) ok = ok && pos <= q_pos;
+      if constexpr (C::WINDOW) ok = ok && pos >= q_pos - lg.window_left;
       if (!ok) s[i] = -INFINITY;
     }
   }
+  const float mul = RAW ? lg.scale_log2 : 1.f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = -INFINITY;
@@ -267,15 +303,15 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
     for (int i = 2 * h; i < C::TILE_KV / 2; i += 4) mx = fmaxf(mx, fmaxf(s[i], s[i + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-    const float m_new = fmaxf(rs.m[h], mx * scale_log2);
+    const float m_new = fmaxf(rs.m[h], mx * mul);
     const float m_use = m_new == -INFINITY ? 0.f : m_new;  // nothing visible yet: P = 0, not NaN
     o_scale[h] = exp2_fast(rs.m[h] - m_use);
     rs.m[h] = m_new;
     float sum = 0.f;
 #pragma unroll
     for (int i = 2 * h; i < C::TILE_KV / 2; i += 4) {
-      s[i] = exp2_fast(fmaf(s[i], scale_log2, -m_use));
-      s[i + 1] = exp2_fast(fmaf(s[i + 1], scale_log2, -m_use));
+      s[i] = exp2_fast(fmaf(s[i], mul, -m_use));
+      s[i + 1] = exp2_fast(fmaf(s[i + 1], mul, -m_use));
       sum += s[i] + s[i + 1];
     }
     rs.l[h] = rs.l[h] * o_scale[h] + sum;
@@ -363,19 +399,22 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
                                         const Barriers<C>& bars, int wg, int it, int k) {
   using L = Layout<C>;
   const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
-  const int wg_first = min(w.row0 + wg * 64, w.last_row);
-  const int wq_min = w.q_base + wg_first / w.group;
+  const int wg_first = min(w.row0 + wg * 64, w.last_row), wg_last = min(w.row0 + wg * 64 + 63, w.last_row);
+  const int wq_min = w.q_base + wg_first / w.group, wq_max = w.q_base + wg_last / w.group;
   RowState rs;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     rs.m[h] = -INFINITY;
     rs.l[h] = 0.f;
-    rs.q_pos[h] = w.q_base + (w.row0 + wg * 64 + warp * 16 + lane / 4 + 8 * h) / w.group;
+    const int prow = w.row0 + wg * 64 + warp * 16 + lane / 4 + 8 * h;
+    rs.q_pos[h] = w.q_base + prow / w.group;
+    rs.slope[h] = C::ALIBI ? alibi_slope(w.kv_head * w.group + prow % w.group, p.num_qo_heads) : 0.f;
   }
   float o[C::HEAD_DIM / 2];
 #pragma unroll
   for (int i = 0; i < C::HEAD_DIM / 2; ++i) o[i] = 0.f;
-  const float scale_log2 = p.sm_scale * LOG2E;
+  const LogitsParams lg{p.sm_scale, p.sm_scale * LOG2E, p.soft_cap, p.soft_cap != 0.f ? 1.f / p.soft_cap : 0.f,
+                        w.kv_hi, p.window_left};
   const uint32_t q_wg = smem_base + (k % C::Q_BUFFERS) * L::Q_BYTES + wg * L::WG_ROWS * 128;
   const uint32_t k_base = smem_base + L::K_OFFSET, v_base = smem_base + L::V_OFFSET;
   const Scheduler<C> sched{wg};
@@ -383,6 +422,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   auto masked = [&](int t0) {
     bool m = t0 + C::TILE_KV > w.kv_hi;
     if constexpr (C::CAUSAL) m = m || t0 + C::TILE_KV - 1 > wq_min;
+    if constexpr (C::WINDOW) m = m || t0 < wq_max - lg.window_left;
     return m;
   };
   auto stage = [&](int t) { return (it + t) % C::STAGES; };
@@ -403,7 +443,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     fence_operands(sc);
     mbarrier_arrive(bars.empty_k(stage(0)));
     if (n == 1) mbarrier_arrive(bars.q_empty(qb));  // the item's last Q K^T is done: the producer may load the next Q
-    softmax<C>(sc, rs, o_scale, scale_log2, masked(w.kv_lo), w.kv_lo, w.kv_hi);
+    softmax<C>(sc, rs, o_scale, lg, masked(w.kv_lo), w.kv_lo);
     pack_p<C>(pa, sc);
   }
   for (int t = 1; t < n; ++t) {
@@ -420,7 +460,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     fence_operands(sc);
     mbarrier_arrive(bars.empty_k(stage(t)));
     if (t == n - 1) mbarrier_arrive(bars.q_empty(qb));
-    softmax<C>(sc, rs, o_scale, scale_log2, masked(t0), t0, w.kv_hi);
+    softmax<C>(sc, rs, o_scale, lg, masked(t0), t0);
     wgmma_wait<0>();
     fence_operands(o);
     fence_operands(pa);
