@@ -22,17 +22,32 @@ struct MaskInfo {
   int64_t bit0;
 };
 
-// The CTA's row state that only boundary tiles (ALiBi: every tile) read waits in shared memory, where it
-// costs no registers in the main loop: the mask bounds, each packed row's query position and ALiBi slope.
+// The CTA's row state that waits in shared memory, where it costs no registers over the scores tile (the
+// register peak: 64-key tiles at d=128 spill with it in registers): the mask bounds, each packed row's query
+// position and ALiBi slope (read on boundary tiles; ALiBi: every tile), and each thread's online-softmax
+// statistics (read and written once a tile by the softmax step).
 template <class C>
 struct RowInfo {
   MaskInfo mi;
   int full_lo[C::NUM_WARPS], full_hi[C::NUM_WARPS];  // a warp's tiles [full_lo, full_hi) need no element mask
   int q_pos[Layout<C>::TILE_Q];
   float slope[C::ALIBI ? Layout<C>::TILE_Q : 1];
+  float4 stats[C::MMA_Q][Layout<C>::THREADS];  // {m[mq][0], m[mq][1], l[mq][0], l[mq][1]} of thread t: private
+
   // the CTA-local row of the thread's accumulator row h of mma tile mq
   static __device__ __forceinline__ int row(int warp, int lane, int mq, int h) {
     return warp * Layout<C>::WARP_ROWS + mq * 16 + lane / 4 + 8 * h;
+  }
+  __device__ __forceinline__ void load_stats(float (&m)[C::MMA_Q][2], float (&l)[C::MMA_Q][2]) const {
+#pragma unroll
+    for (int mq = 0; mq < C::MMA_Q; ++mq) {
+      const float4 v = stats[mq][threadIdx.x];
+      m[mq][0] = v.x, m[mq][1] = v.y, l[mq][0] = v.z, l[mq][1] = v.w;
+    }
+  }
+  __device__ __forceinline__ void store_stats(const float (&m)[C::MMA_Q][2], const float (&l)[C::MMA_Q][2]) {
+#pragma unroll
+    for (int mq = 0; mq < C::MMA_Q; ++mq) stats[mq][threadIdx.x] = make_float4(m[mq][0], m[mq][1], l[mq][0], l[mq][1]);
   }
 };
 
@@ -68,15 +83,6 @@ __device__ __forceinline__ uint64_t mask_window(const MaskInfo& mi, int64_t bit_
   }
   const int shift = int(first & 7);
   return (lo >> shift) | (shift != 0 ? hi << (TILE_KV - shift) : 0);
-}
-
-// key pos of a row at q_pos is visible (causal, window and the KV end; the custom mask is a window of bits)
-template <class C>
-__device__ __forceinline__ bool visible(const MaskInfo& mi, int q_pos, int pos) {
-  bool ok = pos < mi.kv_hi;
-  if constexpr (C::CAUSAL) ok = ok && pos <= q_pos;
-  if constexpr (C::WINDOW) ok = ok && pos >= q_pos - mi.window_left;
-  return ok;
 }
 
 // S = Q K^T for the warp's 16 * MMA_Q rows and the TILE_KV keys of the tile
@@ -154,25 +160,31 @@ __device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
     }
 }
 
-// boundary tiles only: logits of (row, key) pairs the mask hides become -inf
+// boundary tiles only: logits of (row, key) pairs the mask hides become -inf. A thread's keys of a row are
+// t0 + 2 * (lane % 4) + k for the compile-time k = 8 * nt + e % 2: each row reduces to a range of k (the KV end,
+// causal, window) and, for a custom mask, a window of bits
 template <class C>
 __device__ __forceinline__ void apply_mask(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const RowInfo<C>& ri,
                                            int tile_start, int warp, int lane) {
   const MaskInfo& mi = ri.mi;
+  const int base = tile_start + 2 * (lane % 4);
 #pragma unroll
   for (int mq = 0; mq < C::MMA_Q; ++mq)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int q_pos = ri.q_pos[RowInfo<C>::row(warp, lane, mq, h)];
+      int k_hi = mi.kv_hi - 1 - base, k_lo = 0;  // visible: k_lo <= k <= k_hi
+      if constexpr (C::CAUSAL) k_hi = min(k_hi, q_pos - base);
+      if constexpr (C::WINDOW) k_lo = q_pos - mi.window_left - base;
       uint64_t bits = 0;
       if constexpr (C::CUSTOM_MASK) bits = mask_window<C::TILE_KV>(mi, row_bit(mi, q_pos), tile_start) >> (2 * (lane % 4));
 #pragma unroll
       for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          const int pos = tile_start + nt * 8 + 2 * (lane % 4) + (e % 2);
-          bool ok = visible<C>(mi, q_pos, pos);
-          if constexpr (C::CUSTOM_MASK) ok = ok && ((bits >> (nt * 8 + e % 2)) & 1);
+          const int k = nt * 8 + e % 2;
+          bool ok = k <= k_hi && k >= k_lo;
+          if constexpr (C::CUSTOM_MASK) ok = ok && ((bits >> k) & 1);
           if (!ok) s[mq][nt][e] = -INFINITY;
         }
     }

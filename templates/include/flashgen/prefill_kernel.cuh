@@ -83,17 +83,17 @@ __device__ __forceinline__ void run(const Params& p) {
         ldmatrix_x4(q_regs[mq][j], q_smem + tile_index(warp * L::WARP_ROWS + mq * 16 + lane % 16, 2 * j + lane / 16, L::Q_CHUNKS));
   }
 
-  // per-thread row state: rows g and g + 8 of each of the warp's mma tiles
-  float o[MQ][L::DV / 8][4], m[MQ][2], l[MQ][2];
+  // per-thread row state: rows g and g + 8 of each of the warp's mma tiles (m and l in ri between tiles)
+  float o[MQ][L::DV / 8][4];
 #pragma unroll
-  for (int mq = 0; mq < MQ; ++mq) {
+  for (int mq = 0; mq < MQ; ++mq)
 #pragma unroll
     for (int j = 0; j < L::DV / 8; ++j) o[mq][j][0] = o[mq][j][1] = o[mq][j][2] = o[mq][j][3] = 0.f;
+  {
+    float m[MQ][2], l[MQ][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      m[mq][h] = -INFINITY;
-      l[mq][h] = 0.f;
-    }
+    for (int mq = 0; mq < MQ; ++mq) m[mq][0] = m[mq][1] = -INFINITY, l[mq][0] = l[mq][1] = 0.f;
+    ri.store_stats(m, l);
   }
   LogitsTransform<C::ALIBI, C::SOFT_CAP> transform{p.sm_scale, p.soft_cap, p.soft_cap > 0.f ? 1.f / p.soft_cap : 0.f, 0.f};
 
@@ -112,10 +112,15 @@ __device__ __forceinline__ void run(const Params& p) {
     scores<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
     logits<C>(s, ri, transform, t0, warp, lane);
     if (tile < ri.full_lo[warp] || tile >= ri.full_hi[warp]) apply_mask<C>(s, ri, t0, warp, lane);
+    float m[MQ][2], l[MQ][2];
+    ri.load_stats(m, l);
     online_softmax<C>(s, o, m, l);
+    ri.store_stats(m, l);
     accumulate_pv<C>(o, s, pipe.v_tile(tile), lane);
   }
   cp_async_wait<0>();
+  float m[MQ][2], l[MQ][2];
+  ri.load_stats(m, l);
 
   const TileRows tr_out = tr_saved;
   const int chunk = p.chunk_idx[item];
