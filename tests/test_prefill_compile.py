@@ -1,9 +1,13 @@
-"""The prefill family compiles with nvcc for sm_80 and sm_90a over a representative matrix, without spills."""
+"""The prefill family compiles with nvcc for sm_80 and sm_90a over a representative matrix, without spills, in
+every tile preset of ``FLASHGEN_PREFILL_TILES``; the preset is part of the uri and the source."""
 
 import pytest
 
+import flashgen
 from compile_checks import assert_sound_cubin, build_all
-from flashgen.spec import ALiBi, AttentionSpec, Causal, CustomMask, Paged, Ragged, RoPE, SlidingWindow
+from flashgen.codegen import family
+from flashgen.codegen.prefill import PRESETS, PrefillTiles, parse_tiles, prefill_smem_bytes, prefill_stages
+from flashgen.spec import ALiBi, AttentionSpec, Causal, CustomMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
 
 PREFILL_SPECS = [
     AttentionSpec(128, kv_layout=Ragged(), mask=Causal()),
@@ -19,7 +23,38 @@ MATRIX = [(spec, arch) for arch in ("sm_80", "sm_90a") for spec in PREFILL_SPECS
 
 
 @pytest.mark.nvcc
-def test_prefill_matrix_compiles_without_spills(cache_dir):
+@pytest.mark.parametrize("tiles", sorted(PRESETS))
+def test_prefill_matrix_compiles_without_spills(cache_dir, monkeypatch, tiles):
+    monkeypatch.setenv("FLASHGEN_PREFILL_TILES", tiles)
     results = build_all([("prefill", spec, arch) for spec, arch in MATRIX], workers=8)
     for (spec, arch), (entry, report) in zip(MATRIX, results):
-        assert_sound_cubin(entry, report, ["prefill"], arch)
+        assert_sound_cubin(entry, report, ["prefill"], f"{arch} {tiles}")
+
+
+def test_tiles_knob_changes_uri_and_source(monkeypatch):
+    spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal())
+    uris, sources = {}, {}
+    for tiles in ("kv32", "kv64", "warps=8,rows=16,kv=64,stages=2"):
+        monkeypatch.setenv("FLASHGEN_PREFILL_TILES", tiles)
+        uris[tiles] = family("prefill").uri(spec)
+        sources[tiles] = flashgen.render(spec, "prefill")
+    assert uris["kv32"].endswith("_w4r32kv32s3c2") and uris["kv64"].endswith("_w4r32kv64s2c2")
+    assert uris["warps=8,rows=16,kv=64,stages=2"].endswith("_w8r16kv64s2c1")
+    assert len(set(uris.values())) == len(set(sources.values())) == 3
+    assert "TILE_KV = 64;" in sources["kv64"] and "STAGES = 2;" in sources["kv64"]
+    monkeypatch.delenv("FLASHGEN_PREFILL_TILES")
+    assert family("prefill").uri(spec) == uris["kv32"]  # the default preset
+
+
+def test_tiles_knob_parsing():
+    assert parse_tiles("warps=8,rows=16,kv=64,ctas=2", 128) == PrefillTiles(8, 1, 64, None, 2)
+    assert parse_tiles("kv64", 256) == parse_tiles("kv32", 256)  # kv64 changes head dims <= 128 only
+    for bad in ("kv128", "warps=4,rows=32", "warps=4,rows=24,kv=64", "warps=4,rows=32,kv=128", "warps=4,rows=32,kv=x"):
+        with pytest.raises(SpecError, match="FLASHGEN_PREFILL_TILES"):
+            parse_tiles(bad, 128)
+
+
+def test_kv64_fits_two_ctas_an_sm(monkeypatch):
+    monkeypatch.setenv("FLASHGEN_PREFILL_TILES", "kv64")
+    assert prefill_stages(128, 128) == 2
+    assert prefill_smem_bytes(128, 128, 2) == 32 * 1024 + 2 * 32 * 1024 + 1024

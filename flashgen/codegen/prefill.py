@@ -53,9 +53,11 @@ def _kv32(widest: int) -> PrefillTiles:
 
 
 def _kv64(widest: int) -> PrefillTiles:
-    """FA2's d=128 tiles: up to head_dim 128, 4 warps x 32 rows and KV tiles of 64 tokens (two stages, two
-    CTAs an SM: Q 32 KB + 2 x 32 KB = 96 KB each); per key, half the barriers, pipeline steps and softmax
-    row reductions of ``kv32``. Wider heads as ``kv32``."""
+    """FA2's tiles for d=128 on sm80/sm90 (kBlockM 128, kBlockN 64, 4 warps): up to head_dim 128, 4 warps x 32
+    rows and KV tiles of 64 tokens, two stages, two CTAs an SM (Q 32 KB + 2 x 32 KB = 96 KB each). Per key:
+    half the barriers, pipeline steps, softmax row reductions and O-rescale checks of ``kv32``, and 17 % fewer
+    ldmatrix (Q is re-read once per 64 keys instead of 32). Registers: O 128 + S 64 fp32 a thread; it fits
+    255 only with the row state in shared memory (``RowInfo``). Wider heads as ``kv32``."""
     return PrefillTiles(4, 2, 64) if widest <= 128 else _kv32(widest)
 
 
@@ -82,10 +84,10 @@ def parse_tiles(value: str | None, widest: int) -> PrefillTiles:
         fields[_KEYS[key.strip()]] = int(number)
     if not {"num_warps", "mma_q", "tile_kv"} <= fields.keys():
         raise SpecError(f"FLASHGEN_PREFILL_TILES: got {value!r}, warps, rows and kv are required")
-    rows = fields["mma_q"]
-    if rows % 16 or fields["tile_kv"] % 16 or fields["tile_kv"] > 32 * fields["num_warps"]:
-        raise SpecError(f"FLASHGEN_PREFILL_TILES: got {value!r}; rows and kv must be multiples of 16, "
-                        "kv at most 32 x warps")
+    rows, kv = fields["mma_q"], fields["tile_kv"]
+    if rows not in (16, 32) or kv not in (16, 32, 48, 64) or kv > 32 * fields["num_warps"]:
+        raise SpecError(f"FLASHGEN_PREFILL_TILES: got {value!r}; rows must be 16 or 32, kv 16, 32, 48 or 64 "
+                        "and at most 32 x warps")
     fields["mma_q"] = rows // 16
     return PrefillTiles(**fields)
 
@@ -108,10 +110,17 @@ def prefill_tile_q(head_dim: int, head_dim_vo: int) -> int:
 
 
 def prefill_smem_bytes(head_dim: int, head_dim_vo: int, stages: int, elem: int = 2) -> int:
-    """Shared memory of one CTA: the Q tile, ``stages`` K/V tiles, two rings of KV row offsets (Layout)."""
+    """Dynamic shared memory of one CTA: the Q tile, ``stages`` K/V tiles, two rings of KV row offsets (Layout)."""
     tile_kv = prefill_tiles(head_dim, head_dim_vo)[2]
     return (prefill_tile_q(head_dim, head_dim_vo) * head_dim * elem
             + stages * tile_kv * (head_dim + head_dim_vo) * elem + 2 * tile_kv * 8)
+
+
+def prefill_static_smem_bytes(head_dim: int, head_dim_vo: int) -> int:
+    """An upper bound of the static shared memory (``RowInfo``: a float4 of softmax statistics a thread and
+    mma tile, a query position and an ALiBi slope a row; 512 bytes of scalars). d=128: 4 KB + 1 KB + 0.5 KB."""
+    num_warps, mma_q, _ = prefill_tiles(head_dim, head_dim_vo)
+    return 16 * mma_q * 32 * num_warps + 8 * prefill_tile_q(head_dim, head_dim_vo) + 512
 
 
 def prefill_ctas_per_sm(head_dim: int, head_dim_vo: int) -> int:
@@ -122,17 +131,19 @@ def prefill_ctas_per_sm(head_dim: int, head_dim_vo: int) -> int:
 
 
 def prefill_stages(head_dim: int, head_dim_vo: int) -> int:
-    """Pipeline depth: 3 stages when they fit the CTAs of one SM (227 KB, 1 KB reserved per CTA), else 2.
+    """Pipeline depth: 3 stages when they fit the CTAs of one SM (227 KB, 1 KB reserved per CTA, the static
+    shared memory), else 2.
 
-    Worked example: head_dim 128, two 4-warp CTAs per SM: Q 32 KB + 3 x 16 KB = 81 KB <= 112 KB -> 3;
-    with 64-token KV tiles Q 32 KB + 3 x 32 KB = 129 KB > 112 KB -> 2 (97 KB). head_dim 64: Q 16 KB +
-    3 x 8 KB = 41 KB -> 3. head_dim 192, one 8-warp CTA: Q 48 KB + 3 x 40 KB = 169 KB -> 3. head_dim 256,
-    two CTAs: Q 32 KB + 3 x 32 KB = 129 KB > 112 KB -> 2 (97 KB).
+    Worked example: head_dim 128, two 4-warp CTAs per SM (budget 112.5 - 1 - 5.5 = 106 KB): Q 32 KB +
+    3 x 16 KB = 81 KB -> 3; with 64-token KV tiles Q 32 KB + 3 x 32 KB = 129 KB -> 2 (97 KB). head_dim 64:
+    Q 16 KB + 3 x 8 KB = 41 KB -> 3. head_dim 192, one 8-warp CTA: Q 48 KB + 3 x 40 KB = 169 KB -> 3.
+    head_dim 256, two CTAs: Q 32 KB + 3 x 32 KB = 129 KB -> 2 (97 KB).
     """
     stages = tiles_for(head_dim, head_dim_vo).stages
     if stages is not None:
         return stages
-    budget = (227 * 1024) // prefill_ctas_per_sm(head_dim, head_dim_vo) - 1024
+    budget = ((227 * 1024) // prefill_ctas_per_sm(head_dim, head_dim_vo) - 1024
+              - prefill_static_smem_bytes(head_dim, head_dim_vo))
     return 3 if prefill_smem_bytes(head_dim, head_dim_vo, 3) <= budget else 2
 
 
