@@ -42,14 +42,15 @@ def sm90_q_buffers(head_dim: int, elem: int = 2) -> int:
     head_dim 128: 2 x 32 KB + 2 x (32 + 32) KB = 192 KB -> 2; head_dim 256: 2 x 64 + 2 x (32 + 32) = 256 KB -> 1.
     """
     kv = 2 * STAGES * sm90_tile_kv(head_dim) * head_dim * elem
-    return 2 if 2 * TILE_Q * head_dim * elem + kv + 128 + 1024 <= SMEM_LIMIT else 1
+    return 2 if 2 * TILE_Q * head_dim * elem + kv + 256 + 1024 <= SMEM_LIMIT else 1
 
 
 def sm90_smem_bytes(head_dim: int, elem: int = 2) -> int:
-    """Q tiles + STAGES K and V stages + 128 bytes of barriers + 1024 of slack to align the base to 1024."""
+    """Q tiles + STAGES K and V stages + 128 bytes of barriers + 128 of Work slots + 1024 of slack to align the
+    base to 1024."""
     tile_kv = sm90_tile_kv(head_dim)
     return (sm90_q_buffers(head_dim, elem) * TILE_Q * head_dim * elem + 2 * STAGES * tile_kv * head_dim * elem
-            + 128 + 1024)
+            + 256 + 1024)
 
 
 class PrefillSM90Family(KernelFamily):

@@ -8,8 +8,9 @@
 //       TILE_KV rows a 64-column block, paged: one box a page, lanes issuing in parallel) into STAGES-deep rings, each stage with a full
 //       barrier (1 arrival + the tile's bytes) and an empty barrier (every consumer thread arrives); the stage
 //       counter runs on across items, so the next item's tiles stream in while the consumers finish the last.
-//       Warps 2-3: the item's 128 packed Q rows with plain loads into the 128B-swizzled Q tile, once the
-//       consumers released the previous Q (q_empty), then fence.proxy.async and q_full.
+//       Warps 2-3: the item (a Work in shared memory, which spares the consumers the plan's dependent loads)
+//       and its 128 packed Q rows with plain loads into the 128B-swizzled Q tile, once the consumers released
+//       that Q buffer (q_empty), then fence.proxy.async and q_full. An invalid Work ends the list.
 //   WG1, WG2 consumers (setmaxnreg.inc): 64 packed q rows each (packed row = token * group + q head in the
 //       group). Per KV tile: S = Q K^T (wgmma SS, fp32), online softmax in registers (base 2), P -> 16-bit A
 //       fragments, O += P V (wgmma RS, V MN-major). The GEMMs of consecutive tiles overlap the softmax, and the
@@ -27,6 +28,14 @@
 
 namespace flashgen::sm90 {
 
+// A work item: its packed rows and KV range. Packed row prow -> token token0 + prow / group,
+// q head kv_head * group + prow % group, query position q_base + prow / group.
+struct Work {
+  int token0, row0, rows_total, last_row, kv_head, group, q_base, kv_lo, kv_hi, kv_row0, num_tiles, last_page;
+  const int32_t* pages;  // paged: the request's page ids (kv_indices + kv_indptr[request], or a block_table row)
+  bool valid;
+};
+
 template <class C>
 struct Layout {
   static constexpr int D = C::HEAD_DIM, BLOCKS = D / 64;  // 64-column blocks of 128-byte rows
@@ -36,8 +45,10 @@ struct Layout {
   static constexpr int K_OFFSET = C::Q_BUFFERS * Q_BYTES;  // Q buffers: the next item's Q loads during this one
   static constexpr int V_OFFSET = K_OFFSET + C::STAGES * KV_STAGE;
   static constexpr int BAR_OFFSET = V_OFFSET + C::STAGES * KV_STAGE;
-  static constexpr int BAR_BYTES = 128, ALIGN_SLACK = 1024;  // the dynamic base is aligned up to 1024 at run time
-  static constexpr int TOTAL = BAR_OFFSET + BAR_BYTES + ALIGN_SLACK;
+  // barriers, then one Work a Q buffer (the loaders hand the item to the consumers); the dynamic base is aligned
+  // up to 1024 at run time
+  static constexpr int BAR_BYTES = 128, WORK_OFFSET = BAR_OFFSET + BAR_BYTES, WORK_BYTES = 128, ALIGN_SLACK = 1024;
+  static constexpr int TOTAL = WORK_OFFSET + WORK_BYTES + ALIGN_SLACK;
   static_assert(TOTAL == C::SMEM_BYTES, "codegen and the kernel disagree on the shared-memory size");
   static_assert(C::TILE_Q == 2 * WG_ROWS, "two consumer warpgroups of 64 rows");
   static_assert(D % 64 == 0 && sizeof(typename C::DTypeQ) == 2, "rows of whole 128-byte blocks of 16-bit values");
@@ -45,6 +56,7 @@ struct Layout {
                 "wgmma N of S");
   static_assert((4 * C::STAGES + 2 * C::Q_BUFFERS) * 8 <= BAR_BYTES, "barriers fit their region");
   static_assert(C::Q_BUFFERS == 1 || C::Q_BUFFERS == 2, "one or two Q buffers");
+  static_assert(C::Q_BUFFERS * sizeof(Work) <= WORK_BYTES, "the Work slots fit their region");
   static_assert(C::PRODUCER_REGS * 128 + C::CONSUMER_REGS * 256 <= 65536, "register budgets fit the SM");
 };
 
@@ -73,14 +85,6 @@ struct Barriers {
     }
     fence_barrier_init();
   }
-};
-
-// A work item: its packed rows and KV range. Packed row prow -> token token0 + prow / group,
-// q head kv_head * group + prow % group, query position q_base + prow / group.
-struct Work {
-  int token0, row0, rows_total, last_row, kv_head, group, q_base, kv_lo, kv_hi, kv_row0, num_tiles, last_page;
-  const int32_t* pages;  // paged: the request's page ids (kv_indices + kv_indptr[request], or a block_table row)
-  bool valid;
 };
 
 template <class C, class Params>
@@ -195,6 +199,7 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
     // the loaders wait most of an item for the buffer: they back off, leaving issue slots to the consumers
     for (const uint32_t parity = ((k++ / C::Q_BUFFERS) & 1) ^ 1; !mbarrier_try_wait(bars.q_empty(buf), parity);)
       __nanosleep(256);
+    if (tid == 0) reinterpret_cast<Work*>(q_smem + L::WORK_OFFSET)[buf] = w;  // the consumers' copy of the item
     uint8_t* q_dst = q_smem + buf * L::Q_BYTES;
 #pragma unroll 2
     for (int job = tid; job < C::TILE_Q * CHUNKS; job += Q_LOADERS) {
@@ -209,6 +214,12 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
     fence_proxy_async();
     mbarrier_arrive(bars.q_full(buf));
   }
+  // the end of the CTA's list: an invalid Work in the next buffer
+  const int buf = k % C::Q_BUFFERS;
+  for (const uint32_t parity = ((k / C::Q_BUFFERS) & 1) ^ 1; !mbarrier_try_wait(bars.q_empty(buf), parity);)
+    __nanosleep(256);
+  if (tid == 0) reinterpret_cast<Work*>(q_smem + L::WORK_OFFSET)[buf].valid = false;
+  mbarrier_arrive(bars.q_full(buf));
 }
 
 // Issue S = Q K^T over head_dim in k16 steps (asynchronous: the caller commits and waits). Q rows of this
@@ -427,8 +438,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   };
   auto stage = [&](int t) { return (it + t) % C::STAGES; };
   auto phase = [&](int t) { return uint32_t((it + t) / C::STAGES) & 1; };
-  const int qb = k % C::Q_BUFFERS;
-  mbarrier_wait(bars.q_full(qb), (k / C::Q_BUFFERS) & 1);
+  const int qb = k % C::Q_BUFFERS;  // q_full(qb) was waited for by the caller
   if (n == 0) mbarrier_arrive(bars.q_empty(qb));
   sched.start(n);
   float sc[C::TILE_KV / 2], o_scale[2];
@@ -503,11 +513,12 @@ __device__ __forceinline__ void run(const Params& p) {
       produce_q<C>(p, smem, bars);
   } else {
     setmaxnreg_inc<C::CONSUMER_REGS>();
-    int it = 0, k = 0;
-    for (int x = blockIdx.x; x < p.num_items * p.num_kv_heads; x += gridDim.x) {
-      const Work w = work_of<C>(p, x);
-      if (!w.valid) continue;
-      consume<C>(p, w, smem, base, bars, wg - 1, it, k++);
+    const Work* slots = reinterpret_cast<const Work*>(smem + L::WORK_OFFSET);
+    for (int it = 0, k = 0;; ++k) {  // the items the Q loaders hand over, until an invalid one
+      mbarrier_wait(bars.q_full(k % C::Q_BUFFERS), (k / C::Q_BUFFERS) & 1);
+      const Work w = slots[k % C::Q_BUFFERS];
+      if (!w.valid) break;
+      consume<C>(p, w, smem, base, bars, wg - 1, it, k);
       it += w.num_tiles;
     }
   }
