@@ -6,6 +6,10 @@
 // fragments (registers, or shared memory for wide heads), its O accumulators and its online-softmax state,
 // so warps never merge. K/V tiles of TILE_KV tokens flow through a STAGES-deep cp.async pipeline.
 //
+// Registers: the scores tile is the peak (O and S accumulators, fragments in flight: d=128 with 64-key tiles
+// holds 128 + 64 fp32 a thread), so what the loop needs once a tile or less waits in shared memory (KVSource,
+// RowInfo: the KV source and range, mask bounds, row positions, ALiBi slopes, softmax statistics).
+//
 // Masks: causal (aligned to the KV end) and the sliding window clip the CTA's KV range to what its rows can
 // see, so fully masked tiles are never loaded; the per-element mask runs only on a warp's boundary tiles.
 // A custom bit mask is evaluated on every tile. Split requests write fp32 partials; the last CTA of a tile
