@@ -17,7 +17,9 @@ from .spec import AttentionSpec, Causal, MergeSpec, Paged, Ragged, spec_from_dic
 DEFAULT_BUILDS = tuple(("merge_states", MergeSpec(d)) for d in ("float16", "bfloat16", "float32")) + (
     ("decode", AttentionSpec(128, kv_layout=Paged(16))),
     ("prefill", AttentionSpec(128, kv_layout=Ragged(), mask=Causal())),
+    ("prefill_sm90", AttentionSpec(128, kv_layout=Ragged(), mask=Causal())),  # what BatchPrefillWrapper runs on Hopper
 )
+HOPPER_ONLY = {"prefill_sm90"}  # ops whose kernels exist for sm_90a only
 
 
 def _store():
@@ -63,6 +65,11 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     arch = choose_arch(args.arch)
     builds = [b for plan in args.plan for b in _plan_builds(Path(plan))] if args.plan else list(DEFAULT_BUILDS)
+    if arch != "sm_90a":
+        skipped = [op for op, _ in builds if op in HOPPER_ONLY]
+        if skipped:
+            print(f"{arch}  skipping {len(skipped)} sm_90a-only build(s): {', '.join(sorted(set(skipped)))}")
+        builds = [b for b in builds if b[0] not in HOPPER_ONLY]
     store = _store()
 
     def one(item):

@@ -25,17 +25,18 @@ def test_info_runs(tmp_path):
 def test_build_list_verify_clean(tmp_path):
     built = flashgen("build", "--arch", "sm_90a", cache=tmp_path)
     assert built.returncode == 0, built.stderr
-    assert len(built.stdout.strip().splitlines()) == len(DEFAULT_BUILDS) == 5
+    assert len(built.stdout.strip().splitlines()) == len(DEFAULT_BUILDS) == 6
     assert built.stdout.count("sm_90a  merge_states_") == 3 and "sm_90a  decode_d128" in built.stdout
+    assert "sm_90a  prefill_sm90_d128" in built.stdout
     listed = flashgen("cache", "list", cache=tmp_path)
-    assert listed.stdout.count(" ok") == 5
+    assert listed.stdout.count(" ok") == 6
     assert flashgen("cache", "verify", cache=tmp_path).returncode == 0
     cubin = next((tmp_path / "sm_90a").glob("merge_states_f16-*")) / "kernel.cubin"
     cubin.write_bytes(b"\x7fELF garbage")
     bad = flashgen("cache", "verify", cache=tmp_path)
     assert bad.returncode == 1 and "BAD" in bad.stdout
     assert flashgen("cache", "clean", "--corrupt", cache=tmp_path).returncode == 0
-    assert flashgen("cache", "list", cache=tmp_path).stdout.count(" ok") == 4
+    assert flashgen("cache", "list", cache=tmp_path).stdout.count(" ok") == 5
     flashgen("cache", "clean", cache=tmp_path)
     assert flashgen("cache", "list", cache=tmp_path).stdout.strip() == ""
 
@@ -53,6 +54,16 @@ def test_build_from_a_plan_file(tmp_path):
     out = flashgen("build", "--arch", "sm_80", "--plan", str(plan), cache=tmp_path / "c")
     assert out.returncode == 0, out.stderr
     assert "sm_80  merge_states_f16" in out.stdout
+
+
+@pytest.mark.nvcc
+def test_hopper_only_builds_are_skipped_for_other_archs(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text('[{"op": "prefill_sm90", "spec": {"type": "AttentionSpec", "head_dim": 64, "kv_layout": '
+                    '{"type": "Ragged"}}}, {"op": "merge_states", "spec": {"type": "MergeSpec", "dtype": "float16"}}]')
+    out = flashgen("build", "--arch", "sm_80", "--plan", str(plan), cache=tmp_path / "c")
+    assert out.returncode == 0, out.stderr
+    assert "skipping 1 sm_90a-only build(s): prefill_sm90" in out.stdout and "sm_80  merge_states_f16" in out.stdout
 
 
 @pytest.mark.nvcc
