@@ -1,6 +1,7 @@
 """Every environment variable flashgen reads, declared once and typed.
 
-Read at call time (not import time) so tests can scope them with ``monkeypatch.setenv``.
+Read at call time (not import time) so tests can scope them with ``monkeypatch.setenv``. A kernel loaded
+by ``build`` stays cached in its process by spec: set ``FLASHGEN_PREFILL_TILES`` before the first prefill.
 
 | variable | meaning |
 |---|---|
@@ -9,7 +10,7 @@ Read at call time (not import time) so tests can scope them with ``monkeypatch.s
 | ``FLASHGEN_CUDA_ARCH`` | target arch (``sm_90a``, ``90a``, ``9.0a``), overriding the GPU's own |
 | ``FLASHGEN_DISABLE_JIT`` | ``1``: a cache miss raises ``MissingKernelError`` instead of compiling |
 | ``FLASHGEN_NVCC_THREADS`` | ``nvcc --threads`` value (default 1) |
-| ``FLASHGEN_PREFILL_TILES`` | tiles of the portable prefill kernel: a preset (``kv32``, ``kv64``) or ``warps=4,rows=32,kv=64[,stages=2][,ctas=2]``; part of the kernel uri |
+| ``FLASHGEN_PREFILL_TILES`` | portable prefill tiles: ``kv32`` (default), ``kv64``, ``warps=W,rows=R,kv=K[,...]`` (in the uri) |
 | ``FLASHGEN_VERBOSE`` | ``1``: print each compile and its time to stderr |
 | ``CUDA_HOME`` / ``CUDA_PATH`` | where to look for ``bin/nvcc`` before ``PATH`` |
 """

@@ -181,7 +181,8 @@ __device__ __forceinline__ void apply_mask(float (&s)[C::MMA_Q][C::TILE_KV / 8][
       if constexpr (C::CAUSAL) k_hi = min(k_hi, q_pos - base);
       if constexpr (C::WINDOW) k_lo = q_pos - mi.window_left - base;
       uint64_t bits = 0;
-      if constexpr (C::CUSTOM_MASK) bits = mask_window<C::TILE_KV>(mi, row_bit(mi, q_pos), tile_start) >> (2 * (lane % 4));
+      if constexpr (C::CUSTOM_MASK)
+        bits = mask_window<C::TILE_KV>(mi, row_bit(mi, q_pos), tile_start) >> (2 * (lane % 4));
 #pragma unroll
       for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
 #pragma unroll

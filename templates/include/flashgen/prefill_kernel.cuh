@@ -45,7 +45,8 @@ __device__ __forceinline__ void run(const Params& p) {
   if (threadIdx.x == 0) {
     src = KVSource<C>{KVRows<C::PAGED, C::PAGE_SIZE>(p, request), p.k + int64_t(kv_head) * p.stride_head,
                       p.v + KVPipeline<C>::v_offset(int64_t(kv_head) * p.stride_head), kv_lo, kv_hi, num_tiles};
-    ri.mi = MaskInfo{kv_hi, q_base, qo_len, kv_len, p.window_left, p.custom_mask, C::CUSTOM_MASK ? p.mask_offset[request] : 0};
+    ri.mi = MaskInfo{kv_hi, q_base, qo_len, kv_len, p.window_left, p.custom_mask,
+                     C::CUSTOM_MASK ? p.mask_offset[request] : 0};
     tr_saved = tr;
     request_saved = request;
   }
@@ -62,7 +63,8 @@ __device__ __forceinline__ void run(const Params& p) {
   load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
   __syncthreads();  // src and ri are written
 
-  const KVPipeline<C> pipe{src, reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET), reinterpret_cast<DTypeKV*>(smem + L::V_OFFSET),
+  const KVPipeline<C> pipe{src, reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET),
+                           reinterpret_cast<DTypeKV*>(smem + L::V_OFFSET),
                            reinterpret_cast<int64_t*>(smem + L::ROW_OFFSETS)};
   // prologue: tiles 0 .. S-2 in flight, offsets of tile S-1 stored, page ids of tile S in registers
   for (int tile = 0; tile < S - 1; ++tile) {
