@@ -62,7 +62,7 @@ def _kv64(widest: int) -> PrefillTiles:
 
 
 PRESETS = {"kv32": _kv32, "kv64": _kv64}
-DEFAULT_PRESET = "kv32"
+DEFAULT_PRESET = "kv64"
 _KEYS = {"warps": "num_warps", "rows": "mma_q", "kv": "tile_kv", "stages": "stages", "ctas": "ctas_per_sm"}
 
 
