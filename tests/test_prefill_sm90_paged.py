@@ -137,20 +137,9 @@ def test_logits_transforms(case):
 
 
 def check_ragged(spec, qo_lens, kv_lens, num_kv_heads=2, group=4, seed=0, **runtime):
-    gen = torch.Generator().manual_seed(seed)
-    q, kv, table = random_batch(spec, qo_lens, kv_lens, num_kv_heads, group, generator=gen)
-    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
-    wrapper = flashgen.BatchPrefillWrapper(spec, backend="sm90")
-    wrapper.plan(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"].numpy(), num_qo_heads=q.shape[1],
-                 num_kv_heads=num_kv_heads, **runtime)
-    out = torch.full_like(q, float("nan"), device="cuda")
-    out, lse = wrapper.run(q.cuda(), tuple(x.cuda() for x in kv), out=out, return_lse=True)
-    torch.cuda.synchronize()
-    kw = dict(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"], **runtime)
-    ref, ref_lse = reference_attention(spec, q, kv, **kw)
-    low, low_lse = same_dtype_reference(spec, q, kv, **kw)
-    assert_attention_close(out.cpu(), ref, low)
-    assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+    from test_prefill_sm90 import run_and_check as check  # the ragged check of the sm90 tests (tests/ is on sys.path)
+
+    check(spec, qo_lens, kv_lens, num_kv_heads, group, seed=seed, **runtime)
 
 
 def test_sm_scale_must_be_positive():
