@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool) that runs what a session needs, writing logs and results under $OUT:
-#   bash benchmarks/gpu_session.sh [tests|sanitize|decode|prefill|foundation ...]   (default: tests)
+#   bash benchmarks/gpu_session.sh [tests|sanitize|sanitize-sm90|decode|prefill|sm90|profile-sm90|foundation ...]
+#   (default: tests)
 # Carry .whl (FlashInfer and its small deps, see the device README) to measure FlashInfer as a peer.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,8 +27,23 @@ for step in "${@:-tests}"; do
     decode)
       python3 benchmarks/bench_decode.py --out "$OUT/decode.json" --reps 20 --commit "$COMMIT" 2>&1 | tail -22 ;;
     prefill)
-      python3 benchmarks/bench_prefill.py --out "$OUT/prefill.json" --reps 8 --head-dims 128 \
-        --shapes 1x16384,4x4096 --layouts ragged,paged16 --peers sdpa,flashinfer --commit "$COMMIT" 2>&1 | tail -14 ;;
+      python3 benchmarks/bench_prefill.py --out "$OUT/prefill.json" --reps 6 --head-dims 128 \
+        --shapes 1x16384,4x4096 --layouts ragged,paged16 --peers sdpa,flex,flashinfer --commit "$COMMIT" 2>&1 \
+        | tee "$OUT/prefill.log" | tail -14 ;;
+    sm90)  # the Hopper kernel against FlashInfer's FA3 backend and cuDNN
+      python3 benchmarks/bench_prefill_sm90.py --out "$OUT/prefill_sm90.json" --reps 10 --commit "$COMMIT" 2>&1 \
+        | grep -v Warn | tail -16 ;;
+    sanitize-sm90)
+      compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -m cuda tests/test_prefill_sm90_paged.py \
+        -q -x -p no:cacheprovider -k "page_sizes and 16" > "$OUT/memcheck-sm90.log" 2>&1
+      grep -E "Invalid|ERROR SUMMARY|passed|failed" "$OUT/memcheck-sm90.log" | tail -5
+      compute-sanitizer --tool racecheck python3 -m pytest -m cuda tests/test_prefill_sm90_paged.py -q -x \
+        -p no:cacheprovider -k "page_sizes and 16" > "$OUT/racecheck-sm90.log" 2>&1
+      tail -2 "$OUT/racecheck-sm90.log" ;;
+    profile-sm90)  # ncu of one 4x4096 causal call, flashgen sm90 and FlashInfer FA3
+      ncu --set full --clock-control none -k regex:'prefill_sm90|Prefill' -c 2 -o "$OUT/sm90" \
+        python3 benchmarks/profile_prefill_sm90.py --batch 4 --seqlen 4096 --mask causal > "$OUT/ncu.log" 2>&1
+      ncu --import "$OUT/sm90.ncu-rep" --page details --csv > "$OUT/sm90-ncu.csv" 2>&1; tail -3 "$OUT/ncu.log" ;;
     foundation)
       python3 benchmarks/bench_foundation.py --out "$OUT/foundation.json" --commit "$COMMIT" 2>&1 | tail -14 ;;
     *) echo "unknown step $step"; exit 2 ;;

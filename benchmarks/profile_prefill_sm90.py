@@ -1,0 +1,57 @@
+"""One prefill call of flashgen's sm90 kernel and (if importable) FlashInfer's FA3 backend on the same ragged
+batch, for a profiler. bf16, 32 q / 8 kv heads, d=128.
+
+    ncu --set full --clock-control none -k regex:'prefill_sm90|Prefill' -c 2 -o $OUT/sm90 \\
+        python3 benchmarks/profile_prefill_sm90.py --batch 4 --seqlen 4096 --mask causal
+    ncu --import $OUT/sm90.ncu-rep --page details --csv > $OUT/sm90.csv   # tensor pipe, issue, stall reasons
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import flashgen  # noqa: E402
+from flashgen import AttentionSpec, Causal, NoMask, Ragged, SlidingWindow  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--mask", choices=("none", "causal", "window"), default="causal")
+    parser.add_argument("--window", type=int, default=1024)
+    args = parser.parse_args()
+    total = args.batch * args.seqlen
+    q = torch.randn(total, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(total, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = {"none": NoMask(), "causal": Causal(), "window": SlidingWindow(args.window)}[args.mask]
+    indptr = np.arange(args.batch + 1, dtype=np.int32) * args.seqlen
+    wrapper = flashgen.BatchPrefillWrapper(AttentionSpec(D, kv_layout=Ragged(), mask=mask), backend="sm90")
+    wrapper.plan(qo_indptr=indptr, kv_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV)
+    for _ in range(2):
+        wrapper.run(q, (k, v))
+    try:
+        import flashinfer
+
+        fi = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(2**28, dtype=torch.uint8, device="cuda"), "NHD",
+                                                             backend="fa3")
+        window = args.window if args.mask == "window" else -1
+        fi.plan(torch.from_numpy(indptr).cuda(), torch.from_numpy(indptr).cuda(), HQ, HKV, D,
+                causal=args.mask != "none", window_left=window, q_data_type=torch.bfloat16)
+        for _ in range(2):
+            fi.run(q, k, v)
+    except Exception as exc:  # noqa: BLE001  (not installed, or no FA3 build here)
+        print(f"flashinfer skipped: {exc!r}")
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
