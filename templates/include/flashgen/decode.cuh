@@ -61,6 +61,20 @@ __device__ __forceinline__ int copy_index(int row, int chunk, int chunks) {
 // the same for the 16-bit tiles the mma reads (8 elements a chunk)
 __device__ __forceinline__ int tile_index(int row, int chunk, int chunks) { return copy_index<uint16_t>(row, chunk, chunks); }
 
+// One K or V tile by cp.async: the thread's 16-byte chunk `col` of rows row0 + j * RPP (j < TILE / RPP), row r
+// from src + offsets[r] (a negative offset: a row past the request, zero-filled). With RPP a multiple of 8 the
+// swizzle repeats every pass, so the destination is the first pass's plus j * RPP rows of WIDTH elements.
+template <typename T, int TILE, int RPP, int CHUNKS, int WIDTH>
+__device__ __forceinline__ void copy_tile_rows(T* smem, const T* src, const int64_t* offsets, int row0, int col) {
+#pragma unroll
+  for (int j = 0; j < TILE / RPP; ++j) {
+    const int r = row0 + j * RPP;
+    const int64_t off = offsets[r];
+    const int dst = RPP % 8 == 0 ? copy_index<T>(row0, col, CHUNKS) + j * RPP * WIDTH : copy_index<T>(r, col, CHUNKS);
+    cp_async_16(smem + dst, src + (off < 0 ? 0 : off), off < 0);
+  }
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void store_row(T* dst, const float (&x)[N]) {
   uint4 packed;
@@ -344,22 +358,8 @@ __device__ __forceinline__ void run(const Params& p) {
       const int64_t* offsets = row_offsets + (tile & 1) * TILE;
       DTypeKV* ks = k_smem + (tile % S) * TILE * D;
       DTypeKV* vs = v_smem + (tile % S) * TILE * DV;
-#pragma unroll
-      for (int j = 0; j < TILE / K_RPP; ++j) {
-        const int r = k_row0 + j * K_RPP;
-        const int64_t off = offsets[r];
-        const int dst = K_RPP % 8 == 0 ? copy_index<DTypeKV>(k_row0, k_col, L::K_CHUNKS) + j * K_RPP * D
-                                       : copy_index<DTypeKV>(r, k_col, L::K_CHUNKS);
-        cp_async_16(ks + dst, k_src + (off < 0 ? 0 : off), off < 0);
-      }
-#pragma unroll
-      for (int j = 0; j < TILE / V_RPP; ++j) {
-        const int r = v_row0 + j * V_RPP;
-        const int64_t off = offsets[r];
-        const int dst = V_RPP % 8 == 0 ? copy_index<DTypeKV>(v_row0, v_col, L::V_CHUNKS) + j * V_RPP * DV
-                                       : copy_index<DTypeKV>(r, v_col, L::V_CHUNKS);
-        cp_async_16(vs + dst, v_src + (off < 0 ? 0 : off), off < 0);
-      }
+      copy_tile_rows<DTypeKV, TILE, K_RPP, L::K_CHUNKS, D>(ks, k_src, offsets, k_row0, k_col);
+      copy_tile_rows<DTypeKV, TILE, V_RPP, L::V_CHUNKS, DV>(vs, v_src, offsets, v_row0, v_col);
     }
     cp_async_commit();  // always commit, so group counting stays uniform
   };

@@ -9,6 +9,13 @@ namespace flashgen {
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 
+// 2^x by ex2.approx.ftz (exp2f wraps the same instruction in a denormal range fix-up); 2^-inf = 0
+__device__ __forceinline__ float exp2_fast(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ALiBi slope of q head `head` out of `num_heads` (Press et al.; also for head counts not a power of two).
 __device__ __forceinline__ float alibi_slope(int head, int num_heads) {
   const int n = 1 << (31 - __clz(num_heads));  // largest power of two <= num_heads

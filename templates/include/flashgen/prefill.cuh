@@ -129,13 +129,6 @@ __device__ __forceinline__ void scores(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
   }
 }
 
-// 2^x by ex2.approx.ftz (exp2f wraps the same instruction in a denormal range fix-up); 2^-inf = 0
-__device__ __forceinline__ float exp2_fast(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // S -> base-2 logits: one multiply by sm_scale * log2(e), or the full transform with ALiBi / soft-cap
 template <class C>
 __device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const RowInfo<C>& ri,

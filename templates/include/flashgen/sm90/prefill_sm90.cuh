@@ -249,13 +249,6 @@ __device__ __forceinline__ void issue_pv(float (&o)[C::HEAD_DIM / 2], uint32_t (
     Wgmma<C::HEAD_DIM, typename C::DTypeKV>::rs(o, pa[kk], desc_mn_major(v_stage + kk * 16 * 128, L::KV_BLOCK), 1);
 }
 
-// 2^x by ex2.approx.ftz (exp2f adds a denormal fix-up around the same instruction); 2^-inf = 0
-__device__ __forceinline__ float exp2_fast(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // tanh(x) = 1 - 2 / (e^(2x) + 1) by ex2.approx and rcp.approx (relative error ~1e-7 away from 0, absolute ~1e-7
 // near it), with far fewer registers than tanhf; saturates to +-1
 __device__ __forceinline__ float tanh_fast(float x) {
