@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..spec import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, ALiBi, SlidingWindow, SpecError
-from .family import EntryPoint, KernelFamily, register, struct
+from .family import AttentionFamily, EntryPoint, register, struct
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float8_e4m3fn": "__nv_fp8_e4m3",
              "float8_e5m2": "__nv_fp8_e5m2"}
@@ -45,13 +45,12 @@ def decode_ctas_per_sm(head_dim: int, head_dim_vo: int, kv_bytes: int = 2) -> in
     return max(1, min(2, (227 * 1024) // (smem + 1024)))
 
 
-class DecodeFamily(KernelFamily):
+class DecodeFamily(AttentionFamily):
     op = "decode"
     template = "decode.cu.j2"
 
     def project(self, spec: object) -> AttentionSpec:
-        if not isinstance(spec, AttentionSpec):
-            raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
+        spec = super().project(spec)
         if isinstance(spec.mask, Causal):  # a decode query is the last token: causal sees every key
             spec = spec.replace(mask=NoMask())
         return spec

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..spec import SpecError
+from ..spec import AttentionSpec, SpecError
 from .params import Param, ParamsLayout
 from .render import render_template
 
@@ -57,6 +57,16 @@ class KernelFamily:
         context["entry_points"] = [{"name": e.name, "struct_name": e.params.struct_name} for e in entries]
         return render_template(self.template, context, self.uri(spec))
 
+
+
+class AttentionFamily(KernelFamily):
+    """A family compiled from an ``AttentionSpec`` (decode, prefill, prefill_sm90): ``project`` refuses
+    anything else; subclasses that drop fields call it first."""
+
+    def project(self, spec: object) -> AttentionSpec:
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
+        return spec
 
 _FAMILIES: dict[str, KernelFamily] = {}
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .. import knobs
 from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
-from .family import EntryPoint, KernelFamily, register, struct
+from .family import AttentionFamily, EntryPoint, register, struct
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 PREFILL_HEAD_DIMS = (64, 128, 192, 256)  # rows of whole 128-byte lines (the swizzle needs 8k chunks)
@@ -166,14 +166,9 @@ def _tiles_tag(head_dim: int, head_dim_vo: int) -> str:
             f"c{prefill_ctas_per_sm(head_dim, head_dim_vo)}")
 
 
-class PrefillFamily(KernelFamily):
+class PrefillFamily(AttentionFamily):
     op = "prefill"
     template = "prefill.cu.j2"
-
-    def project(self, spec: object) -> AttentionSpec:
-        if not isinstance(spec, AttentionSpec):
-            raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
-        return spec
 
     def uri(self, spec: AttentionSpec) -> str:
         return f"{self.op}_{spec.uri}_{_tiles_tag(spec.head_dim, spec.head_dim_vo)}"

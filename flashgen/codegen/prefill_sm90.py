@@ -11,12 +11,11 @@ The kernel is ``templates/include/flashgen/sm90/prefill_sm90.cuh``; the runner `
 
 from __future__ import annotations
 
-import os
-
+from .. import knobs
 from ..spec import ALiBi, AttentionSpec, Causal, NoMask, Paged, Ragged, SlidingWindow, SpecError
-from .family import EntryPoint, KernelFamily, register, struct
+from .family import AttentionFamily, EntryPoint, register, struct
+from .prefill import CPP_TYPES  # fp16 / bf16, as the portable prefill
 
-CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 SM90_HEAD_DIMS = (64, 128, 256)
 TILE_Q = 128  # two consumer warpgroups of 64 packed rows
 STAGES = 2
@@ -36,31 +35,30 @@ def sm90_tile_kv(head_dim: int) -> int:
     return 64 if head_dim > 128 else 128
 
 
+SMEM_FIXED = 128 + 128 + 1024  # barriers, the Work slots, slack to align the dynamic base up to 1024
+
+
+def _smem(head_dim: int, q_buffers: int, elem: int) -> int:
+    """Q tiles + STAGES K and V stages + SMEM_FIXED."""
+    return q_buffers * TILE_Q * head_dim * elem + 2 * STAGES * sm90_tile_kv(head_dim) * head_dim * elem + SMEM_FIXED
+
+
 def sm90_q_buffers(head_dim: int, elem: int = 2) -> int:
     """Two Q tiles where they fit beside the KV stages (the next item's Q loads while this one runs), else one.
 
     head_dim 128: 2 x 32 KB + 2 x (32 + 32) KB = 192 KB -> 2; head_dim 256: 2 x 64 + 2 x (32 + 32) = 256 KB -> 1.
     """
-    kv = 2 * STAGES * sm90_tile_kv(head_dim) * head_dim * elem
-    return 2 if 2 * TILE_Q * head_dim * elem + kv + 256 + 1024 <= SMEM_LIMIT else 1
+    return 2 if _smem(head_dim, 2, elem) <= SMEM_LIMIT else 1
 
 
 def sm90_smem_bytes(head_dim: int, elem: int = 2) -> int:
-    """Q tiles + STAGES K and V stages + 128 bytes of barriers + 128 of Work slots + 1024 of slack to align the
-    base to 1024."""
-    tile_kv = sm90_tile_kv(head_dim)
-    return (sm90_q_buffers(head_dim, elem) * TILE_Q * head_dim * elem + 2 * STAGES * tile_kv * head_dim * elem
-            + 256 + 1024)
+    """The dynamic shared memory of a CTA (see ``_smem``)."""
+    return _smem(head_dim, sm90_q_buffers(head_dim, elem), elem)
 
 
-class PrefillSM90Family(KernelFamily):
+class PrefillSM90Family(AttentionFamily):
     op = "prefill_sm90"
     template = "prefill_sm90.cu.j2"
-
-    def project(self, spec: object) -> AttentionSpec:
-        if not isinstance(spec, AttentionSpec):
-            raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
-        return spec
 
     def check(self, spec: AttentionSpec) -> None:
         if spec.head_dim not in SM90_HEAD_DIMS or spec.head_dim_vo != spec.head_dim:
@@ -109,7 +107,7 @@ class PrefillSM90Family(KernelFamily):
             "PAGED": "true" if paged else "false",
             "PAGE_SIZE": spec.kv_layout.page_size if paged else 0,
             "HND": "true" if paged and spec.kv_layout.order == "HND" else "false",
-            "PINGPONG": "false" if os.environ.get("FLASHGEN_SM90_PINGPONG") == "0" else "true",  # experiment toggle
+            "PINGPONG": "true" if knobs.sm90_pingpong() else "false",
         }
 
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
