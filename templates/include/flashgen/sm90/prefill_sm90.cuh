@@ -9,7 +9,7 @@
 //       barrier (1 arrival + the tile's bytes) and an empty barrier (every consumer thread arrives); the stage
 //       counter runs on across items, so the next item's tiles stream in while the consumers finish the last.
 //       Warps 2-3: the item (a Work in shared memory, which spares the consumers the plan's dependent loads)
-//       and its 128 packed Q rows with plain loads into the 128B-swizzled Q tile, once the consumers released
+//       and its 128 packed Q rows by cp.async into the 128B-swizzled Q tile, once the consumers released
 //       that Q buffer (q_empty), then fence.proxy.async and q_full. An invalid Work ends the list.
 //   WG1, WG2 consumers (setmaxnreg.inc): 64 packed q rows each (packed row = token * group + q head in the
 //       group). Per KV tile: S = Q K^T (wgmma SS, fp32), online softmax in registers (base 2), P -> 16-bit A
@@ -201,17 +201,19 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
       __nanosleep(256);
     if (tid == 0) reinterpret_cast<Work*>(q_smem + L::WORK_OFFSET)[buf] = w;  // the consumers' copy of the item
     uint8_t* q_dst = q_smem + buf * L::Q_BYTES;
-#pragma unroll 2
+    // every chunk in flight at once (cp.async, no registers held): one memory round trip, where loads through
+    // registers (40 of them) kept two in flight and took ~16 round trips for the tile
+#pragma unroll 1
     for (int job = tid; job < C::TILE_Q * CHUNKS; job += Q_LOADERS) {
       const int r = job / CHUNKS, c = job % CHUNKS, prow = w.row0 + r;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (prow < w.rows_total) {
-        const int64_t qo_row = int64_t(w.token0 + prow / w.group) * p.num_qo_heads + w.kv_head * w.group + prow % w.group;
-        v = *reinterpret_cast<const uint4*>(p.q + qo_row * L::D + c * 8);
-      }
-      *reinterpret_cast<uint4*>(q_dst + (c / 8) * L::Q_BLOCK + r * 128 + (swizzle(r, c % 8) * 16)) = v;
+      const bool past = prow >= w.rows_total;  // rows past the request: zeros, the source not read
+      const int64_t qo_row =
+          past ? 0 : int64_t(w.token0 + prow / w.group) * p.num_qo_heads + w.kv_head * w.group + prow % w.group;
+      cp_async_16(q_dst + (c / 8) * L::Q_BLOCK + r * 128 + (swizzle(r, c % 8) * 16), p.q + qo_row * L::D + c * 8, past);
     }
-    fence_proxy_async();
+    cp_async_commit();
+    cp_async_wait<0>();   // this thread's copies have landed (generic proxy) ...
+    fence_proxy_async();  // ... and are made visible to wgmma (async proxy) before the release by q_full
     mbarrier_arrive(bars.q_full(buf));
   }
   // the end of the CTA's list: an invalid Work in the next buffer
