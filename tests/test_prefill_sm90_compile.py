@@ -20,6 +20,7 @@ SM90_SPECS = [
     AttentionSpec(128, kv_layout=Ragged(), pos_encoding=ALiBi(), soft_cap=30.0),
     AttentionSpec(256, kv_layout=Ragged(), mask=SlidingWindow(64), soft_cap=20.0),
     AttentionSpec(64, kv_layout=Paged(64, "HND"), mask=Causal(), pos_encoding=ALiBi()),
+    AttentionSpec(128, kv_layout=Ragged(), mask=SlidingWindow(50), pos_encoding=ALiBi(), soft_cap=20.0),  # near the edge
 ] + [  # custom masks: tile lists, mask bits read for partial tiles
     AttentionSpec(d, dtype=dtype, kv_layout=layout, mask=CustomMask())
     for d, dtype, layout in ((128, "bfloat16", Ragged()), (128, "float16", Paged(16)), (64, "bfloat16", Ragged()),

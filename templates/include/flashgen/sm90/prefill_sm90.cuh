@@ -518,7 +518,8 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   }
   if (n > 0) {
     mbarrier_wait(bars.full_v(stage(n - 1)), phase(n - 1));
-    const int last_t0 = C::CUSTOM_MASK ? t0 : w.kv_lo + (n - 1) * C::TILE_KV;  // (the register allocation's choice)
+    // the last tile's start: t0 either way, but holding t0 to here cost the ALiBi + window variant a spill
+    const int last_t0 = C::CUSTOM_MASK ? t0 : w.kv_lo + (n - 1) * C::TILE_KV;
     zero_v_tail<C>(smem, L::V_OFFSET + stage(n - 1) * L::KV_STAGE, w.kv_hi - last_t0, wg);
     sched.wait_turn();
     issue_pv<C>(o, pa, v_base + stage(n - 1) * L::KV_STAGE);
