@@ -16,7 +16,7 @@ from flashgen.api.custom_mask import custom_mask_bits
 from flashgen.api.staging import extra_offsets
 from flashgen.plan import PlanError, plan_prefill
 from flashgen.plan.mask_tiles import (
-    TILE_EMPTY, TILE_FULL, TILE_PARTIAL, dense_tile_lists, mask_bit_offsets, mask_tile_lists, plan_mask_tiles,
+    TILE_FULL, TILE_PARTIAL, dense_tile_lists, mask_bit_offsets, mask_tile_lists, plan_mask_tiles,
     reorder_tile_lists,
 )
 
