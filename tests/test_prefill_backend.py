@@ -23,9 +23,10 @@ on_hopper = [pytest.mark.cuda, pytest.mark.skipif(not HOPPER, reason="needs a Ho
 ELIGIBLE = [AttentionSpec(d, dtype=dtype, kv_layout=Ragged(), mask=mask)
             for d, dtype, mask in ((64, "bfloat16", Causal()), (128, "bfloat16", NoMask()),
                                    (128, "float16", Causal()), (256, "bfloat16", Causal()))]
+ELIGIBLE_MASKS = [AttentionSpec(128, kv_layout=Ragged(), mask=CustomMask()),
+                  AttentionSpec(128, kv_layout=Paged(16), mask=CustomMask())]
 PORTABLE_ONLY = [
     AttentionSpec(128, kv_layout=Paged(1), mask=Causal()),  # pages of one token: never a TMA box
-    AttentionSpec(128, kv_layout=Ragged(), mask=CustomMask()),
     AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), pos_encoding=RoPE()),
     AttentionSpec(192, head_dim_vo=128, kv_layout=Ragged(), mask=Causal()),
 ]
@@ -43,7 +44,7 @@ def hopper(test):
 # ---------------------------------------------------------------------------------------------- selection (CPU)
 
 
-@pytest.mark.parametrize("spec", ELIGIBLE, ids=lambda s: s.uri)
+@pytest.mark.parametrize("spec", ELIGIBLE + ELIGIBLE_MASKS, ids=lambda s: s.uri)
 def test_auto_picks_sm90_on_hopper_only(spec):
     assert _select_backend(spec, "auto", (9, 0)) == "sm90"
     for capability in ((8, 0), (8, 9), (10, 0), (12, 0), (9, 1)):
@@ -73,7 +74,7 @@ def test_sm90_needs_compute_capability_9_0():
 def test_wrapper_refuses_sm90_before_touching_a_device():
     with pytest.raises(SpecError, match=r"^backend: 'sm90' cannot run this spec \(kv_layout"):
         flashgen.BatchPrefillWrapper(PORTABLE_ONLY[0], backend="sm90")
-    with pytest.raises(SpecError, match=r"^backend: 'sm90' cannot run this spec \(mask"):
+    with pytest.raises(SpecError, match=r"^backend: 'sm90' cannot run this spec \(pos_encoding"):
         flashgen.BatchPrefillWrapper(PORTABLE_ONLY[1], backend="sm90")
     with pytest.raises(ValueError, match="^backend: got 'fa2'"):
         flashgen.BatchPrefillWrapper(ELIGIBLE[0], backend="fa2")

@@ -2,8 +2,11 @@
 the host, plan buffers and the launch.
 
 ``BatchPrefillWrapper`` selects it by itself (``backend="auto"``) on a compute-capability 9.0 GPU for what
-``PrefillSM90Family.check`` accepts (Ragged KV, NoMask / Causal, fp16 / bf16, head_dim == head_dim_vo in
-64 / 128 / 256); v1 plans every request unsplit (one item per (request, 128-row q tile), its whole KV).
+``PrefillSM90Family.check`` accepts (Ragged or paged KV, NoMask / Causal / SlidingWindow / CustomMask, fp16 /
+bf16, head_dim == head_dim_vo in 64 / 128 / 256); it plans every request unsplit (one item per (request,
+128-row q tile), its whole KV). A custom mask becomes a tile list per item (``plan.mask_tiles``): a host mask
+is classified on the host (fully masked tiles skipped, fully visible ones unmasked); a device mask is read
+in place with every tile treated as partial (no sync, no skipping).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import torch
 
 from ..codegen.prefill_sm90 import THREADS, TILE_Q, sm90_smem_bytes, sm90_tile_kv
 from ..plan import PlanError, plan_prefill
-from ..spec import AttentionSpec, Paged
+from ..plan.mask_tiles import plan_mask_tiles
+from ..spec import AttentionSpec, CustomMask, Paged
+from .custom_mask import custom_mask_bits
 from .device import current_stream
 from .kv_inputs import KVView, PageTable, device_page_ids
 from .prefill import BatchPrefillWrapper, Runtime
-from .staging import DeviceBuffer, HostStaging
+from .staging import DeviceBuffer, HostStaging, extra_offsets
 
 _TMA_DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", torch.float16: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"}
 TMA_BOX_COLS = 64  # 64 16-bit values = the 128-byte swizzle span; a head_dim of 128 is two boxes
@@ -77,12 +82,13 @@ class SM90Prefill:
         self._staging = HostStaging(device)
         self._tile_kv = sm90_tile_kv(spec.head_dim)
         self._kernel = None
+        self._mask_held: torch.Tensor | None = None  # a device custom mask, read in place
         self._empty: dict[tuple, torch.Tensor] = {}  # one-row stand-ins for an empty K / V (a map needs an address)
 
     def plan(self, qo: np.ndarray, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime,
              custom_mask, enable_split: bool) -> int:
         """Plan unsplit (``enable_split`` is ignored) and upload; returns the rows of q and out (total_q, or
-        max_total_q in CUDA-graph mode). ``custom_mask`` is always None here (NoMask / Causal specs only)."""
+        max_total_q in CUDA-graph mode). ``custom_mask``: CustomMask specs only (the wrapper checked)."""
         if not runtime.sm_scale > 0:
             raise PlanError(f"sm_scale: the sm90 backend needs sm_scale > 0, got {runtime.sm_scale} "
                             "(backend='portable' takes any value)")
@@ -97,8 +103,13 @@ class SM90Prefill:
             indptr = np.concatenate([indptr, np.full(self.max_batch_size + 1 - indptr.size, indptr[-1], np.int32)])
         ids = table.block_table if table.block_table is not None else table.kv_indices
         extras = {"kv_indptr": indptr}
-        if ids is not None and not ids.is_cuda:  # host page ids travel with the plan, last (the rest keep their place)
-            extras["pages"] = ids.to(torch.int32).contiguous().numpy().ravel()
+        # host page ids travel with the plan after the fixed-length fields
+        pages_host = ids.to(torch.int32).contiguous().numpy().ravel() if ids is not None and not ids.is_cuda else None
+        custom = isinstance(self.spec.mask, CustomMask)
+        if custom:
+            extras = self._mask_extras(plan, qo, table.kv_lens, custom_mask, extras, pages_host)
+        elif pages_host is not None:
+            extras["pages"] = pages_host
         views = self._staging.upload(plan, extras, self._plan_buf)
         if ids is None:
             pages, bt_stride, self._page_ids_held = 0, 0, None
@@ -111,14 +122,45 @@ class SM90Prefill:
             self._load_kernel()
         # persistent CTAs, one an SM, walk the capacity x num_kv_heads work items (the kernel strides over them)
         self._grid = (max(1, min(plan.info.capacity * num_kv_heads, self.num_sms)), 1, 1)
+        base = self._plan_buf.tensor.data_ptr()  # tile_indptr and host mask offsets count from here
+        mask_args = (0, 0, 0, 0) if not custom else (
+            self._mask_held.data_ptr() if self._mask_held is not None else base,
+            views["mask_offset"].data_ptr(), views["tile_indptr"].data_ptr(), base)
         # the params struct after (tma_k, tma_v, q, o, lse)
         self._args = tuple(views[n].data_ptr() for n in ("qo_indptr", "kv_indptr", "kv_len", "request_idx",
                                                          "qo_tile_idx", "kv_start", "kv_end")) + (
             0 if block_table else pages, pages if block_table else 0,
             num_qo_heads, num_qo_heads // num_kv_heads, runtime.sm_scale, plan.info.capacity, num_kv_heads, bt_stride,
-            runtime.window_left, runtime.soft_cap)
+            runtime.window_left, runtime.soft_cap) + mask_args
         self._keep = plan
         return plan.info.max_total_q
+
+    def _mask_extras(self, plan, qo: np.ndarray, kv_lens: np.ndarray, custom_mask, extras: dict,
+                     pages_host: np.ndarray | None) -> dict:
+        """``extras`` followed by a custom mask's: per-request bit offsets and per-item ``tile_indptr`` (fixed
+        lengths in CUDA-graph mode), the host page ids if any, then the tile lists (``plan_mask_tiles``, which
+        re-orders the plan's items) and a host mask's bits. The last two move when re-planning changes the
+        lengths before them, so tile_indptr and a host mask's bit offsets count from the start of the device
+        plan buffer, whose address never changes in CUDA-graph mode. A device mask is held and read in place."""
+        bits = custom_mask_bits(custom_mask, qo, kv_lens)
+        self._mask_held = bits.device
+        indptr, entries = plan_mask_tiles(plan, bits.host, bits.offsets, kv_lens, tile_kv=self._tile_kv)
+        offsets = bits.offsets
+        if self.max_batch_size is not None:
+            offsets = np.concatenate([offsets, np.zeros(self.max_batch_size - offsets.size, np.int64)])
+        out = {**extras, "mask_offset": offsets.astype("<i8").view(np.int32), "tile_indptr": indptr}
+        if pages_host is not None:
+            out["pages"] = pages_host
+        out["tiles"] = entries
+        if bits.host is not None:  # int32 words, the tail zero-filled (the kernel reads whole aligned words)
+            words = np.zeros(-(-bits.host.size // 4) * 4, np.uint8)
+            words[: bits.host.size] = bits.host
+            out["mask"] = words.view("<i4")
+        starts, _ = extra_offsets(plan.numel, {name: values.size for name, values in out.items()})
+        out["tile_indptr"] = (indptr + starts["tiles"]).astype(np.int32)
+        if bits.host is not None:
+            out["mask_offset"] = (offsets + np.int64(starts["mask"]) * 32).astype("<i8").view(np.int32)
+        return out
 
     def _load_kernel(self) -> None:
         from ..jit import build

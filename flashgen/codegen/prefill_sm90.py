@@ -3,9 +3,10 @@
 Scope (``check`` raises ``SpecError`` for the rest): fp16 / bf16 with ``kv_dtype == dtype``, ``head_dim ==
 head_dim_vo`` in {64, 128, 256}, ``Ragged()`` KV or ``Paged(page_size)`` NHD / HND with page sizes the TMA
 loads page by page (multiples of 8 that divide the KV tile or are divided by it: 8 ... 256 and beyond at d <= 128),
-``NoMask()``, ``Causal()`` or ``SlidingWindow()``, no positional encoding or ``ALiBi()`` (not RoPE yet), soft-cap,
-any GQA group (packed rows), unsplit plans
-(``enable_split=False``: every item covers its whole KV).
+``NoMask()``, ``Causal()``, ``SlidingWindow()`` or ``CustomMask()`` (planned tile lists: fully masked KV tiles
+are skipped, fully visible ones run without the element mask), no positional encoding or ``ALiBi()`` (not RoPE
+yet), soft-cap, any GQA group (packed rows), unsplit plans (``enable_split=False``: every item covers its whole
+KV).
 The kernel is ``templates/include/flashgen/sm90/prefill_sm90.cuh``; the runner ``flashgen.api.sm90``.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from ..spec import ALiBi, AttentionSpec, Causal, NoMask, Paged, Ragged, SlidingWindow, SpecError
+from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError
 from .family import EntryPoint, KernelFamily, register, struct
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -42,15 +43,15 @@ def sm90_q_buffers(head_dim: int, elem: int = 2) -> int:
     head_dim 128: 2 x 32 KB + 2 x (32 + 32) KB = 192 KB -> 2; head_dim 256: 2 x 64 + 2 x (32 + 32) = 256 KB -> 1.
     """
     kv = 2 * STAGES * sm90_tile_kv(head_dim) * head_dim * elem
-    return 2 if 2 * TILE_Q * head_dim * elem + kv + 256 + 1024 <= SMEM_LIMIT else 1
+    return 2 if 2 * TILE_Q * head_dim * elem + kv + 384 + 1024 <= SMEM_LIMIT else 1
 
 
 def sm90_smem_bytes(head_dim: int, elem: int = 2) -> int:
-    """Q tiles + STAGES K and V stages + 128 bytes of barriers + 128 of Work slots + 1024 of slack to align the
+    """Q tiles + STAGES K and V stages + 128 bytes of barriers + 256 of Work slots + 1024 of slack to align the
     base to 1024."""
     tile_kv = sm90_tile_kv(head_dim)
     return (sm90_q_buffers(head_dim, elem) * TILE_Q * head_dim * elem + 2 * STAGES * tile_kv * head_dim * elem
-            + 256 + 1024)
+            + 384 + 1024)
 
 
 class PrefillSM90Family(KernelFamily):
@@ -78,9 +79,9 @@ class PrefillSM90Family(KernelFamily):
                                 f"divided by, its {tile}-token KV tile")
         elif not isinstance(layout, Ragged):
             raise SpecError(f"kv_layout: got {layout!r}, prefill_sm90 supports Ragged() or Paged(page_size)")
-        if not isinstance(spec.mask, (NoMask, Causal, SlidingWindow)):
-            raise SpecError(f"mask: got {spec.mask!r}, prefill_sm90 supports NoMask(), Causal() or SlidingWindow() "
-                            "so far")
+        if not isinstance(spec.mask, (NoMask, Causal, SlidingWindow, CustomMask)):
+            raise SpecError(f"mask: got {spec.mask!r}, prefill_sm90 supports NoMask(), Causal(), SlidingWindow() or "
+                            "CustomMask()")
         if spec.pos_encoding is not None and not isinstance(spec.pos_encoding, ALiBi):
             raise SpecError(f"pos_encoding: got {spec.pos_encoding!r}, prefill_sm90 supports None or ALiBi() so far")
 
@@ -104,6 +105,7 @@ class PrefillSM90Family(KernelFamily):
             "THREADS": THREADS,
             "CAUSAL": "true" if isinstance(spec.mask, (Causal, SlidingWindow)) else "false",
             "WINDOW": "true" if isinstance(spec.mask, SlidingWindow) else "false",
+            "CUSTOM_MASK": "true" if isinstance(spec.mask, CustomMask) else "false",
             "ALIBI": "true" if isinstance(spec.pos_encoding, ALiBi) else "false",
             "SOFT_CAP": "true" if spec.soft_cap is not None else "false",
             "PAGED": "true" if paged else "false",
@@ -124,6 +126,9 @@ class PrefillSM90Family(KernelFamily):
             ("int32_t", "num_qo_heads"), ("int32_t", "group_size"), ("float", "sm_scale"),
             ("int32_t", "num_items"), ("int32_t", "num_kv_heads"), ("int32_t", "block_table_stride"),
             ("int32_t", "window_left"), ("float", "soft_cap"),
+            # custom mask: the bits, each request's bit offset into them, each item's tile list (entries
+            # tiles[tile_indptr[item] ..]: tile * 2 + partial); null without one
+            ("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"), (i32, "tile_indptr"), (i32, "tiles"),
         )
         return (EntryPoint("prefill_sm90", params),)
 
