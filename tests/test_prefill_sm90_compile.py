@@ -71,3 +71,35 @@ def test_sm90_params_struct_packs_tensor_maps():
     assert packed[:128] == b"\1" * 128 and packed[128:256] == b"\2" * 128 and len(packed) == layout.size
     assert packed[layout.offsets[-1]: layout.offsets[-1] + 8] == (10).to_bytes(8, "little")
     assert "struct alignas(128) PrefillSM90Params {" in jit.render(SM90_SPECS[0], "prefill_sm90")
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("spec", [
+    AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE()),
+    AttentionSpec(128, kv_layout=Paged(64, "HND"), pos_encoding=RoPE()),
+    AttentionSpec(64, dtype="float16", kv_layout=Ragged(), pos_encoding=RoPE()),
+    AttentionSpec(256, kv_layout=Paged(1), pos_encoding=RoPE()),
+], ids=lambda s: s.uri)
+def test_rope_gather_compiles_without_spills(cache_dir, spec):
+    import flashgen.codegen.rope_gather  # noqa: F401  (registers the family)
+
+    entry = jit.ensure_compiled(spec, "rope_gather", "sm_90a")
+    report = (entry.path / "ptxas.log").read_text()
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    assert spills and not any(spills), f"{entry.uri} spills registers: {report}"  # (sincosf keeps a small stack)
+
+
+def test_rope_specs_run_on_sm90_through_the_pre_pass():
+    from flashgen.codegen.prefill_sm90 import check_sm90_backend
+    from flashgen.codegen.rope_gather import attention_spec
+
+    spec = AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE(), soft_cap=30.0)
+    check_sm90_backend(spec)
+    assert attention_spec(spec) == AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), soft_cap=30.0)
+    with pytest.raises(SpecError):
+        jit.render(spec, "prefill_sm90")  # the kernel itself has no RoPE
+    with pytest.raises(SpecError, match="CUDA-graph"):
+        check_sm90_backend(spec, graph=True)
+    check_sm90_backend(AttentionSpec(128, kv_layout=Paged(5), pos_encoding=RoPE()))  # any page size: the pass gathers
+    with pytest.raises(SpecError, match="head_dim"):
+        check_sm90_backend(AttentionSpec(192, head_dim_vo=128, kv_layout=Ragged(), pos_encoding=RoPE()))

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..codegen import family
-from ..codegen import prefill_sm90 as _sm90_family  # noqa: F401  (registers the prefill_sm90 family)
+from ..codegen.prefill_sm90 import check_sm90_backend  # (importing it registers prefill_sm90 and rope_gather)
 from ..codegen.prefill import (
     prefill_ctas_per_sm, prefill_smem_bytes, prefill_stages, prefill_tile_q, prefill_tiles,
 )
@@ -35,12 +35,12 @@ BACKENDS = ("auto", "portable", "sm90")
 SM90_CAPABILITY = (9, 0)  # the sm90 kernel is built for sm_90a (H100, H200, H20)
 
 
-def _select_backend(spec: AttentionSpec, backend: str, capability) -> str:
+def _select_backend(spec: AttentionSpec, backend: str, capability, graph: bool = False) -> str:
     """The backend that runs ``spec``: ``"portable"`` or ``"sm90"``. ``capability``: the device's compute
     capability ``(major, minor)``, or a function returning it (called only when the answer depends on it).
 
-    ``"auto"`` picks sm90 on a compute-capability 9.0 device when ``family("prefill_sm90").check`` accepts the
-    spec, else portable. ``"sm90"`` on a spec it cannot run raises ``SpecError``, on another device
+    ``"auto"`` picks sm90 on a compute-capability 9.0 device when ``check_sm90_backend`` accepts the spec
+    (``graph``: in CUDA-graph mode), else portable. ``"sm90"`` on a spec it cannot run raises ``SpecError``, on another device
     ``ValueError``; both messages name ``backend`` and say why.
 
     >>> _select_backend(AttentionSpec(128, kv_layout=Ragged(), mask=Causal()), "auto", (9, 0))
@@ -53,7 +53,7 @@ def _select_backend(spec: AttentionSpec, backend: str, capability) -> str:
     if backend == "portable":
         return backend
     try:
-        family("prefill_sm90").check(spec)
+        check_sm90_backend(spec, graph)
     except SpecError as exc:
         if backend == "auto":
             return "portable"
@@ -153,7 +153,8 @@ class BatchPrefillWrapper:
                  device: torch.device | int | None = None, num_sms: int | None = None, backend: str = "auto"):
         self.spec = family("prefill").project(spec)
         self.backend = _select_backend(self.spec, backend,
-                                       lambda: torch.cuda.get_device_capability(_resolve_device(device)))
+                                       lambda: torch.cuda.get_device_capability(_resolve_device(device)),
+                                       graph=use_cuda_graph)
         if self.backend == "portable":
             family("prefill").check(self.spec)
         if use_cuda_graph and not (max_batch_size and max_total_q):

@@ -17,12 +17,14 @@ import numpy as np
 import torch
 
 from ..codegen.prefill_sm90 import THREADS, TILE_Q, sm90_smem_bytes, sm90_tile_kv
+from ..codegen.rope_gather import BLOCK_THREADS as ROPE_THREADS
+from ..codegen.rope_gather import attention_spec
 from ..plan import PlanError, plan_prefill
 from ..plan.mask_tiles import plan_mask_tiles
-from ..spec import AttentionSpec, CustomMask, Paged
+from ..spec import AttentionSpec, CustomMask, Paged, RoPE
 from .custom_mask import custom_mask_bits
 from .device import current_stream
-from .kv_inputs import KVView, PageTable, device_page_ids
+from .kv_inputs import TORCH_DTYPES, KVView, PageTable, device_page_ids
 from .prefill import BatchPrefillWrapper, Runtime
 from .staging import DeviceBuffer, HostStaging, extra_offsets
 
@@ -78,6 +80,11 @@ class SM90Prefill:
     def __init__(self, spec: AttentionSpec, device: torch.device, num_sms: int, graph: tuple[int, int] | None):
         self.spec, self.device, self.num_sms = spec, device, num_sms
         self.max_batch_size, self.max_total_q = graph or (None, None)
+        # RoPE: the rope_gather pre-pass writes rotated q, rotated K and V (ragged) into scratch, and the kernel of
+        # the spec's ragged twin attends over it (check_sm90_backend refuses RoPE in CUDA-graph mode)
+        self.rope = isinstance(spec.pos_encoding, RoPE)
+        self.kernel_spec = attention_spec(spec) if self.rope else spec
+        self._scratch = DeviceBuffer(TORCH_DTYPES[spec.dtype], device, False) if self.rope else None
         self._plan_buf = DeviceBuffer(torch.int32, device, graph is not None)
         self._staging = HostStaging(device)
         self._tile_kv = sm90_tile_kv(spec.head_dim)
@@ -105,6 +112,9 @@ class SM90Prefill:
         extras = {"kv_indptr": indptr}
         # host page ids travel with the plan after the fixed-length fields
         pages_host = ids.to(torch.int32).contiguous().numpy().ravel() if ids is not None and not ids.is_cuda else None
+        if self.rope:  # the kernel reads the ragged scratch; the pre-pass reads the cache through its own table
+            extras = {"kv_indptr": np.concatenate([[0], np.cumsum(table.kv_lens)]).astype(np.int32),
+                      "src_indptr": indptr}
         custom = isinstance(self.spec.mask, CustomMask)
         if custom:
             extras = self._mask_extras(plan, qo, table.kv_lens, custom_mask, extras, pages_host)
@@ -120,6 +130,11 @@ class SM90Prefill:
         block_table = table.block_table is not None
         if self._kernel is None:
             self._load_kernel()
+        if self.rope:
+            self._plan_rope(views, int(qo[-1]), int(table.kv_lens.sum()), int(table.kv_lens.size), num_qo_heads,
+                            num_kv_heads, runtime,
+                            (0 if block_table else pages, pages if block_table else 0, bt_stride))
+            pages, block_table, bt_stride = 0, False, 0  # the kernel's KV is the ragged scratch
         # persistent CTAs, one an SM, walk the capacity x num_kv_heads work items (the kernel strides over them)
         self._grid = (max(1, min(plan.info.capacity * num_kv_heads, self.num_sms)), 1, 1)
         base = self._plan_buf.tensor.data_ptr()  # tile_indptr and host mask offsets count from here
@@ -162,16 +177,43 @@ class SM90Prefill:
             out["mask_offset"] = (offsets + np.int64(starts["mask"]) * 32).astype("<i8").view(np.int32)
         return out
 
+    def _plan_rope(self, views, total_q: int, total_kv: int, batch: int, num_qo_heads: int, num_kv_heads: int,
+                   runtime: Runtime, tables: tuple[int, int, int]) -> None:
+        """Scratch for rotated q, K and V; the scratch K / V tensor maps; the pre-pass's plan-side arguments."""
+        d = self.spec.head_dim
+        q_n, kv_n = total_q * num_qo_heads * d, max(total_kv, 1) * num_kv_heads * d
+        flat = self._scratch.get(q_n + 2 * kv_n + 64, "rope scratch")  # 64: 128-byte alignment of each part
+        align = 128 // flat.element_size()
+        k_at = -(-q_n // align) * align
+        v_at = k_at + -(-kv_n // align) * align
+        self._q_out = flat[:q_n]
+        k_out = flat[k_at: k_at + kv_n].view(max(total_kv, 1), num_kv_heads, d)
+        v_out = flat[v_at: v_at + kv_n].view(max(total_kv, 1), num_kv_heads, d)
+        view = KVView(k_out, v_out, 0, num_kv_heads * d, d, k_out.shape[0])
+        self._scratch_maps = (kv_tensor_map(self.kernel_spec, view, k_out), kv_tensor_map(self.kernel_spec, view, v_out))
+        pairs = (total_q * num_qo_heads + total_kv * num_kv_heads) * (d // 2)
+        self._rope_grid = (max(1, -(-pairs // ROPE_THREADS)), 1, 1)
+        self._rope_outs = (self._q_out.data_ptr(), k_out.data_ptr(), v_out.data_ptr())
+        self._rope_tables = (views["qo_indptr"].data_ptr(), views["src_indptr"].data_ptr(), tables[0], tables[1],
+                             views["kv_len"].data_ptr(), views["kv_indptr"].data_ptr())
+        self._rope_scalars = (total_q, total_kv, tables[2], batch, num_qo_heads, num_kv_heads,
+                              runtime.rope_rcp_scale, runtime.rope_log2_theta)
+
     def _load_kernel(self) -> None:
         from ..jit import build
 
-        self._kernel = build(self.spec, "prefill_sm90", device=self.device.index)
+        if self.rope:
+            self._rope_fn = build(self.spec, "rope_gather", device=self.device.index)["rope_gather"]
+        self._kernel = build(self.kernel_spec, "prefill_sm90", device=self.device.index)
         self._fn = self._kernel["prefill_sm90"]
         self._smem = sm90_smem_bytes(self.spec.head_dim)
         self._fn.set_max_dynamic_shared_memory(self._smem)
 
-    def kv_args(self, kv: KVView) -> tuple[bytes, bytes]:
-        """The TMA descriptors of K and V, bounded by the tensors' own size (the wrapper memoises them)."""
+    def kv_args(self, kv: KVView) -> tuple:
+        """The TMA descriptors of K and V, bounded by the tensors' own size (the wrapper memoises them); with
+        RoPE, the cache's addresses and strides for the pre-pass (the kernel reads the scratch)."""
+        if self.rope:
+            return (kv.k.data_ptr(), kv.v.data_ptr(), kv.stride_page, kv.stride_token, kv.stride_head)
         if kv.k.shape[0] == 0:  # a map needs an address: an empty cache is read through a one-row stand-in
             key = (tuple(kv.k.shape[1:]), kv.k.dtype)
             if key not in self._empty:
@@ -180,9 +222,15 @@ class SM90Prefill:
             return kv_tensor_map(self.spec, kv, stand_in), kv_tensor_map(self.spec, kv, stand_in)
         return kv_tensor_map(self.spec, kv, kv.k), kv_tensor_map(self.spec, kv, kv.v)
 
-    def launch(self, q: torch.Tensor, kv: tuple[bytes, bytes], out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        self._fn.launch(self._grid, (THREADS, 1, 1), self._smem, current_stream(self.device.index), kv[0], kv[1],
-                        q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0, *self._args)
+    def launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        stream = current_stream(self.device.index)
+        q_ptr = q.data_ptr()
+        if self.rope:
+            self._rope_fn.launch(self._rope_grid, (ROPE_THREADS, 1, 1), 0, stream, q_ptr, kv[0], kv[1],
+                                 *self._rope_outs, *self._rope_tables, *kv[2:], *self._rope_scalars)
+            kv, q_ptr = self._scratch_maps, self._rope_outs[0]
+        self._fn.launch(self._grid, (THREADS, 1, 1), self._smem, stream, kv[0], kv[1],
+                        q_ptr, out.data_ptr(), lse.data_ptr() if lse is not None else 0, *self._args)
 
 
 class PrefillSM90(BatchPrefillWrapper):

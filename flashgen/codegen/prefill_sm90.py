@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 
-from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError
-from .family import EntryPoint, KernelFamily, register, struct
+from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
+from .family import EntryPoint, KernelFamily, family, register, struct
+from .rope_gather import attention_spec
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 SM90_HEAD_DIMS = (64, 128, 256)
@@ -134,3 +135,17 @@ class PrefillSM90Family(KernelFamily):
 
 
 register(PrefillSM90Family())
+
+
+def check_sm90_backend(spec: AttentionSpec, graph: bool = False) -> None:
+    """Raise ``SpecError`` unless the sm90 backend runs ``spec``: the kernel itself, or for a RoPE spec the
+    ``rope_gather`` pre-pass followed by the kernel of its ragged twin (``rope_gather.attention_spec``); that
+    pair is not CUDA-graph safe yet (``graph``): the pre-pass grid and totals depend on the plan."""
+    if not isinstance(spec.pos_encoding, RoPE):
+        family("prefill_sm90").check(spec)
+        return
+    if graph:
+        raise SpecError("pos_encoding: RoPE on the sm90 backend is not CUDA-graph safe yet (use_cuda_graph=True); "
+                        "backend='portable' runs it in a graph")
+    family("rope_gather").check(spec)
+    family("prefill_sm90").check(attention_spec(spec))

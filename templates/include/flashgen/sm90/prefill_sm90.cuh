@@ -41,6 +41,8 @@ struct Work {
   bool valid;
 };
 
+constexpr int Q_LOADERS = 64;  // warps 2-3 of the producer warpgroup (a multiple of a Q row's 16-byte chunks)
+
 template <class C>
 struct Layout {
   static constexpr int D = C::HEAD_DIM, BLOCKS = D / 64;  // 64-column blocks of 128-byte rows
@@ -61,11 +63,11 @@ struct Layout {
                 "wgmma N of S");
   static_assert((4 * C::STAGES + 2 * C::Q_BUFFERS) * 8 <= BAR_BYTES, "barriers fit their region");
   static_assert(C::Q_BUFFERS == 1 || C::Q_BUFFERS == 2, "one or two Q buffers");
+  static_assert(Q_LOADERS % (D / 8) == 0, "the Q loaders cover whole rows of 16-byte chunks");
   static_assert(C::Q_BUFFERS * sizeof(Work) <= WORK_BYTES, "the Work slots fit their region");
   static_assert(C::PRODUCER_REGS * 128 + C::CONSUMER_REGS * 256 <= 65536, "register budgets fit the SM");
 };
 
-constexpr int Q_LOADERS = 64;  // warps 2-3 of the producer warpgroup
 
 // The barrier ring: full and empty barriers of K and V for each stage, then Q's full and empty; 8 bytes each.
 template <class C>
@@ -223,13 +225,16 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
     uint8_t* q_dst = q_smem + buf * L::Q_BYTES;
     // every chunk in flight at once (cp.async, no registers held): one memory round trip, where loads through
     // registers (40 of them) kept two in flight and took ~16 round trips for the tile
+    // a thread keeps one 16-byte column chunk c and walks rows tid / CHUNKS, + Q_LOADERS / CHUNKS, ...
+    const int c = tid % CHUNKS;
+    uint8_t* col = q_dst + (c / 8) * L::Q_BLOCK;
+    const auto* src0 = p.q + (int64_t(w.token0) * p.num_qo_heads + w.kv_head * w.group) * L::D + c * 8;
 #pragma unroll 1
-    for (int job = tid; job < C::TILE_Q * CHUNKS; job += Q_LOADERS) {
-      const int r = job / CHUNKS, c = job % CHUNKS, prow = w.row0 + r;
+    for (int r = tid / CHUNKS; r < C::TILE_Q; r += Q_LOADERS / CHUNKS) {
+      const int prow = w.row0 + r;
       const bool past = prow >= w.rows_total;  // rows past the request: zeros, the source not read
-      const int64_t qo_row =
-          past ? 0 : int64_t(w.token0 + prow / w.group) * p.num_qo_heads + w.kv_head * w.group + prow % w.group;
-      cp_async_16(q_dst + (c / 8) * L::Q_BLOCK + r * 128 + (swizzle(r, c % 8) * 16), p.q + qo_row * L::D + c * 8, past);
+      const int64_t at = past ? 0 : (int64_t(prow / w.group) * p.num_qo_heads + prow % w.group) * L::D;
+      cp_async_16(col + r * 128 + (swizzle(r, c % 8) * 16), src0 + at, past);
     }
     cp_async_commit();
     cp_async_wait<0>();   // this thread's copies have landed (generic proxy) ...
