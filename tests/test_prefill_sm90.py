@@ -82,8 +82,8 @@ def test_sm_scale_and_empty_batch():
 
 
 def test_unsupported_specs_are_refused():
-    from flashgen import CustomMask, Paged, SpecError
+    from flashgen import Paged, RoPE, SpecError
 
-    for spec in (AttentionSpec(128, kv_layout=Paged(24)), AttentionSpec(128, kv_layout=Ragged(), mask=CustomMask())):
+    for spec in (AttentionSpec(128, kv_layout=Paged(24)), AttentionSpec(128, kv_layout=Ragged(), pos_encoding=RoPE())):
         with pytest.raises(SpecError):
             PrefillSM90(spec)

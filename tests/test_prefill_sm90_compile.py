@@ -20,6 +20,13 @@ SM90_SPECS = [
     AttentionSpec(128, kv_layout=Ragged(), pos_encoding=ALiBi(), soft_cap=30.0),
     AttentionSpec(256, kv_layout=Ragged(), mask=SlidingWindow(64), soft_cap=20.0),
     AttentionSpec(64, kv_layout=Paged(64, "HND"), mask=Causal(), pos_encoding=ALiBi()),
+    AttentionSpec(128, kv_layout=Ragged(), mask=SlidingWindow(50), pos_encoding=ALiBi(), soft_cap=20.0),  # near the edge
+] + [  # custom masks: tile lists, mask bits read for partial tiles
+    AttentionSpec(d, dtype=dtype, kv_layout=layout, mask=CustomMask())
+    for d, dtype, layout in ((128, "bfloat16", Ragged()), (128, "float16", Paged(16)), (64, "bfloat16", Ragged()),
+                             (256, "bfloat16", Ragged()), (256, "float16", Paged(32, "HND")))
+] + [
+    AttentionSpec(128, kv_layout=Paged(16), mask=CustomMask(), pos_encoding=ALiBi(), soft_cap=30.0),
 ]
 BUILD_SECONDS = 60  # per variant on the 2-core build machine (about 1 s measured with nvcc 13.0)
 
@@ -43,7 +50,6 @@ def test_sm90_variant_compiles_without_spills(cache_dir, spec):
     AttentionSpec(128, kv_layout=Paged(1)),
     AttentionSpec(128, kv_layout=Paged(24)),
     AttentionSpec(256, kv_layout=Paged(96)),
-    AttentionSpec(128, kv_layout=Ragged(), mask=CustomMask()),
     AttentionSpec(128, kv_layout=Ragged(), pos_encoding=RoPE()),
     AttentionSpec(192, head_dim_vo=128, kv_layout=Ragged()),
 ], ids=lambda s: s.uri)
@@ -53,10 +59,47 @@ def test_sm90_unsupported_specs_are_refused(spec):
 
 
 def test_sm90_params_struct_packs_tensor_maps():
+    """The tensor maps first; 12 pointers, 8 scalars, then the custom mask's 4 pointers (the runner's argument
+    tuple in this order); the struct 128-byte aligned (CUtensorMap), rendered alignas(128)."""
     from flashgen.codegen import family
 
     (entry,) = family("prefill_sm90").entry_points(SM90_SPECS[0])
     layout = entry.params
-    assert layout.offsets[:2] == (0, 128) and layout.size % 64 == 0
-    packed = layout.packer().pack(b"\1" * 128, b"\2" * 128, *([0] * (len(layout.fields) - 10)), 1, 1, 0.5, 1, 1, 0, 0, 0.0)
+    assert layout.offsets[:2] == (0, 128) and layout.size % 128 == 0 and layout.align == 128
+    assert [f.name for f in layout.fields[-4:]] == ["custom_mask", "mask_offset", "tile_indptr", "tiles"]
+    packed = layout.packer().pack(b"\1" * 128, b"\2" * 128, *([0] * 12), 1, 1, 0.5, 1, 1, 0, 0, 0.0, 7, 8, 9, 10)
     assert packed[:128] == b"\1" * 128 and packed[128:256] == b"\2" * 128 and len(packed) == layout.size
+    assert packed[layout.offsets[-1]: layout.offsets[-1] + 8] == (10).to_bytes(8, "little")
+    assert "struct alignas(128) PrefillSM90Params {" in jit.render(SM90_SPECS[0], "prefill_sm90")
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("spec", [
+    AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE()),
+    AttentionSpec(128, kv_layout=Paged(64, "HND"), pos_encoding=RoPE()),
+    AttentionSpec(64, dtype="float16", kv_layout=Ragged(), pos_encoding=RoPE()),
+    AttentionSpec(256, kv_layout=Paged(1), pos_encoding=RoPE()),
+], ids=lambda s: s.uri)
+def test_rope_gather_compiles_without_spills(cache_dir, spec):
+    import flashgen.codegen.rope_gather  # noqa: F401  (registers the family)
+
+    entry = jit.ensure_compiled(spec, "rope_gather", "sm_90a")
+    report = (entry.path / "ptxas.log").read_text()
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    assert spills and not any(spills), f"{entry.uri} spills registers: {report}"  # (sincosf keeps a small stack)
+
+
+def test_rope_specs_run_on_sm90_through_the_pre_pass():
+    from flashgen.codegen.prefill_sm90 import check_sm90_backend
+    from flashgen.codegen.rope_gather import attention_spec
+
+    spec = AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE(), soft_cap=30.0)
+    check_sm90_backend(spec)
+    assert attention_spec(spec) == AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), soft_cap=30.0)
+    with pytest.raises(SpecError):
+        jit.render(spec, "prefill_sm90")  # the kernel itself has no RoPE
+    with pytest.raises(SpecError, match="CUDA-graph"):
+        check_sm90_backend(spec, graph=True)
+    check_sm90_backend(AttentionSpec(128, kv_layout=Paged(5), pos_encoding=RoPE()))  # any page size: the pass gathers
+    with pytest.raises(SpecError, match="head_dim"):
+        check_sm90_backend(AttentionSpec(192, head_dim_vo=128, kv_layout=Ragged(), pos_encoding=RoPE()))

@@ -3,8 +3,8 @@
 Two backends run a plan. ``portable`` is the mma.sync kernel (family ``prefill``): every spec the family
 accepts, split-KV plans, any GPU flashgen targets. ``sm90`` is the Hopper kernel (family ``prefill_sm90``,
 runner in ``flashgen.api.sm90``): wgmma + TMA, sm_90a only, the specs ``PrefillSM90Family.check`` accepts
-(so far ragged KV or pages of a multiple of 8 tokens, NoMask / Causal, fp16 / bf16, head_dim == head_dim_vo
-in 64 / 128 / 256), unsplit plans. The
+(so far ragged KV or pages of a multiple of 8 tokens, NoMask / Causal / SlidingWindow / CustomMask, ALiBi,
+soft-cap, fp16 / bf16, head_dim == head_dim_vo in 64 / 128 / 256), unsplit plans. The
 wrapper owns what both share (argument checks, page-table intake, runtime values, q / out / lse, the memo of
 validated KV caches); a backend owns its plan buffers and its launch.
 """
@@ -18,13 +18,14 @@ import numpy as np
 import torch
 
 from ..codegen import family
-from ..codegen import prefill_sm90 as _sm90_family  # noqa: F401  (registers the prefill_sm90 family)
+from ..codegen.prefill_sm90 import check_sm90_backend  # (importing it registers prefill_sm90 and rope_gather)
 from ..codegen.prefill import (
     prefill_ctas_per_sm, prefill_smem_bytes, prefill_stages, prefill_tile_q, prefill_tiles,
 )
 from ..plan import PlanError, host_array, plan_prefill
 from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Ragged, RoPE, SlidingWindow, SpecError
 from .checks import check_tensor
+from .custom_mask import custom_mask_bits
 from .device import current_stream
 from .kv_inputs import TORCH_DTYPES, KVView, PageTable, kv_view, page_ids_pointer, page_table
 from .staging import DeviceBuffer
@@ -34,12 +35,12 @@ BACKENDS = ("auto", "portable", "sm90")
 SM90_CAPABILITY = (9, 0)  # the sm90 kernel is built for sm_90a (H100, H200, H20)
 
 
-def _select_backend(spec: AttentionSpec, backend: str, capability) -> str:
+def _select_backend(spec: AttentionSpec, backend: str, capability, graph: bool = False) -> str:
     """The backend that runs ``spec``: ``"portable"`` or ``"sm90"``. ``capability``: the device's compute
     capability ``(major, minor)``, or a function returning it (called only when the answer depends on it).
 
-    ``"auto"`` picks sm90 on a compute-capability 9.0 device when ``family("prefill_sm90").check`` accepts the
-    spec, else portable. ``"sm90"`` on a spec it cannot run raises ``SpecError``, on another device
+    ``"auto"`` picks sm90 on a compute-capability 9.0 device when ``check_sm90_backend`` accepts the spec
+    (``graph``: in CUDA-graph mode), else portable. ``"sm90"`` on a spec it cannot run raises ``SpecError``, on another device
     ``ValueError``; both messages name ``backend`` and say why.
 
     >>> _select_backend(AttentionSpec(128, kv_layout=Ragged(), mask=Causal()), "auto", (9, 0))
@@ -52,7 +53,7 @@ def _select_backend(spec: AttentionSpec, backend: str, capability) -> str:
     if backend == "portable":
         return backend
     try:
-        family("prefill_sm90").check(spec)
+        check_sm90_backend(spec, graph)
     except SpecError as exc:
         if backend == "auto":
             return "portable"
@@ -142,8 +143,8 @@ class BatchPrefillWrapper:
 
     ``backend``: ``"auto"`` (default) runs the Hopper kernel (``"sm90"``) on a compute-capability 9.0 GPU
     when it supports the spec (``family("prefill_sm90").check``; so far ragged KV or pages of a multiple of
-    8 tokens, NoMask / Causal, fp16 / bf16, head_dim == head_dim_vo in 64 / 128 / 256, no RoPE / ALiBi /
-    soft-cap), else the ``"portable"`` kernel; naming one forces it (an ``"sm90"`` it cannot honour raises).
+    8 tokens, NoMask / Causal / SlidingWindow / CustomMask, fp16 / bf16, head_dim == head_dim_vo in 64 / 128 /
+    256, no RoPE), else the ``"portable"`` kernel; naming one forces it (an ``"sm90"`` it cannot honour raises).
     ``wrapper.backend`` says which runs.
     """
 
@@ -152,7 +153,8 @@ class BatchPrefillWrapper:
                  device: torch.device | int | None = None, num_sms: int | None = None, backend: str = "auto"):
         self.spec = family("prefill").project(spec)
         self.backend = _select_backend(self.spec, backend,
-                                       lambda: torch.cuda.get_device_capability(_resolve_device(device)))
+                                       lambda: torch.cuda.get_device_capability(_resolve_device(device)),
+                                       graph=use_cuda_graph)
         if self.backend == "portable":
             family("prefill").check(self.spec)
         if use_cuda_graph and not (max_batch_size and max_total_q):
@@ -323,31 +325,12 @@ class _PortablePrefill:
     def _custom_mask(self, custom_mask, qo: np.ndarray, kv_lens: np.ndarray) -> tuple[int, int]:
         if not isinstance(self.spec.mask, CustomMask):
             return _NULL, _NULL  # (a mask given to another spec was refused by the wrapper)
-        if custom_mask is None:
-            raise PlanError("custom_mask: required by a CustomMask spec")
-        sizes = np.diff(qo).astype(np.int64) * kv_lens.astype(np.int64)
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if sizes.size else np.zeros(0, np.int64)
-        need = -(-int(sizes.sum()) // 8)
-        if isinstance(custom_mask, (list, tuple)):
-            for b, m in enumerate(custom_mask):
-                if tuple(np.shape(m)) != (int(qo[b + 1] - qo[b]), int(kv_lens[b])):
-                    raise PlanError(f"custom_mask[{b}]: shape {tuple(np.shape(m))}, expected "
-                                    f"{(int(qo[b + 1] - qo[b]), int(kv_lens[b]))} (qo_len, kv_len)")
-            bits = [np.asarray(torch.as_tensor(m).cpu(), dtype=bool).reshape(-1) for m in custom_mask]
-            custom_mask = np.packbits(np.concatenate(bits) if bits else np.zeros(0, bool), bitorder="little")
-        if isinstance(custom_mask, torch.Tensor) and custom_mask.is_cuda:
-            if custom_mask.dtype != torch.uint8 or custom_mask.dim() != 1 or not custom_mask.is_contiguous():
-                raise PlanError(f"custom_mask: expected contiguous uint8 [n] packed bits, got {custom_mask.dtype} "
-                                f"{tuple(custom_mask.shape)}")
-            if custom_mask.numel() < need:
-                raise PlanError(f"custom_mask: {custom_mask.numel()} bytes, expected {need} (sum of qo_len * kv_len bits)")
-            self._keep_mask, mask_ptr = custom_mask, custom_mask.data_ptr()
+        bits = custom_mask_bits(custom_mask, qo, kv_lens)
+        if bits.device is not None:
+            self._keep_mask, mask_ptr = bits.device, bits.device.data_ptr()
         else:
-            packed = np.asarray(custom_mask.cpu() if isinstance(custom_mask, torch.Tensor) else custom_mask)
-            if packed.dtype != np.uint8 or packed.ndim != 1 or packed.size < need:
-                raise PlanError(f"custom_mask: expected uint8 [{need}] packed bits, got {packed.dtype} {packed.shape}")
-            mask_ptr = self._copy("mask", packed, 0)
-        return mask_ptr, self._copy("mask_offset", offsets, self.max_batch_size or 0)
+            mask_ptr = self._copy("mask", bits.host, 0)
+        return mask_ptr, self._copy("mask_offset", bits.offsets, self.max_batch_size or 0)
 
     def _load_kernel(self) -> None:
         from ..jit import build

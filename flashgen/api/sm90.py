@@ -2,8 +2,11 @@
 the host, plan buffers and the launch.
 
 ``BatchPrefillWrapper`` selects it by itself (``backend="auto"``) on a compute-capability 9.0 GPU for what
-``PrefillSM90Family.check`` accepts (Ragged KV, NoMask / Causal, fp16 / bf16, head_dim == head_dim_vo in
-64 / 128 / 256); v1 plans every request unsplit (one item per (request, 128-row q tile), its whole KV).
+``PrefillSM90Family.check`` accepts (Ragged or paged KV, NoMask / Causal / SlidingWindow / CustomMask, fp16 /
+bf16, head_dim == head_dim_vo in 64 / 128 / 256); it plans every request unsplit (one item per (request,
+128-row q tile), its whole KV). A custom mask becomes a tile list per item (``plan.mask_tiles``): a host mask
+is classified on the host (fully masked tiles skipped, fully visible ones unmasked); a device mask is read
+in place with every tile treated as partial (no sync, no skipping).
 """
 
 from __future__ import annotations
@@ -14,12 +17,16 @@ import numpy as np
 import torch
 
 from ..codegen.prefill_sm90 import THREADS, TILE_Q, sm90_smem_bytes, sm90_tile_kv
+from ..codegen.rope_gather import BLOCK_THREADS as ROPE_THREADS
+from ..codegen.rope_gather import attention_spec
 from ..plan import PlanError, plan_prefill
-from ..spec import AttentionSpec, Paged
+from ..plan.mask_tiles import plan_mask_tiles
+from ..spec import AttentionSpec, CustomMask, Paged, RoPE
+from .custom_mask import custom_mask_bits
 from .device import current_stream
-from .kv_inputs import KVView, PageTable, device_page_ids
+from .kv_inputs import TORCH_DTYPES, KVView, PageTable, device_page_ids
 from .prefill import BatchPrefillWrapper, Runtime
-from .staging import DeviceBuffer, HostStaging
+from .staging import DeviceBuffer, HostStaging, extra_offsets
 
 _TMA_DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", torch.float16: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"}
 TMA_BOX_COLS = 64  # 64 16-bit values = the 128-byte swizzle span; a head_dim of 128 is two boxes
@@ -73,16 +80,22 @@ class SM90Prefill:
     def __init__(self, spec: AttentionSpec, device: torch.device, num_sms: int, graph: tuple[int, int] | None):
         self.spec, self.device, self.num_sms = spec, device, num_sms
         self.max_batch_size, self.max_total_q = graph or (None, None)
+        # RoPE: the rope_gather pre-pass writes rotated q, rotated K and V (ragged) into scratch, and the kernel of
+        # the spec's ragged twin attends over it (check_sm90_backend refuses RoPE in CUDA-graph mode)
+        self.rope = isinstance(spec.pos_encoding, RoPE)
+        self.kernel_spec = attention_spec(spec) if self.rope else spec
+        self._scratch = DeviceBuffer(TORCH_DTYPES[spec.dtype], device, False) if self.rope else None
         self._plan_buf = DeviceBuffer(torch.int32, device, graph is not None)
         self._staging = HostStaging(device)
         self._tile_kv = sm90_tile_kv(spec.head_dim)
         self._kernel = None
+        self._mask_held: torch.Tensor | None = None  # a device custom mask, read in place
         self._empty: dict[tuple, torch.Tensor] = {}  # one-row stand-ins for an empty K / V (a map needs an address)
 
     def plan(self, qo: np.ndarray, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime,
              custom_mask, enable_split: bool) -> int:
         """Plan unsplit (``enable_split`` is ignored) and upload; returns the rows of q and out (total_q, or
-        max_total_q in CUDA-graph mode). ``custom_mask`` is always None here (NoMask / Causal specs only)."""
+        max_total_q in CUDA-graph mode). ``custom_mask``: CustomMask specs only (the wrapper checked)."""
         if not runtime.sm_scale > 0:
             raise PlanError(f"sm_scale: the sm90 backend needs sm_scale > 0, got {runtime.sm_scale} "
                             "(backend='portable' takes any value)")
@@ -97,8 +110,16 @@ class SM90Prefill:
             indptr = np.concatenate([indptr, np.full(self.max_batch_size + 1 - indptr.size, indptr[-1], np.int32)])
         ids = table.block_table if table.block_table is not None else table.kv_indices
         extras = {"kv_indptr": indptr}
-        if ids is not None and not ids.is_cuda:  # host page ids travel with the plan, last (the rest keep their place)
-            extras["pages"] = ids.to(torch.int32).contiguous().numpy().ravel()
+        # host page ids travel with the plan after the fixed-length fields
+        pages_host = ids.to(torch.int32).contiguous().numpy().ravel() if ids is not None and not ids.is_cuda else None
+        if self.rope:  # the kernel reads the ragged scratch; the pre-pass reads the cache through its own table
+            extras = {"kv_indptr": np.concatenate([[0], np.cumsum(table.kv_lens)]).astype(np.int32),
+                      "src_indptr": indptr}
+        custom = isinstance(self.spec.mask, CustomMask)
+        if custom:
+            extras = self._mask_extras(plan, qo, table.kv_lens, custom_mask, extras, pages_host)
+        elif pages_host is not None:
+            extras["pages"] = pages_host
         views = self._staging.upload(plan, extras, self._plan_buf)
         if ids is None:
             pages, bt_stride, self._page_ids_held = 0, 0, None
@@ -109,27 +130,90 @@ class SM90Prefill:
         block_table = table.block_table is not None
         if self._kernel is None:
             self._load_kernel()
+        if self.rope:
+            self._plan_rope(views, int(qo[-1]), int(table.kv_lens.sum()), int(table.kv_lens.size), num_qo_heads,
+                            num_kv_heads, runtime,
+                            (0 if block_table else pages, pages if block_table else 0, bt_stride))
+            pages, block_table, bt_stride = 0, False, 0  # the kernel's KV is the ragged scratch
         # persistent CTAs, one an SM, walk the capacity x num_kv_heads work items (the kernel strides over them)
         self._grid = (max(1, min(plan.info.capacity * num_kv_heads, self.num_sms)), 1, 1)
+        base = self._plan_buf.tensor.data_ptr()  # tile_indptr and host mask offsets count from here
+        mask_args = (0, 0, 0, 0) if not custom else (
+            self._mask_held.data_ptr() if self._mask_held is not None else base,
+            views["mask_offset"].data_ptr(), views["tile_indptr"].data_ptr(), base)
         # the params struct after (tma_k, tma_v, q, o, lse)
         self._args = tuple(views[n].data_ptr() for n in ("qo_indptr", "kv_indptr", "kv_len", "request_idx",
                                                          "qo_tile_idx", "kv_start", "kv_end")) + (
             0 if block_table else pages, pages if block_table else 0,
             num_qo_heads, num_qo_heads // num_kv_heads, runtime.sm_scale, plan.info.capacity, num_kv_heads, bt_stride,
-            runtime.window_left, runtime.soft_cap)
+            runtime.window_left, runtime.soft_cap) + mask_args
         self._keep = plan
         return plan.info.max_total_q
+
+    def _mask_extras(self, plan, qo: np.ndarray, kv_lens: np.ndarray, custom_mask, extras: dict,
+                     pages_host: np.ndarray | None) -> dict:
+        """``extras`` followed by a custom mask's: per-request bit offsets and per-item ``tile_indptr`` (fixed
+        lengths in CUDA-graph mode), the host page ids if any, then the tile lists (``plan_mask_tiles``, which
+        re-orders the plan's items) and a host mask's bits. The last two move when re-planning changes the
+        lengths before them, so tile_indptr and a host mask's bit offsets count from the start of the device
+        plan buffer, whose address never changes in CUDA-graph mode. A device mask is held and read in place."""
+        bits = custom_mask_bits(custom_mask, qo, kv_lens)
+        self._mask_held = bits.device
+        indptr, entries = plan_mask_tiles(plan, bits.host, bits.offsets, kv_lens, tile_kv=self._tile_kv)
+        offsets = bits.offsets
+        if self.max_batch_size is not None:
+            offsets = np.concatenate([offsets, np.zeros(self.max_batch_size - offsets.size, np.int64)])
+        out = {**extras, "mask_offset": offsets.astype("<i8").view(np.int32), "tile_indptr": indptr}
+        if pages_host is not None:
+            out["pages"] = pages_host
+        out["tiles"] = entries
+        if bits.host is not None:  # int32 words, the tail zero-filled (the kernel reads whole aligned words)
+            words = np.zeros(-(-bits.host.size // 4) * 4, np.uint8)
+            words[: bits.host.size] = bits.host
+            out["mask"] = words.view("<i4")
+        starts, _ = extra_offsets(plan.numel, {name: values.size for name, values in out.items()})
+        out["tile_indptr"] = (indptr + starts["tiles"]).astype(np.int32)
+        if bits.host is not None:
+            out["mask_offset"] = (offsets + np.int64(starts["mask"]) * 32).astype("<i8").view(np.int32)
+        return out
+
+    def _plan_rope(self, views, total_q: int, total_kv: int, batch: int, num_qo_heads: int, num_kv_heads: int,
+                   runtime: Runtime, tables: tuple[int, int, int]) -> None:
+        """Scratch for rotated q, K and V; the scratch K / V tensor maps; the pre-pass's plan-side arguments."""
+        d = self.spec.head_dim
+        q_n, kv_n = total_q * num_qo_heads * d, max(total_kv, 1) * num_kv_heads * d
+        flat = self._scratch.get(q_n + 2 * kv_n + 64, "rope scratch")  # 64: 128-byte alignment of each part
+        align = 128 // flat.element_size()
+        k_at = -(-q_n // align) * align
+        v_at = k_at + -(-kv_n // align) * align
+        self._q_out = flat[:q_n]
+        k_out = flat[k_at: k_at + kv_n].view(max(total_kv, 1), num_kv_heads, d)
+        v_out = flat[v_at: v_at + kv_n].view(max(total_kv, 1), num_kv_heads, d)
+        view = KVView(k_out, v_out, 0, num_kv_heads * d, d, k_out.shape[0])
+        self._scratch_maps = (kv_tensor_map(self.kernel_spec, view, k_out), kv_tensor_map(self.kernel_spec, view, v_out))
+        pairs = (total_q * num_qo_heads + total_kv * num_kv_heads) * (d // 2)
+        self._rope_grid = (max(1, -(-pairs // ROPE_THREADS)), 1, 1)
+        self._rope_outs = (self._q_out.data_ptr(), k_out.data_ptr(), v_out.data_ptr())
+        self._rope_tables = (views["qo_indptr"].data_ptr(), views["src_indptr"].data_ptr(), tables[0], tables[1],
+                             views["kv_len"].data_ptr(), views["kv_indptr"].data_ptr())
+        self._rope_scalars = (total_q, total_kv, tables[2], batch, num_qo_heads, num_kv_heads,
+                              runtime.rope_rcp_scale, runtime.rope_log2_theta)
 
     def _load_kernel(self) -> None:
         from ..jit import build
 
-        self._kernel = build(self.spec, "prefill_sm90", device=self.device.index)
+        if self.rope:
+            self._rope_fn = build(self.spec, "rope_gather", device=self.device.index)["rope_gather"]
+        self._kernel = build(self.kernel_spec, "prefill_sm90", device=self.device.index)
         self._fn = self._kernel["prefill_sm90"]
         self._smem = sm90_smem_bytes(self.spec.head_dim)
         self._fn.set_max_dynamic_shared_memory(self._smem)
 
-    def kv_args(self, kv: KVView) -> tuple[bytes, bytes]:
-        """The TMA descriptors of K and V, bounded by the tensors' own size (the wrapper memoises them)."""
+    def kv_args(self, kv: KVView) -> tuple:
+        """The TMA descriptors of K and V, bounded by the tensors' own size (the wrapper memoises them); with
+        RoPE, the cache's addresses and strides for the pre-pass (the kernel reads the scratch)."""
+        if self.rope:
+            return (kv.k.data_ptr(), kv.v.data_ptr(), kv.stride_page, kv.stride_token, kv.stride_head)
         if kv.k.shape[0] == 0:  # a map needs an address: an empty cache is read through a one-row stand-in
             key = (tuple(kv.k.shape[1:]), kv.k.dtype)
             if key not in self._empty:
@@ -138,9 +222,15 @@ class SM90Prefill:
             return kv_tensor_map(self.spec, kv, stand_in), kv_tensor_map(self.spec, kv, stand_in)
         return kv_tensor_map(self.spec, kv, kv.k), kv_tensor_map(self.spec, kv, kv.v)
 
-    def launch(self, q: torch.Tensor, kv: tuple[bytes, bytes], out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        self._fn.launch(self._grid, (THREADS, 1, 1), self._smem, current_stream(self.device.index), kv[0], kv[1],
-                        q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0, *self._args)
+    def launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        stream = current_stream(self.device.index)
+        q_ptr = q.data_ptr()
+        if self.rope:
+            self._rope_fn.launch(self._rope_grid, (ROPE_THREADS, 1, 1), 0, stream, q_ptr, kv[0], kv[1],
+                                 *self._rope_outs, *self._rope_tables, *kv[2:], *self._rope_scalars)
+            kv, q_ptr = self._scratch_maps, self._rope_outs[0]
+        self._fn.launch(self._grid, (THREADS, 1, 1), self._smem, stream, kv[0], kv[1],
+                        q_ptr, out.data_ptr(), lse.data_ptr() if lse is not None else 0, *self._args)
 
 
 class PrefillSM90(BatchPrefillWrapper):

@@ -11,6 +11,21 @@ from ..plan import Plan, PlanError
 _ALIGN = 4  # int32 elements: 16-byte aligned extra arrays
 
 
+def extra_offsets(plan_numel: int, sizes: dict[str, int]) -> tuple[dict[str, int], int]:
+    """Where ``HostStaging.upload`` puts extras of these sizes (int32 elements), in order after the plan, each
+    16-byte aligned: ``({name: offset}, end)``, offsets from the start of the buffer.
+
+    >>> extra_offsets(10, {"a": 3, "b": 5})
+    ({'a': 12, 'b': 16}, 24)
+    """
+    offset = -(-plan_numel // _ALIGN) * _ALIGN
+    starts = {}
+    for name, size in sizes.items():
+        starts[name] = offset
+        offset += -(-size // _ALIGN) * _ALIGN
+    return starts, offset
+
+
 class DeviceBuffer:
     """A device buffer that grows on demand, or (CUDA-graph mode) is sized once and never moves."""
 
@@ -60,12 +75,10 @@ class HostStaging:
 
     def upload(self, plan: Plan, extras: dict[str, np.ndarray], device_buffer) -> dict[str, torch.Tensor]:
         """Append ``extras`` (int32-convertible 1-D arrays) after the plan in its host buffer and copy both to
-        the device in one async copy; returns device views of every plan field and extra."""
-        offset = -(-plan.numel // _ALIGN) * _ALIGN
-        spans = {}
-        for name, values in extras.items():
-            spans[name] = (offset, values.size)
-            offset += -(-values.size // _ALIGN) * _ALIGN
+        the device in one async copy; returns device views of every plan field and extra. The extras land
+        where ``extra_offsets`` says."""
+        starts, offset = extra_offsets(plan.numel, {name: values.size for name, values in extras.items()})
+        spans = {name: (starts[name], values.size) for name, values in extras.items()}
         host = self._buffers[self._turn]
         if host.numel() < offset:  # grow, keeping the plan already written
             grown = torch.empty(offset * 2, dtype=torch.int32, pin_memory=True)

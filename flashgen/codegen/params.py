@@ -19,8 +19,10 @@ _CTYPES = {
     "uint32_t": ("I", 4, 4),
     "float": ("f", 4, 4),
     "double": ("d", 8, 8),
-    # TMA descriptor (cuda.h), filled with the 128 opaque bytes of cuTensorMapEncodeTiled; 64-byte aligned
-    "CUtensorMap": ("128s", 128, 64),
+    # TMA descriptor (cuda.h), filled with the 128 opaque bytes of cuTensorMapEncodeTiled; 128-byte aligned as
+    # CUDA 13's cuda.h declares it (CUDA 12's says 64): a struct holding one is rendered alignas(128), so its size
+    # is the same under either toolkit
+    "CUtensorMap": ("128s", 128, 128),
 }
 
 
@@ -45,6 +47,7 @@ class ParamsLayout:
     offsets: tuple[int, ...]
     size: int
     format: str
+    align: int = 8
 
     @classmethod
     def of(cls, struct_name: str, fields: tuple[Param, ...]) -> "ParamsLayout":
@@ -61,7 +64,7 @@ class ParamsLayout:
             max_align = max(max_align, align)
         size = offset + (-offset % max_align)
         fmt += "x" * (size - offset)
-        return cls(struct_name, tuple(fields), tuple(offsets), size, fmt)
+        return cls(struct_name, tuple(fields), tuple(offsets), size, fmt, max_align)
 
     def packer(self) -> struct.Struct:
         return struct.Struct(self.format)
@@ -72,4 +75,5 @@ class ParamsLayout:
             "struct_name": self.struct_name,
             "fields": [{"name": f.name, "ctype": f.ctype, "offset": o} for f, o in zip(self.fields, self.offsets)],
             "size": self.size,
+            "align": self.align,
         }

@@ -3,18 +3,20 @@
 Scope (``check`` raises ``SpecError`` for the rest): fp16 / bf16 with ``kv_dtype == dtype``, ``head_dim ==
 head_dim_vo`` in {64, 128, 256}, ``Ragged()`` KV or ``Paged(page_size)`` NHD / HND with page sizes the TMA
 loads page by page (multiples of 8 that divide the KV tile or are divided by it: 8 ... 256 and beyond at d <= 128),
-``NoMask()``, ``Causal()`` or ``SlidingWindow()``, no positional encoding or ``ALiBi()`` (not RoPE yet), soft-cap,
-any GQA group (packed rows), unsplit plans
-(``enable_split=False``: every item covers its whole KV).
+``NoMask()``, ``Causal()``, ``SlidingWindow()`` or ``CustomMask()`` (planned tile lists: fully masked KV tiles
+are skipped, fully visible ones run without the element mask), no positional encoding or ``ALiBi()`` (not RoPE
+yet), soft-cap, any GQA group (packed rows), unsplit plans (``enable_split=False``: every item covers its whole
+KV).
 The kernel is ``templates/include/flashgen/sm90/prefill_sm90.cuh``; the runner ``flashgen.api.sm90``.
 """
 
 from __future__ import annotations
 
 from .. import knobs
-from ..spec import ALiBi, AttentionSpec, Causal, NoMask, Paged, Ragged, SlidingWindow, SpecError
-from .family import AttentionFamily, EntryPoint, register, struct
+from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
+from .family import AttentionFamily, EntryPoint, family, register, struct
 from .prefill import CPP_TYPES  # fp16 / bf16, as the portable prefill
+from .rope_gather import attention_spec
 
 SM90_HEAD_DIMS = (64, 128, 256)
 TILE_Q = 128  # two consumer warpgroups of 64 packed rows
@@ -35,7 +37,7 @@ def sm90_tile_kv(head_dim: int) -> int:
     return 64 if head_dim > 128 else 128
 
 
-SMEM_FIXED = 128 + 128 + 1024  # barriers, the Work slots, slack to align the dynamic base up to 1024
+SMEM_FIXED = 128 + 256 + 1024  # barriers, the Work slots, slack to align the dynamic base up to 1024
 
 
 def _smem(head_dim: int, q_buffers: int, elem: int) -> int:
@@ -76,9 +78,9 @@ class PrefillSM90Family(AttentionFamily):
                                 f"divided by, its {tile}-token KV tile")
         elif not isinstance(layout, Ragged):
             raise SpecError(f"kv_layout: got {layout!r}, prefill_sm90 supports Ragged() or Paged(page_size)")
-        if not isinstance(spec.mask, (NoMask, Causal, SlidingWindow)):
-            raise SpecError(f"mask: got {spec.mask!r}, prefill_sm90 supports NoMask(), Causal() or SlidingWindow() "
-                            "so far")
+        if not isinstance(spec.mask, (NoMask, Causal, SlidingWindow, CustomMask)):
+            raise SpecError(f"mask: got {spec.mask!r}, prefill_sm90 supports NoMask(), Causal(), SlidingWindow() or "
+                            "CustomMask()")
         if spec.pos_encoding is not None and not isinstance(spec.pos_encoding, ALiBi):
             raise SpecError(f"pos_encoding: got {spec.pos_encoding!r}, prefill_sm90 supports None or ALiBi() so far")
 
@@ -102,6 +104,7 @@ class PrefillSM90Family(AttentionFamily):
             "THREADS": THREADS,
             "CAUSAL": "true" if isinstance(spec.mask, (Causal, SlidingWindow)) else "false",
             "WINDOW": "true" if isinstance(spec.mask, SlidingWindow) else "false",
+            "CUSTOM_MASK": "true" if isinstance(spec.mask, CustomMask) else "false",
             "ALIBI": "true" if isinstance(spec.pos_encoding, ALiBi) else "false",
             "SOFT_CAP": "true" if spec.soft_cap is not None else "false",
             "PAGED": "true" if paged else "false",
@@ -122,8 +125,25 @@ class PrefillSM90Family(AttentionFamily):
             ("int32_t", "num_qo_heads"), ("int32_t", "group_size"), ("float", "sm_scale"),
             ("int32_t", "num_items"), ("int32_t", "num_kv_heads"), ("int32_t", "block_table_stride"),
             ("int32_t", "window_left"), ("float", "soft_cap"),
+            # custom mask: the bits, each request's bit offset into them, each item's tile list (entries
+            # tiles[tile_indptr[item] ..]: tile * 2 + partial); null without one
+            ("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"), (i32, "tile_indptr"), (i32, "tiles"),
         )
         return (EntryPoint("prefill_sm90", params),)
 
 
 register(PrefillSM90Family())
+
+
+def check_sm90_backend(spec: AttentionSpec, graph: bool = False) -> None:
+    """Raise ``SpecError`` unless the sm90 backend runs ``spec``: the kernel itself, or for a RoPE spec the
+    ``rope_gather`` pre-pass followed by the kernel of its ragged twin (``rope_gather.attention_spec``); that
+    pair is not CUDA-graph safe yet (``graph``): the pre-pass grid and totals depend on the plan."""
+    if not isinstance(spec.pos_encoding, RoPE):
+        family("prefill_sm90").check(spec)
+        return
+    if graph:
+        raise SpecError("pos_encoding: RoPE on the sm90 backend is not CUDA-graph safe yet (use_cuda_graph=True); "
+                        "backend='portable' runs it in a graph")
+    family("rope_gather").check(spec)
+    family("prefill_sm90").check(attention_spec(spec))

@@ -9,7 +9,7 @@
 //       barrier (1 arrival + the tile's bytes) and an empty barrier (every consumer thread arrives); the stage
 //       counter runs on across items, so the next item's tiles stream in while the consumers finish the last.
 //       Warps 2-3: the item (a Work in shared memory, which spares the consumers the plan's dependent loads)
-//       and its 128 packed Q rows with plain loads into the 128B-swizzled Q tile, once the consumers released
+//       and its 128 packed Q rows by cp.async into the 128B-swizzled Q tile, once the consumers released
 //       that Q buffer (q_empty), then fence.proxy.async and q_full. An invalid Work ends the list.
 //   WG1, WG2 consumers (setmaxnreg.inc): 64 packed q rows each (packed row = token * group + q head in the
 //       group). Per KV tile: S = Q K^T (wgmma SS, fp32), online softmax in registers (base 2), P -> 16-bit A
@@ -19,10 +19,13 @@
 // Masks: causal (aligned to the KV end: q_pos = kv_len - qo_len + token) clips the KV range to what the tile's
 // rows can see, a sliding window (causal, plus keys >= q_pos - window_left) also skips the tiles before the
 // first row's window; the element mask runs on tiles that cross kv_hi, a causal or a window boundary of the
-// warpgroup's rows. ALiBi and soft-cap transform the logits before the mask (logits.cuh).
+// warpgroup's rows. A custom bit mask replaces the range by the item's planned tile list (custom_mask.cuh):
+// fully masked tiles are never loaded, and the bits are read only for partial tiles. ALiBi and soft-cap
+// transform the logits before the mask (logits.cuh).
 #pragma once
 #include <flashgen/logits.cuh>
 #include <flashgen/mma.cuh>
+#include <flashgen/sm90/custom_mask.cuh>
 #include <flashgen/sm90/tma.cuh>
 #include <flashgen/sm90/wgmma.cuh>
 
@@ -33,8 +36,12 @@ namespace flashgen::sm90 {
 struct Work {
   int token0, row0, rows_total, last_row, kv_head, group, q_base, kv_lo, kv_hi, kv_row0, num_tiles, last_page;
   const int32_t* pages;  // paged: the request's page ids (kv_indices + kv_indptr[request], or a block_table row)
+  const int32_t* tiles;  // custom mask: the item's tile list (num_tiles entries)
+  int64_t mask_bit0;     // custom mask: the bit of the request's (token 0, key 0)
   bool valid;
 };
+
+constexpr int Q_LOADERS = 64;  // warps 2-3 of the producer warpgroup (a multiple of a Q row's 16-byte chunks)
 
 template <class C>
 struct Layout {
@@ -47,7 +54,7 @@ struct Layout {
   static constexpr int BAR_OFFSET = V_OFFSET + C::STAGES * KV_STAGE;
   // barriers, then one Work a Q buffer (the loaders hand the item to the consumers); the dynamic base is aligned
   // up to 1024 at run time
-  static constexpr int BAR_BYTES = 128, WORK_OFFSET = BAR_OFFSET + BAR_BYTES, WORK_BYTES = 128, ALIGN_SLACK = 1024;
+  static constexpr int BAR_BYTES = 128, WORK_OFFSET = BAR_OFFSET + BAR_BYTES, WORK_BYTES = 256, ALIGN_SLACK = 1024;
   static constexpr int TOTAL = WORK_OFFSET + WORK_BYTES + ALIGN_SLACK;
   static_assert(TOTAL == C::SMEM_BYTES, "codegen and the kernel disagree on the shared-memory size");
   static_assert(C::TILE_Q == 2 * WG_ROWS, "two consumer warpgroups of 64 rows");
@@ -56,11 +63,11 @@ struct Layout {
                 "wgmma N of S");
   static_assert((4 * C::STAGES + 2 * C::Q_BUFFERS) * 8 <= BAR_BYTES, "barriers fit their region");
   static_assert(C::Q_BUFFERS == 1 || C::Q_BUFFERS == 2, "one or two Q buffers");
+  static_assert(Q_LOADERS % (D / 8) == 0, "the Q loaders cover whole rows of 16-byte chunks");
   static_assert(C::Q_BUFFERS * sizeof(Work) <= WORK_BYTES, "the Work slots fit their region");
   static_assert(C::PRODUCER_REGS * 128 + C::CONSUMER_REGS * 256 <= 65536, "register budgets fit the SM");
 };
 
-constexpr int Q_LOADERS = 64;  // warps 2-3 of the producer warpgroup
 
 // The barrier ring: full and empty barriers of K and V for each stage, then Q's full and empty; 8 bytes each.
 template <class C>
@@ -109,6 +116,14 @@ __device__ __forceinline__ Work work_of(const Params& p, int x) {
     if (first > w.kv_lo) w.kv_lo += (first - w.kv_lo) / C::TILE_KV * C::TILE_KV;
   }
   w.num_tiles = w.kv_hi > w.kv_lo ? (w.kv_hi - w.kv_lo + C::TILE_KV - 1) / C::TILE_KV : 0;
+  w.tiles = nullptr;
+  w.mask_bit0 = 0;
+  if constexpr (C::CUSTOM_MASK) {  // the planned list of tiles some row can see replaces the range
+    const int first = p.tile_indptr[item];
+    w.tiles = p.tiles + first;
+    w.num_tiles = p.tile_indptr[item + 1] - first;
+    w.mask_bit0 = p.mask_offset[request];
+  }
   if constexpr (C::PAGED) {
     w.pages = p.block_table != nullptr ? p.block_table + int64_t(request) * p.block_table_stride
                                        : p.kv_indices + p.kv_indptr[request];
@@ -158,6 +173,7 @@ struct KVBoxes {
 // WG0 warp 0 (K) and warp 1 (V): the tiles of every item of the CTA into their stage ring, a tile's boxes issued
 // by the warp's lanes (a paged tile is up to 32 boxes). Stage s = it % STAGES of the CTA's running tile count it
 // is refilled once every consumer thread released it; a fresh empty barrier passes the first wait (parity 1).
+// The next tile's position (custom mask: its list entry) and page ids are read one tile ahead.
 template <class C, class Params>
 __device__ __forceinline__ void produce_kv(const Params& p, const CUtensorMap* map, uint32_t ring,
                                            uint32_t (Barriers<C>::*full)(int) const,
@@ -171,11 +187,15 @@ __device__ __forceinline__ void produce_kv(const Params& p, const CUtensorMap* m
     const Work w = work_of<C>(p, x);
     if (!w.valid) continue;
     const bool boxer = lane < Boxes::PER_TILE;
-    int next_page = boxer ? Boxes::page(w, w.kv_lo, lane) : 0;  // page ids are read one tile ahead
+    int next_pos = TileList<C>::pos(w.kv_lo, 0, w.num_tiles > 0 ? TileList<C>::entry(w.tiles, 0) : 0);
+    int next_page = boxer ? Boxes::page(w, next_pos, lane) : 0;
     for (int t = 0; t < w.num_tiles; ++t, ++it) {
       const int s = it % C::STAGES;
-      const int pos0 = w.kv_lo + t * C::TILE_KV, page = next_page;
-      if (boxer && t + 1 < w.num_tiles) next_page = Boxes::page(w, pos0 + C::TILE_KV, lane);
+      const int pos0 = next_pos, page = next_page;
+      if (t + 1 < w.num_tiles) {
+        next_pos = TileList<C>::pos(w.kv_lo, t + 1, TileList<C>::entry(w.tiles, t + 1));
+        if (boxer) next_page = Boxes::page(w, next_pos, lane);
+      }
       mbarrier_wait((bars.*empty)(s), ((it / C::STAGES) & 1) ^ 1);
       if (lane == 0) mbarrier_arrive_expect_tx((bars.*full)(s), L::KV_STAGE);
       __syncwarp();
@@ -193,25 +213,32 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
   const int tid = threadIdx.x - 64;
   int k = 0;
   for (int x = blockIdx.x; x < p.num_items * p.num_kv_heads; x += gridDim.x) {
-    const Work w = work_of<C>(p, x);
+    Work w = work_of<C>(p, x);
     if (!w.valid) continue;
+    w.pages = nullptr;  // K / V producer fields, not handed over: fewer registers live across the wait below
+    w.last_page = w.kv_row0 = 0;
     const int buf = k % C::Q_BUFFERS;
     // the loaders wait most of an item for the buffer: they back off, leaving issue slots to the consumers
     for (const uint32_t parity = ((k++ / C::Q_BUFFERS) & 1) ^ 1; !mbarrier_try_wait(bars.q_empty(buf), parity);)
       __nanosleep(256);
     if (tid == 0) reinterpret_cast<Work*>(q_smem + L::WORK_OFFSET)[buf] = w;  // the consumers' copy of the item
     uint8_t* q_dst = q_smem + buf * L::Q_BYTES;
-#pragma unroll 2
-    for (int job = tid; job < C::TILE_Q * CHUNKS; job += Q_LOADERS) {
-      const int r = job / CHUNKS, c = job % CHUNKS, prow = w.row0 + r;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (prow < w.rows_total) {
-        const int64_t qo_row = int64_t(w.token0 + prow / w.group) * p.num_qo_heads + w.kv_head * w.group + prow % w.group;
-        v = *reinterpret_cast<const uint4*>(p.q + qo_row * L::D + c * 8);
-      }
-      *reinterpret_cast<uint4*>(q_dst + (c / 8) * L::Q_BLOCK + r * 128 + (swizzle(r, c % 8) * 16)) = v;
+    // every chunk in flight at once (cp.async, no registers held): one memory round trip, where loads through
+    // registers (40 of them) kept two in flight and took ~16 round trips for the tile
+    // a thread keeps one 16-byte column chunk c and walks rows tid / CHUNKS, + Q_LOADERS / CHUNKS, ...
+    const int c = tid % CHUNKS;
+    uint8_t* col = q_dst + (c / 8) * L::Q_BLOCK;
+    const auto* src0 = p.q + (int64_t(w.token0) * p.num_qo_heads + w.kv_head * w.group) * L::D + c * 8;
+#pragma unroll 1
+    for (int r = tid / CHUNKS; r < C::TILE_Q; r += Q_LOADERS / CHUNKS) {
+      const int prow = w.row0 + r;
+      const bool past = prow >= w.rows_total;  // rows past the request: zeros, the source not read
+      const int64_t at = past ? 0 : (int64_t(prow / w.group) * p.num_qo_heads + prow % w.group) * L::D;
+      cp_async_16(col + r * 128 + (swizzle(r, c % 8) * 16), src0 + at, past);
     }
-    fence_proxy_async();
+    cp_async_commit();
+    cp_async_wait<0>();   // this thread's copies have landed (generic proxy) ...
+    fence_proxy_async();  // ... and are made visible to wgmma (async proxy) before the release by q_full
     mbarrier_arrive(bars.q_full(buf));
   }
   // the end of the CTA's list: an invalid Work in the next buffer
@@ -272,12 +299,12 @@ struct LogitsParams {
 
 // S -> P in place: P = 2^(logit - m) with the running max m (base 2) and sum l. Without ALiBi or soft-cap the
 // logit is S * scale_log2, folded into the exponent (sm_scale > 0, checked at plan time: the max of raw S is
-// then the max logit). Masked tiles hide (row, key) pairs past kv_hi, after the row's query position (causal)
-// or before its window. o_scale is the factor O must be multiplied by before P V is added (applied by the
-// caller once the previous P V has completed).
+// then the max logit). Masked tiles hide (row, key) pairs past kv_hi, after the row's query position (causal),
+// before its window or whose custom-mask bit is clear. o_scale is the factor O must be multiplied by before
+// P V is added (applied by the caller once the previous P V has completed).
 template <class C>
 __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs, float (&o_scale)[2],
-                                        const LogitsParams& lg, bool masked, int t0) {
+                                        const LogitsParams& lg, bool masked, int t0, const MaskBits<C>& bits) {
   constexpr bool RAW = !C::ALIBI && !C::SOFT_CAP;
   const int q4 = threadIdx.x % 4;
   if constexpr (!RAW) {
@@ -290,12 +317,15 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
     }
   }
   if (masked) {
+    typename MaskBits<C>::Words words;
+    bits.select(words);
 #pragma unroll
     for (int i = 0; i < C::TILE_KV / 2; ++i) {
       const int pos = t0 + 8 * (i / 4) + 2 * q4 + i % 2, q_pos = rs.q_pos[(i / 2) % 2];
       bool ok = pos < lg.kv_hi;
       if constexpr (C::CAUSAL) ok = ok && pos <= q_pos;
       if constexpr (C::WINDOW) ok = ok && pos >= q_pos - lg.window_left;
+      if constexpr (C::CUSTOM_MASK) ok = ok && MaskBits<C>::visible(words, i);
       if (!ok) s[i] = -INFINITY;
     }
   }
@@ -397,7 +427,8 @@ struct Scheduler {
 // WG1 / WG2: one item. The GEMMs of consecutive tiles overlap the softmax (FlashAttention-3's intra-warpgroup
 // pipelining): step t issues S_t = Q K_t and O += P_(t-1) V_(t-1) together, waits for S_t only, runs the softmax
 // of tile t under the P V, then waits for it and rescales O. `it` is the CTA's running tile count (stages and
-// barrier phases), `k` its running item count (Q's barrier phase).
+// barrier phases), `k` its running item count (Q's barrier phase). Custom mask: the next tile's list entry is
+// read one step ahead, a partial tile's bits are loaded while its S is computed.
 template <class C, class Params>
 __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem, uint32_t smem_base,
                                         const Barriers<C>& bars, int wg, int it, int k) {
@@ -405,6 +436,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
   const int wg_first = min(w.row0 + wg * 64, w.last_row), wg_last = min(w.row0 + wg * 64 + 63, w.last_row);
   const int wq_min = w.q_base + wg_first / w.group, wq_max = w.q_base + wg_last / w.group;
+  const int kv_len = w.q_base + w.rows_total / w.group;
   RowState rs;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -423,11 +455,20 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   const uint32_t k_base = smem_base + L::K_OFFSET, v_base = smem_base + L::V_OFFSET;
   const Scheduler<C> sched{wg};
   const int n = w.num_tiles;
-  auto masked = [&](int t0) {
-    bool m = t0 + C::TILE_KV > w.kv_hi;
+  auto masked = [&](int t0, bool partial) {
+    bool m = partial || t0 + C::TILE_KV > w.kv_hi;
     if constexpr (C::CAUSAL) m = m || t0 + C::TILE_KV - 1 > wq_min;
     if constexpr (C::WINDOW) m = m || t0 < wq_max - lg.window_left;
     return m;
+  };
+  int next_entry = n > 0 ? TileList<C>::entry(w.tiles, 0) : 0;
+  int t0 = 0;
+  bool partial = false;
+  auto next_tile = [&](int t) {  // tile t's position and kind; starts the read of entry t + 1
+    const int e = next_entry;
+    if (t + 1 < n) next_entry = TileList<C>::entry(w.tiles, t + 1);
+    t0 = TileList<C>::pos(w.kv_lo, t, e);
+    partial = TileList<C>::partial(e);
   };
   auto stage = [&](int t) { return (it + t) % C::STAGES; };
   auto phase = [&](int t) { return uint32_t((it + t) / C::STAGES) & 1; };
@@ -436,21 +477,24 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   sched.start(n);
   float sc[C::TILE_KV / 2], o_scale[2];
   uint32_t pa[C::TILE_KV / 16][4];
+  MaskBits<C> bits;
   if (n > 0) {
+    next_tile(0);
     mbarrier_wait(bars.full_k(stage(0)), phase(0));
     sched.wait_turn();
     issue_qk<C>(sc, q_wg, k_base + stage(0) * L::KV_STAGE);
     wgmma_commit();
     sched.pass_turn(false);
+    bits.load(p.custom_mask, w, t0, kv_len, partial, wg);
     wgmma_wait<0>();
     fence_operands(sc);
     mbarrier_arrive(bars.empty_k(stage(0)));
     if (n == 1) mbarrier_arrive(bars.q_empty(qb));  // the item's last Q K^T is done: the producer may load the next Q
-    softmax<C>(sc, rs, o_scale, lg, masked(w.kv_lo), w.kv_lo);
+    softmax<C>(sc, rs, o_scale, lg, masked(t0, partial), t0, bits);
     pack_p<C>(pa, sc);
   }
   for (int t = 1; t < n; ++t) {
-    const int t0 = w.kv_lo + t * C::TILE_KV;
+    next_tile(t);
     mbarrier_wait(bars.full_k(stage(t)), phase(t));
     mbarrier_wait(bars.full_v(stage(t - 1)), phase(t - 1));
     sched.wait_turn();
@@ -459,11 +503,12 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     issue_pv<C>(o, pa, v_base + stage(t - 1) * L::KV_STAGE);
     wgmma_commit();
     sched.pass_turn(false);
+    bits.load(p.custom_mask, w, t0, kv_len, partial, wg);
     wgmma_wait<1>();
     fence_operands(sc);
     mbarrier_arrive(bars.empty_k(stage(t)));
     if (t == n - 1) mbarrier_arrive(bars.q_empty(qb));
-    softmax<C>(sc, rs, o_scale, lg, masked(t0), t0);
+    softmax<C>(sc, rs, o_scale, lg, masked(t0, partial), t0, bits);
     wgmma_wait<0>();
     fence_operands(o);
     fence_operands(pa);
@@ -473,7 +518,9 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   }
   if (n > 0) {
     mbarrier_wait(bars.full_v(stage(n - 1)), phase(n - 1));
-    zero_v_tail<C>(smem, L::V_OFFSET + stage(n - 1) * L::KV_STAGE, w.kv_hi - (w.kv_lo + (n - 1) * C::TILE_KV), wg);
+    // the last tile's start: t0 either way, but holding t0 to here cost the ALiBi + window variant a spill
+    const int last_t0 = C::CUSTOM_MASK ? t0 : w.kv_lo + (n - 1) * C::TILE_KV;
+    zero_v_tail<C>(smem, L::V_OFFSET + stage(n - 1) * L::KV_STAGE, w.kv_hi - last_t0, wg);
     sched.wait_turn();
     issue_pv<C>(o, pa, v_base + stage(n - 1) * L::KV_STAGE);
     wgmma_commit();

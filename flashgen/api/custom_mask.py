@@ -1,0 +1,53 @@
+"""The custom-mask intake both prefill backends share: a ``custom_mask`` argument of ``plan()`` as packed bits
+and per-request bit offsets."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..plan import PlanError
+from ..plan.mask_tiles import mask_bit_offsets
+
+
+class MaskBits(NamedTuple):
+    """A batch's custom mask: request ``b``'s ``[qo_len, kv_len]`` bits start at bit ``offsets[b]`` of
+    ``host`` (uint8 numpy, a mask given on the host) or ``device`` (uint8 CUDA tensor, read in place)."""
+
+    offsets: np.ndarray
+    host: np.ndarray | None
+    device: torch.Tensor | None
+
+
+def custom_mask_bits(custom_mask, qo: np.ndarray, kv_lens: np.ndarray) -> MaskBits:
+    """Check and pack ``custom_mask``: packed uint8 bits ``[>= ceil(sum(qo_len * kv_len) / 8)]`` (host array
+    or tensor, or a contiguous CUDA tensor), or a list of bool ``[qo_len, kv_len]`` (packed here, on the host).
+
+    >>> custom_mask_bits([np.ones((1, 3), bool)], np.array([0, 1]), np.array([3])).host.tolist()
+    [7]
+    """
+    if custom_mask is None:
+        raise PlanError("custom_mask: required by a CustomMask spec")
+    qo_lens = np.diff(qo).astype(np.int64)
+    offsets = mask_bit_offsets(qo_lens, kv_lens)
+    need = -(-int((qo_lens * kv_lens.astype(np.int64)).sum()) // 8)
+    if isinstance(custom_mask, (list, tuple)):
+        for b, m in enumerate(custom_mask):
+            if tuple(np.shape(m)) != (int(qo_lens[b]), int(kv_lens[b])):
+                raise PlanError(f"custom_mask[{b}]: shape {tuple(np.shape(m))}, expected "
+                                f"{(int(qo_lens[b]), int(kv_lens[b]))} (qo_len, kv_len)")
+        bits = [np.asarray(torch.as_tensor(m).cpu(), dtype=bool).reshape(-1) for m in custom_mask]
+        custom_mask = np.packbits(np.concatenate(bits) if bits else np.zeros(0, bool), bitorder="little")
+    if isinstance(custom_mask, torch.Tensor) and custom_mask.is_cuda:
+        if custom_mask.dtype != torch.uint8 or custom_mask.dim() != 1 or not custom_mask.is_contiguous():
+            raise PlanError(f"custom_mask: expected contiguous uint8 [n] packed bits, got {custom_mask.dtype} "
+                            f"{tuple(custom_mask.shape)}")
+        if custom_mask.numel() < need:
+            raise PlanError(f"custom_mask: {custom_mask.numel()} bytes, expected {need} (sum of qo_len * kv_len bits)")
+        return MaskBits(offsets, None, custom_mask)
+    packed = np.asarray(custom_mask.cpu() if isinstance(custom_mask, torch.Tensor) else custom_mask)
+    if packed.dtype != np.uint8 or packed.ndim != 1 or packed.size < need:
+        raise PlanError(f"custom_mask: expected uint8 [{need}] packed bits, got {packed.dtype} {packed.shape}")
+    return MaskBits(offsets, packed, None)

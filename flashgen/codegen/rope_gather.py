@@ -1,0 +1,68 @@
+"""The RoPE pre-pass of the Hopper prefill (op ``rope_gather``): q and K rotated, V copied, from any KV layout
+into ragged scratch tensors (``templates/include/flashgen/rope_gather.cuh``).
+
+The sm90 prefill kernel has no RoPE of its own: for a RoPE spec the sm90 backend runs this pass, then the kernel
+of the same spec with ``kv_layout=Ragged()`` and no positional encoding over the scratch. The pass moves q once
+and K and V twice (read, write): for a 16k-token prefill at 8 kv heads, d=128, ~100 MB, about 30 µs at the
+H200's copy rate against ~3.5 ms of attention; for an append over a long cached KV it is a larger share (the
+cost of every cached key and value read and written once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..spec import AttentionSpec, NoMask, Paged, Ragged, RoPE, SpecError
+from .family import EntryPoint, KernelFamily, register, struct
+
+CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+BLOCK_THREADS = 256
+
+
+class RopeGatherFamily(KernelFamily):
+    op = "rope_gather"
+    template = "rope_gather.cu.j2"
+
+    def project(self, spec: object) -> AttentionSpec:
+        """Only what the pass depends on: dtypes, head dims, the KV layout (RoPE's theta / scale are runtime)."""
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
+        return replace(spec, mask=NoMask(), pos_encoding=RoPE(), soft_cap=None, sm_scale=None)
+
+    def check(self, spec: AttentionSpec) -> None:
+        if spec.dtype not in CPP_TYPES or spec.kv_dtype != spec.dtype:
+            raise SpecError(f"kv_dtype: rope_gather takes float16 / bfloat16 with kv_dtype == dtype, got "
+                            f"{spec.dtype} / {spec.kv_dtype}")
+        if spec.head_dim != spec.head_dim_vo or spec.head_dim % 2:
+            raise SpecError(f"head_dim: rope_gather takes an even head_dim == head_dim_vo, got {spec.head_dim} / "
+                            f"{spec.head_dim_vo}")
+        if not isinstance(spec.kv_layout, (Paged, Ragged)):
+            raise SpecError(f"kv_layout: rope_gather takes Paged or Ragged, got {spec.kv_layout!r}")
+
+    def context(self, spec: AttentionSpec) -> dict:
+        paged = isinstance(spec.kv_layout, Paged)
+        return {"DType": CPP_TYPES[spec.dtype], "HEAD_DIM": spec.head_dim, "PAGED": "true" if paged else "false",
+                "PAGE_SIZE": spec.kv_layout.page_size if paged else 1, "BLOCK_THREADS": BLOCK_THREADS}
+
+    def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
+        t, i32 = CPP_TYPES[spec.dtype], "const int32_t*"
+        params = struct(
+            "RopeGatherParams",
+            (f"const {t}*", "q"), (f"const {t}*", "k"), (f"const {t}*", "v"),
+            (f"{t}*", "q_out"), (f"{t}*", "k_out"), (f"{t}*", "v_out"),
+            (i32, "qo_indptr"), (i32, "kv_indptr"), (i32, "kv_indices"), (i32, "block_table"), (i32, "kv_len"),
+            (i32, "kv_out_indptr"),
+            ("int64_t", "stride_page"), ("int64_t", "stride_token"), ("int64_t", "stride_head"),
+            ("int64_t", "total_q"), ("int64_t", "total_kv_out"),
+            ("int32_t", "block_table_stride"), ("int32_t", "batch"), ("int32_t", "num_qo_heads"),
+            ("int32_t", "num_kv_heads"), ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"),
+        )
+        return (EntryPoint("rope_gather", params),)
+
+
+def attention_spec(spec: AttentionSpec) -> AttentionSpec:
+    """The sm90 kernel's spec behind a RoPE spec: the same attention over the ragged, rotated scratch."""
+    return replace(spec, kv_layout=Ragged(), pos_encoding=None)
+
+
+register(RopeGatherFamily())

@@ -1,0 +1,61 @@
+// RoPE pre-pass of the Hopper prefill (RoPE specs): q rotated by its query position, each request's K rotated by
+// its key position and V copied, from any KV layout into ragged scratch tensors, which the sm90 kernel then reads
+// as a ragged batch with no positional encoding. One thread a rotation pair (x[i], x[i + D/2]) of one row and
+// head (Llama halves, logits.cuh's rope_rotate); a K pair's thread also copies V's elements i and i + D/2.
+//   flat index j < total_q * Hq * D/2:        q token, q head, pair
+//   then j < ... + total_kv_out * Hkv * D/2:  kv token of the scratch, kv head, pair
+// Query position: kv_len - qo_len + (token - qo_indptr[b]); key position: token - kv_out_indptr[b].
+#pragma once
+#include <flashgen/kv_rows.cuh>
+#include <flashgen/logits.cuh>
+#include <flashgen/vec.cuh>
+
+namespace flashgen {
+
+// the request holding token t: the last b with indptr[b] <= t (an empty request shares its start with the next)
+__device__ __forceinline__ int request_of(const int32_t* indptr, int batch, int64_t t) {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (indptr[mid] <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+template <class C, class Params>
+__device__ __forceinline__ void rope_gather(const Params& p) {
+  using T = typename C::DType;
+  using V = Vec16<T>;  // its element conversions
+  constexpr int HALF = C::HEAD_DIM / 2;
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t q_pairs = p.total_q * p.num_qo_heads * HALF;
+  if (j < q_pairs) {
+    const int i = j % HALF;
+    const int64_t row = j / HALF, token = row / p.num_qo_heads;  // row = token * Hq + head
+    const int b = request_of(p.qo_indptr, p.batch, token);
+    const int pos = p.kv_len[b] - (p.qo_indptr[b + 1] - p.qo_indptr[b]) + int(token - p.qo_indptr[b]);
+    float lo = V::to_float(p.q[row * C::HEAD_DIM + i]), hi = V::to_float(p.q[row * C::HEAD_DIM + i + HALF]);
+    rope_rotate(lo, hi, float(pos), i, C::HEAD_DIM, p.rope_rcp_scale, p.rope_log2_theta);
+    p.q_out[row * C::HEAD_DIM + i] = V::from_float(lo);
+    p.q_out[row * C::HEAD_DIM + i + HALF] = V::from_float(hi);
+    return;
+  }
+  const int64_t k = j - q_pairs;
+  if (k >= p.total_kv_out * p.num_kv_heads * HALF) return;
+  const int i = k % HALF, head = (k / HALF) % p.num_kv_heads;
+  const int64_t token = k / HALF / p.num_kv_heads;
+  const int b = request_of(p.kv_out_indptr, p.batch, token);
+  const int pos = int(token - p.kv_out_indptr[b]);
+  const KVRows<C::PAGED, C::PAGE_SIZE> rows(p, b);
+  const int64_t src = rows.offset(pos, rows.page(pos)) + int64_t(head) * p.stride_head;
+  const int64_t dst = (token * p.num_kv_heads + head) * C::HEAD_DIM;
+  float lo = V::to_float(p.k[src + i]), hi = V::to_float(p.k[src + i + HALF]);
+  rope_rotate(lo, hi, float(pos), i, C::HEAD_DIM, p.rope_rcp_scale, p.rope_log2_theta);
+  p.k_out[dst + i] = V::from_float(lo);
+  p.k_out[dst + i + HALF] = V::from_float(hi);
+  p.v_out[dst + i] = p.v[src + i];
+  p.v_out[dst + i + HALF] = p.v[src + i + HALF];
+}
+
+}  // namespace flashgen

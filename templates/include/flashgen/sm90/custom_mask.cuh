@@ -1,0 +1,92 @@
+// Custom bit masks in the Hopper prefill: tile lists and a thread's mask bits.
+//
+// Tile lists (planned on the host, flashgen/plan/mask_tiles.py): an item visits only its KV tiles that some
+// row of its q tile can see, ascending; entry = tile * 2 + partial. A FULL tile (every pair visible) runs
+// without the element mask, a PARTIAL one with it. Without a custom mask an item's tiles are the contiguous
+// range from kv_lo and no entry is read.
+//
+// Mask bits: request b's [qo_len, kv_len] bit matrix starts at bit mask_offset[b] of custom_mask (row-major,
+// little-endian bits: bit i is bit i % 8 of byte i / 8; set = visible). A consumer thread holds rows g and
+// g + 8 of its warp's 16, keys t0 + 8 j + 2 q + e (j < TILE_KV / 8, e = 0, 1; see wgmma.cuh), so each of its
+// rows needs the TILE_KV bits from bit_row + t0: read as TILE_KV / 32 + 1 aligned 32-bit words (a word is read
+// only when it holds a byte of the row, so no read leaves the 4-byte words the mask's own bytes lie in), then
+// funnel-shifted and shifted by 2 q, so that key 8 j + 2 q + e is bit 8 (j % 4) + e of word j / 4.
+#pragma once
+#include <cstdint>
+
+namespace flashgen::sm90 {
+
+template <class C>
+struct TileList {
+  // entry t of the item's list (custom mask), else 0 (nothing to read)
+  __device__ __forceinline__ static int entry(const int32_t* tiles, int t) {
+    if constexpr (C::CUSTOM_MASK) return __ldg(tiles + t);
+    else return 0;
+  }
+  // the first KV position of the item's t-th tile
+  __device__ __forceinline__ static int pos(int kv_lo, int t, int e) {
+    if constexpr (C::CUSTOM_MASK) return (e >> 1) * C::TILE_KV;
+    else return kv_lo + t * C::TILE_KV;
+  }
+  __device__ __forceinline__ static bool partial(int e) { return C::CUSTOM_MASK && (e & 1); }
+};
+
+// the custom-mask bits of a thread's two rows for one KV tile (nothing without a custom mask)
+template <class C, bool = C::CUSTOM_MASK>
+struct MaskBits {
+  template <class W>
+  __device__ __forceinline__ void load(const uint8_t*, const W&, int, int, bool, int) {}
+  __device__ __forceinline__ void select(uint32_t (&)[2][1]) const {}
+  __device__ __forceinline__ static bool visible(const uint32_t (&)[2][1], int) { return true; }
+  using Words = uint32_t[2][1];
+};
+
+template <class C>
+struct MaskBits<C, true> {
+  static constexpr int WORDS = C::TILE_KV / 32;
+  using Words = uint32_t[2][WORDS];
+  uint32_t raw[2][WORDS + 1];
+  int shift[2];
+
+  // start the loads of the thread's rows h = 0, 1 of warpgroup wg of item w (a Work: row0, rows_total, group,
+  // mask_bit0) for keys [t0, t0 + TILE_KV); a row past the request gets zeros, a tile that is not partial all
+  // ones (only kv_hi can mask it). The rows' bit offsets are recomputed a partial tile rather than held: four
+  // registers over the whole item spilled the ALiBi variant.
+  template <class W>
+  __device__ __forceinline__ void load(const uint8_t* mask, const W& w, int t0, int kv_len, bool partial, int wg) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int prow = w.row0 + wg * 64 + threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4 + 8 * h;
+      const int64_t bit_row = prow < w.rows_total ? w.mask_bit0 + int64_t(prow / w.group) * kv_len : -1;
+      const uint32_t fill = partial ? 0u : ~0u;
+#pragma unroll
+      for (int i = 0; i <= WORDS; ++i) raw[h][i] = fill;
+      shift[h] = 0;
+      if (!partial || bit_row < 0) continue;
+      const int64_t first = bit_row + t0;
+      const uintptr_t at = reinterpret_cast<uintptr_t>(mask) + uintptr_t(first >> 3);
+      const uintptr_t last = reinterpret_cast<uintptr_t>(mask) + uintptr_t((bit_row + kv_len - 1) >> 3);
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(at & ~uintptr_t(3));
+      shift[h] = int(at & 3) * 8 + int(first & 7);
+#pragma unroll
+      for (int i = 0; i <= WORDS; ++i)
+        if (reinterpret_cast<uintptr_t>(words + i) <= last) raw[h][i] = __ldg(words + i);
+    }
+  }
+
+  // the thread's keys: w[h][j / 4] bit 8 (j % 4) + e is key t0 + 8 j + 2 q + e of row h
+  __device__ __forceinline__ void select(Words& w) const {
+    const int q2 = 2 * (threadIdx.x % 4);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < WORDS; ++i) w[h][i] = __funnelshift_r(raw[h][i], raw[h][i + 1], shift[h]) >> q2;
+  }
+
+  // S register i (row (i / 2) % 2, key 8 (i / 4) + 2 q + i % 2)
+  __device__ __forceinline__ static bool visible(const Words& w, int i) {
+    return (w[(i / 2) % 2][i / 16] >> (8 * ((i / 4) % 4) + i % 2)) & 1u;
+  }
+};
+
+}  // namespace flashgen::sm90

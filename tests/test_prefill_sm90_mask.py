@@ -1,0 +1,256 @@
+"""GPU tests of the Hopper prefill with custom bit masks (planned tile lists: fully masked KV tiles skipped,
+fully visible ones unmasked, partial ones masked per element) against the fp64 reference: fresh random inputs,
+NaN-poisoned outputs; random, document, causal-as-bits, all-zero and all-one masks, rows that see nothing,
+ragged and paged KV, GQA groups 1 / 4 / 7, head_dim 64 / 128 / 256, masks given as bool lists, packed host
+bits or packed device bits (read in place, every tile partial), and CUDA-graph replay after re-planning."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+import flashgen
+from flashgen import AttentionSpec, CustomMask, Paged, Ragged
+from flashgen.testing.layouts import random_batch
+from flashgen.testing.reference import pack_custom_mask, reference_attention
+from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                       reason="needs a Hopper GPU (sm_90a)"),
+]
+
+# (qo_len, kv_len): empty requests both ways, one token, append (qo < kv), qo = kv, tile boundaries +- 1
+QO = [0, 1, 17, 65, 64, 3, 130, 5, 129]
+KV = [5, 1, 17, 300, 64, 0, 130, 0, 257]
+
+SPECS = [AttentionSpec(d, dtype=dtype, kv_layout=layout, mask=CustomMask())
+         for d, dtype, layout in ((128, "bfloat16", Ragged()), (128, "float16", Paged(16)), (64, "bfloat16", Ragged()),
+                                  (256, "bfloat16", Ragged()), (256, "float16", Paged(32, "HND")),
+                                  (128, "bfloat16", Paged(16, "HND")))]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    """Compile every variant of this module in parallel up front."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(lambda s: flashgen.ensure_compiled(s, "prefill_sm90"), SPECS))
+
+
+def doc_mask(qo_len: int, kv_len: int, docs: int) -> torch.Tensor:
+    """``docs`` causal documents over the KV; the queries are its last qo_len tokens."""
+    doc = torch.arange(kv_len) * docs // max(kv_len, 1)
+    pos = torch.arange(kv_len)
+    full = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    return full[kv_len - qo_len:] if qo_len <= kv_len else torch.zeros(qo_len, kv_len, dtype=torch.bool)
+
+
+def make_masks(kind: str, qo_lens, kv_lens, gen) -> list[torch.Tensor]:
+    shapes = list(zip(qo_lens, kv_lens))
+    if kind.startswith("random"):
+        return [torch.rand(a, b, generator=gen) < float(kind[6:]) for a, b in shapes]
+    if kind == "doc":
+        return [doc_mask(a, b, 3) for a, b in shapes]
+    if kind == "causal":
+        return [torch.arange(b)[None, :] <= (b - a + torch.arange(a))[:, None] for a, b in shapes]
+    if kind == "zeros":
+        return [torch.zeros(a, b, dtype=torch.bool) for a, b in shapes]
+    if kind == "ones":
+        return [torch.ones(a, b, dtype=torch.bool) for a, b in shapes]
+    if kind == "empty_rows":  # every other row sees nothing; a whole KV tile's columns hidden from every row
+        masks = [torch.rand(a, b, generator=gen) < 0.5 for a, b in shapes]
+        for m in masks:
+            m[::2] = False
+            m[:, 128:256] = False
+        return masks
+    raise ValueError(kind)
+
+
+def as_form(masks, form: str):
+    if form == "list":
+        return masks
+    packed = pack_custom_mask(masks)
+    if form == "host":
+        return packed
+    if form == "numpy":
+        return packed.numpy()
+    if form == "device":
+        return packed.cuda()
+    if form == "device_unaligned":  # a view 3 bytes into its allocation: the kernel's word reads stay aligned
+        return torch.cat([torch.zeros(3, dtype=torch.uint8), packed]).cuda()[3:]
+    raise ValueError(form)
+
+
+def run_and_check(spec, qo_lens, kv_lens, num_kv_heads=2, group=4, *, kind="random0.5", form="list", seed=0,
+                  poison=None, **runtime):
+    gen = torch.Generator().manual_seed(seed)
+    q, kv, table = random_batch(spec, qo_lens, kv_lens, num_kv_heads, group, generator=gen)
+    if poison is not None:  # K / V rows no row may read (ragged only): NaN shows if a skipped tile is read
+        kv = tuple(x.clone() for x in kv)
+        for x in kv:
+            x[poison] = float("nan")
+    masks = make_masks(kind, qo_lens, kv_lens, gen)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    wrapper = flashgen.BatchPrefillWrapper(spec, backend="sm90")
+    pages = {k: (v.numpy() if k != "kv_indices" else v) for k, v in table.items()}
+    wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads,
+                 custom_mask=as_form(masks, form), **pages, **runtime)
+    kv_dev = kv.cuda() if isinstance(kv, torch.Tensor) else tuple(x.cuda() for x in kv)
+    out = torch.full_like(q, float("nan"), device="cuda")
+    out, lse = wrapper.run(q.cuda(), kv_dev, out=out, return_lse=True)
+    torch.cuda.synchronize()
+    ref_kv = kv
+    if poison is not None:
+        ref_kv = tuple(torch.nan_to_num(x, nan=0.0) for x in kv)  # the reference multiplies 0 by every row
+    kw = dict(qo_indptr=qo_indptr, custom_mask=masks, **table, **runtime)
+    ref, ref_lse = reference_attention(spec, q, ref_kv, **kw)
+    low, low_lse = same_dtype_reference(spec, q, ref_kv, **kw)
+    assert_attention_close(out.cpu(), ref, low)
+    assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+    return out.cpu(), lse.cpu(), masks
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.uri)
+@pytest.mark.parametrize("kind", ["random0.5", "doc"])
+def test_layouts_and_head_dims(spec, kind):
+    run_and_check(spec, QO, KV, kind=kind, seed=spec.head_dim)
+
+
+@pytest.mark.parametrize("kind", ["random0.05", "random0.97", "causal", "zeros", "ones", "empty_rows"])
+@pytest.mark.parametrize("group", [1, 4, 7])
+def test_mask_kinds_and_groups(kind, group):
+    spec = SPECS[0]
+    out, lse, masks = run_and_check(spec, QO, KV, group=group, kind=kind, seed=group)
+    row = 0
+    for m in masks:  # rows that see nothing: out = 0, lse = -inf, whatever else the tile held
+        blind = ~m.any(dim=1)
+        assert bool((out[row: row + m.shape[0]][blind] == 0).all())
+        assert bool(torch.isneginf(lse[row: row + m.shape[0]][blind]).all())
+        row += m.shape[0]
+
+
+@pytest.mark.parametrize("form", ["list", "host", "numpy", "device", "device_unaligned"])
+def test_mask_forms(form):
+    """Host masks are classified (tiles skipped / unmasked); device masks are read in place, every tile partial."""
+    run_and_check(SPECS[1], QO, KV, kind="doc", form=form, seed=7)
+
+
+@pytest.mark.parametrize("layout", ["ragged", "paged16"])
+def test_document_mask_long(layout):
+    """Two long requests of 8 causal documents: most items run full tiles and one partial diagonal tile."""
+    spec = AttentionSpec(128, kv_layout=Ragged() if layout == "ragged" else Paged(16), mask=CustomMask())
+    gen = torch.Generator().manual_seed(11)
+    qo_lens, kv_lens = [2048, 1500], [2048, 1700]
+    q, kv, table = random_batch(spec, qo_lens, kv_lens, 2, 4, generator=gen)
+    masks = [doc_mask(a, b, 8) for a, b in zip(qo_lens, kv_lens)]
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    wrapper = flashgen.BatchPrefillWrapper(spec, backend="sm90")
+    pages = {k: (v.numpy() if k != "kv_indices" else v) for k, v in table.items()}
+    wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=8, num_kv_heads=2, custom_mask=masks, **pages)
+    kv_dev = kv.cuda() if isinstance(kv, torch.Tensor) else tuple(x.cuda() for x in kv)
+    out, lse = wrapper.run(q.cuda(), kv_dev, out=torch.full_like(q, float("nan"), device="cuda"), return_lse=True)
+    torch.cuda.synchronize()
+    kw = dict(qo_indptr=qo_indptr, custom_mask=masks, **table)
+    ref, ref_lse = reference_attention(spec, q, kv, **kw)
+    low, low_lse = same_dtype_reference(spec, q, kv, **kw)
+    assert_attention_close(out.cpu(), ref, low)
+    assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+
+
+def test_fully_masked_tiles_are_never_read():
+    """K and V of a KV tile no row sees hold NaN: a tile that were loaded and multiplied (P = 0 times NaN) would
+    poison every row of its item."""
+    qo_lens, kv_lens = [300], [600]
+    poison = slice(128, 256)  # keys 128 .. 255 of the only request: masked for every row by "empty_rows"
+    run_and_check(SPECS[0], qo_lens, kv_lens, kind="empty_rows", poison=poison, seed=3)
+
+
+def test_ragged_rows_past_the_batch_hold_nan():
+    """The last tile of a request is FULL (an all-ones mask) but crosses kv_len: rows past it hold NaN."""
+    spec = SPECS[0]
+    gen = torch.Generator().manual_seed(5)
+    qo_lens, kv_lens = [70, 3], [100, 37]
+    q, (k, v), table = random_batch(spec, qo_lens, kv_lens, 2, 4, generator=gen)
+    pad = torch.full((200, *k.shape[1:]), float("nan"), dtype=k.dtype)
+    masks = make_masks("ones", qo_lens, kv_lens, gen)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    wrapper = flashgen.BatchPrefillWrapper(spec, backend="sm90")
+    wrapper.plan(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"].numpy(), num_qo_heads=8, num_kv_heads=2,
+                 custom_mask=masks)
+    out = wrapper.run(q.cuda(), (torch.cat([k, pad]).cuda(), torch.cat([v, pad]).cuda()),
+                      out=torch.full_like(q, float("nan"), device="cuda"))
+    torch.cuda.synchronize()
+    kw = dict(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"], custom_mask=masks)
+    assert_attention_close(out.cpu(), reference_attention(spec, q, (k, v), **kw)[0],
+                           same_dtype_reference(spec, q, (k, v), **kw)[0])
+
+
+@pytest.mark.parametrize("case", ["soft_cap", "alibi+soft_cap"])
+def test_logits_transforms(case):
+    from flashgen import ALiBi
+
+    spec = AttentionSpec(128, kv_layout=Paged(16), mask=CustomMask(), soft_cap=20.0,
+                         pos_encoding=ALiBi() if "alibi" in case else None)
+    run_and_check(spec, QO, KV, group=7, kind="doc", seed=9)
+
+
+def test_cuda_graph_replay_after_replanning():
+    """Re-planning moves the tile lists and the host bits inside the plan buffer; the graph finds them through
+    tile_indptr and the bit offsets, which keep their places."""
+    spec = SPECS[0]
+    max_batch, max_q, max_kv, heads, group = 8, 700, 4000, 2, 4
+    wrapper = flashgen.BatchPrefillWrapper(spec, use_cuda_graph=True, max_batch_size=max_batch, max_total_q=max_q)
+    assert wrapper.backend == "sm90"
+    pool_q = torch.zeros(max_q, heads * group, 128, dtype=torch.bfloat16, device="cuda")
+    pool_kv = tuple(torch.zeros(max_kv, heads, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+
+    def load(qo_lens, kv_lens, seed, kind):
+        gen = torch.Generator().manual_seed(seed)
+        q, kv, table = random_batch(spec, qo_lens, kv_lens, heads, group, generator=gen)
+        masks = make_masks(kind, qo_lens, kv_lens, gen)
+        for pool, part in zip(pool_kv, kv):
+            pool[: part.shape[0]].copy_(part)
+        pool_q[: q.shape[0]].copy_(q)
+        qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+        wrapper.plan(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"].numpy(), num_qo_heads=heads * group,
+                     num_kv_heads=heads, custom_mask=masks)
+        return q, kv, qo_indptr, table["kv_indptr"], masks
+
+    load([600, 50], [3000, 900], 0, "random0.5")  # the largest plan first: it sizes the fixed buffers
+    wrapper.run(pool_q, pool_kv)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = wrapper.run(pool_q, pool_kv, return_lse=True)
+    for seed, (qo_lens, kv_lens, kind) in enumerate((([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900], "doc"),
+                                                     ([1], [1], "ones"), ([100, 3], [2000, 50], "empty_rows"),
+                                                     ([75] * 8, [75] * 8, "random0.05")), start=1):
+        q, kv, qo_indptr, kv_indptr, masks = load(qo_lens, kv_lens, seed, kind)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        n = q.shape[0]
+        kw = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, custom_mask=masks)
+        ref, ref_lse = reference_attention(spec, q, kv, **kw)
+        low, low_lse = same_dtype_reference(spec, q, kv, **kw)
+        assert_attention_close(out[:n].cpu(), ref, low)
+        assert_attention_close(lse[:n].cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+
+
+def test_mask_is_checked():
+    from flashgen.plan import PlanError
+
+    wrapper = flashgen.BatchPrefillWrapper(SPECS[0], backend="sm90")
+    table = dict(qo_indptr=[0, 4], kv_indptr=[0, 9], num_qo_heads=4, num_kv_heads=2)
+    with pytest.raises(PlanError, match="^custom_mask: required"):
+        wrapper.plan(**table)
+    with pytest.raises(PlanError, match=r"^custom_mask: expected uint8 \[5\]"):
+        wrapper.plan(custom_mask=torch.zeros(4, dtype=torch.uint8), **table)
+    with pytest.raises(PlanError, match=r"^custom_mask\[0\]: shape \(4, 8\)"):
+        wrapper.plan(custom_mask=[torch.ones(4, 8, dtype=torch.bool)], **table)
+    with pytest.raises(PlanError, match="^custom_mask: 4 bytes, expected 5"):
+        wrapper.plan(custom_mask=torch.zeros(4, dtype=torch.uint8, device="cuda"), **table)
