@@ -148,6 +148,19 @@ def run_and_check(wrapper, qo_lens, kv_lens, num_kv_heads, group, seed=0, extra_
     check(spec, q, kv, qo_indptr, kv_indptr, out, lse, **runtime)
 
 
+@pytest.mark.parametrize("cap", [0.0, -1.0, float("nan")])
+def test_soft_cap_must_be_positive(cap):
+    """The kernels divide by the cap (sm90 folds 1 / cap into the scale): a zero, negative or NaN cap is refused
+    at plan time, naming the argument."""
+    from flashgen.api.prefill import _runtime
+
+    spec = AttentionSpec(128, kv_layout=Ragged(), soft_cap=30.0)
+    assert _runtime(spec, None, None, None, None, None).soft_cap == 30.0
+    assert _runtime(spec, None, None, None, None, 5.0).soft_cap == 5.0
+    with pytest.raises(PlanError, match="^soft_cap: got"):
+        _runtime(spec, None, None, None, None, cap)
+
+
 @hopper
 @pytest.mark.parametrize("spec", ELIGIBLE, ids=lambda s: s.uri)
 def test_auto_runs_sm90(spec):

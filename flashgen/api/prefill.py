@@ -90,6 +90,8 @@ def _runtime(spec: AttentionSpec, sm_scale, rope_theta, rope_scale, window_left,
     if spec.soft_cap is None and soft_cap is not None:
         raise PlanError("soft_cap: this spec has no soft-cap (set AttentionSpec.soft_cap to enable it)")
     cap = spec.soft_cap if soft_cap is None else soft_cap
+    if spec.soft_cap is not None and not float(cap) > 0.0:
+        raise PlanError(f"soft_cap: got {cap}, expected a positive value (the logits are capped at +-soft_cap)")
     return Runtime(int(window), float(spec.default_sm_scale if sm_scale is None else sm_scale), float(cap or 0.0),
                    1.0 / float(scale), math.log2(float(theta)))
 

@@ -288,12 +288,15 @@ __device__ __forceinline__ float tanh_fast(float x) {
 struct RowState {
   float m[2], l[2];
   int q_pos[2];
-  float slope[2];  // ALiBi slope of the row's q head
+  float slope[2];  // ALiBi slope of the row's q head, pre-multiplied like S (see LogitsParams)
 };
 
-// The logits transform's runtime values (see logits.cuh for the order of the steps).
+// The logits transform's runtime values (see logits.cuh for the order of the steps), folded so that a logit
+// takes one multiply, the ALiBi FMA and the cap: with soft-cap, y = S * sm_scale / cap + slope / cap * (key - q)
+// and the base-2 logit is cap * log2(e) * tanh(y); without it, S * sm_scale * log2(e) + slope * log2(e) * (key - q).
+// The slopes in RowState carry the same factor (1 / cap or log2(e)).
 struct LogitsParams {
-  float sm_scale, scale_log2, soft_cap, rcp_soft_cap;
+  float mul, cap_log2;
   int kv_hi, window_left;
 };
 
@@ -308,12 +311,15 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
   constexpr bool RAW = !C::ALIBI && !C::SOFT_CAP;
   const int q4 = threadIdx.x % 4;
   if constexpr (!RAW) {
+    float bias[2];  // ALiBi: the bias of the thread's first key of the tile in each row, then + slope per key
+#pragma unroll
+    for (int h = 0; h < 2; ++h) bias[h] = C::ALIBI ? rs.slope[h] * float(t0 + 2 * q4 - rs.q_pos[h]) : 0.f;
 #pragma unroll
     for (int i = 0; i < C::TILE_KV / 2; ++i) {
-      float x = s[i] * lg.sm_scale;
-      if constexpr (C::ALIBI) x += rs.slope[(i / 2) % 2] * float(t0 + 8 * (i / 4) + 2 * q4 + i % 2 - rs.q_pos[(i / 2) % 2]);
-      if constexpr (C::SOFT_CAP) x = lg.soft_cap * tanh_fast(x * lg.rcp_soft_cap);
-      s[i] = x * LOG2E;
+      float x = s[i] * lg.mul;
+      if constexpr (C::ALIBI) x += fmaf(rs.slope[(i / 2) % 2], float(8 * (i / 4) + i % 2), bias[(i / 2) % 2]);
+      if constexpr (C::SOFT_CAP) x = lg.cap_log2 * tanh_fast(x);
+      s[i] = x;
     }
   }
   if (masked) {
@@ -329,7 +335,7 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
       if (!ok) s[i] = -INFINITY;
     }
   }
-  const float mul = RAW ? lg.scale_log2 : 1.f;
+  const float mul = RAW ? lg.mul : 1.f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = -INFINITY;
@@ -437,6 +443,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   const int wg_first = min(w.row0 + wg * 64, w.last_row), wg_last = min(w.row0 + wg * 64 + 63, w.last_row);
   const int wq_min = w.q_base + wg_first / w.group, wq_max = w.q_base + wg_last / w.group;
   const int kv_len = w.q_base + w.rows_total / w.group;
+  const float pre = C::SOFT_CAP ? 1.f / p.soft_cap : LOG2E;  // soft_cap > 0 with SOFT_CAP (checked at plan time)
   RowState rs;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -444,13 +451,12 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     rs.l[h] = 0.f;
     const int prow = w.row0 + wg * 64 + warp * 16 + lane / 4 + 8 * h;
     rs.q_pos[h] = w.q_base + prow / w.group;
-    rs.slope[h] = C::ALIBI ? alibi_slope(w.kv_head * w.group + prow % w.group, p.num_qo_heads) : 0.f;
+    rs.slope[h] = C::ALIBI ? alibi_slope(w.kv_head * w.group + prow % w.group, p.num_qo_heads) * pre : 0.f;
   }
   float o[C::HEAD_DIM / 2];
 #pragma unroll
   for (int i = 0; i < C::HEAD_DIM / 2; ++i) o[i] = 0.f;
-  const LogitsParams lg{p.sm_scale, p.sm_scale * LOG2E, p.soft_cap, p.soft_cap != 0.f ? 1.f / p.soft_cap : 0.f,
-                        w.kv_hi, p.window_left};
+  const LogitsParams lg{p.sm_scale * pre, p.soft_cap * LOG2E, w.kv_hi, p.window_left};
   const uint32_t q_wg = smem_base + (k % C::Q_BUFFERS) * L::Q_BYTES + wg * L::WG_ROWS * 128;
   const uint32_t k_base = smem_base + L::K_OFFSET, v_base = smem_base + L::V_OFFSET;
   const Scheduler<C> sched{wg};
