@@ -16,6 +16,7 @@ import torch
 import flashgen
 from flashgen import ALiBi, AttentionSpec, Causal, CustomMask, Paged, Ragged, RoPE, SlidingWindow
 from flashgen.api.prefill import _select_backend
+from flashgen.codegen.rope_gather import attention_spec
 from flashgen.plan import PlanError, csr_to_block_table
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import pack_custom_mask, reference_attention
@@ -73,7 +74,10 @@ def with_backends(cases, ids):
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
     """Compile every spec of this module in parallel up front (nvcc runs are the slow part)."""
-    jobs = [(s, "prefill") for s in ALL_SPECS] + ([(s, "prefill_sm90") for s in SM90_SPECS] if HOPPER else [])
+    jobs = [(s, "prefill") for s in ALL_SPECS]
+    for s in SM90_SPECS if HOPPER else ():  # RoPE on sm90: the rope_gather pre-pass and the ragged twin's kernel
+        jobs += [(s, "rope_gather"), (attention_spec(s), "prefill_sm90")] if isinstance(s.pos_encoding, RoPE) \
+            else [(s, "prefill_sm90")]
     with ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(lambda job: flashgen.ensure_compiled(*job), jobs))
 
