@@ -37,7 +37,7 @@ def sm90_tile_kv(head_dim: int) -> int:
     return 64 if head_dim > 128 else 128
 
 
-SMEM_FIXED = 128 + 256 + 1024  # barriers, the Work slots, slack to align the dynamic base up to 1024
+SMEM_FIXED = 256 + 512 + 1024  # barriers, the 4 Work slots, slack to align the dynamic base up to 1024
 
 
 def _smem(head_dim: int, q_buffers: int, elem: int) -> int:

@@ -8,13 +8,17 @@
 //       TILE_KV rows a 64-column block, paged: one box a page, lanes issuing in parallel) into STAGES-deep rings, each stage with a full
 //       barrier (1 arrival + the tile's bytes) and an empty barrier (every consumer thread arrives); the stage
 //       counter runs on across items, so the next item's tiles stream in while the consumers finish the last.
-//       Warps 2-3: the item (a Work in shared memory, which spares the consumers the plan's dependent loads)
-//       and its 128 packed Q rows by cp.async into the 128B-swizzled Q tile, once the consumers released
-//       that Q buffer (q_empty), then fence.proxy.async and q_full. An invalid Work ends the list.
+//       Warps 2-3, the scheduler: each item's plan entries are read once, into a Work published in a ring of
+//       WORK_SLOTS shared-memory slots (work_full; every reader releases it by work_empty), so the K and V
+//       warps start an item's loads without the plan's dependent global loads; then its 128 packed Q rows by
+//       cp.async into the 128B-swizzled Q tile, once the consumers released that Q buffer (q_empty), then
+//       fence.proxy.async and q_full. An invalid Work ends the list.
 //   WG1, WG2 consumers (setmaxnreg.inc): 64 packed q rows each (packed row = token * group + q head in the
 //       group). Per KV tile: S = Q K^T (wgmma SS, fp32), online softmax in registers (base 2), P -> 16-bit A
 //       fragments, O += P V (wgmma RS, V MN-major). The GEMMs of consecutive tiles overlap the softmax, and the
-//       two warpgroups take turns issuing them (ping-pong). Epilogue: O / l and lse straight from registers.
+//       two warpgroups take turns issuing them (ping-pong), continuously across items: one warpgroup's first
+//       S of the next item issues while the other finishes the last item. Epilogue: O / l and lse straight
+//       from registers.
 //
 // Masks: causal (aligned to the KV end: q_pos = kv_len - qo_len + token) clips the KV range to what the tile's
 // rows can see, a sliding window (causal, plus keys >= q_pos - window_left) also skips the tiles before the
@@ -42,6 +46,9 @@ struct Work {
 };
 
 constexpr int Q_LOADERS = 64;  // warps 2-3 of the producer warpgroup (a multiple of a Q row's 16-byte chunks)
+// Work slots: the scheduler publishes item k in slot k % WORK_SLOTS once its previous occupant was read by the
+// 64 threads of the K and V warps and the 256 consumer threads (WORK_READERS arrivals on work_empty)
+constexpr int WORK_SLOTS = 4, WORK_READERS = 64 + 256;
 
 template <class C>
 struct Layout {
@@ -52,24 +59,24 @@ struct Layout {
   static constexpr int K_OFFSET = C::Q_BUFFERS * Q_BYTES;  // Q buffers: the next item's Q loads during this one
   static constexpr int V_OFFSET = K_OFFSET + C::STAGES * KV_STAGE;
   static constexpr int BAR_OFFSET = V_OFFSET + C::STAGES * KV_STAGE;
-  // barriers, then one Work a Q buffer (the loaders hand the item to the consumers); the dynamic base is aligned
-  // up to 1024 at run time
-  static constexpr int BAR_BYTES = 128, WORK_OFFSET = BAR_OFFSET + BAR_BYTES, WORK_BYTES = 256, ALIGN_SLACK = 1024;
+  // barriers, then the Work slots; the dynamic base is aligned up to 1024 at run time
+  static constexpr int BAR_BYTES = 256, WORK_OFFSET = BAR_OFFSET + BAR_BYTES, WORK_BYTES = 512, ALIGN_SLACK = 1024;
   static constexpr int TOTAL = WORK_OFFSET + WORK_BYTES + ALIGN_SLACK;
   static_assert(TOTAL == C::SMEM_BYTES, "codegen and the kernel disagree on the shared-memory size");
   static_assert(C::TILE_Q == 2 * WG_ROWS, "two consumer warpgroups of 64 rows");
   static_assert(D % 64 == 0 && sizeof(typename C::DTypeQ) == 2, "rows of whole 128-byte blocks of 16-bit values");
   static_assert(C::TILE_KV % 16 == 0 && C::TILE_KV <= 256 && (C::TILE_KV == 64 || C::TILE_KV == 128 || C::TILE_KV == 256),
                 "wgmma N of S");
-  static_assert((4 * C::STAGES + 2 * C::Q_BUFFERS) * 8 <= BAR_BYTES, "barriers fit their region");
+  static_assert((4 * C::STAGES + 2 * C::Q_BUFFERS + 2 * WORK_SLOTS) * 8 <= BAR_BYTES, "barriers fit their region");
   static_assert(C::Q_BUFFERS == 1 || C::Q_BUFFERS == 2, "one or two Q buffers");
   static_assert(Q_LOADERS % (D / 8) == 0, "the Q loaders cover whole rows of 16-byte chunks");
-  static_assert(C::Q_BUFFERS * sizeof(Work) <= WORK_BYTES, "the Work slots fit their region");
+  static_assert(WORK_SLOTS * sizeof(Work) <= WORK_BYTES, "the Work slots fit their region");
   static_assert(C::PRODUCER_REGS * 128 + C::CONSUMER_REGS * 256 <= 65536, "register budgets fit the SM");
 };
 
 
-// The barrier ring: full and empty barriers of K and V for each stage, then Q's full and empty; 8 bytes each.
+// The barrier ring: full and empty barriers of K and V for each stage, then Q's full and empty, then the Work
+// slots' full and empty; 8 bytes each.
 template <class C>
 struct Barriers {
   uint32_t base;
@@ -79,10 +86,18 @@ struct Barriers {
   __device__ __forceinline__ uint32_t empty_v(int s) const { return base + 8 * (3 * C::STAGES + s); }
   __device__ __forceinline__ uint32_t q_full(int b) const { return base + 8 * (4 * C::STAGES + b); }
   __device__ __forceinline__ uint32_t q_empty(int b) const { return base + 8 * (4 * C::STAGES + C::Q_BUFFERS + b); }
+  __device__ __forceinline__ uint32_t work_full(int j) const { return base + 8 * (4 * C::STAGES + 2 * C::Q_BUFFERS + j); }
+  __device__ __forceinline__ uint32_t work_empty(int j) const {
+    return base + 8 * (4 * C::STAGES + 2 * C::Q_BUFFERS + WORK_SLOTS + j);
+  }
   __device__ __forceinline__ void init() const {
     for (int b = 0; b < C::Q_BUFFERS; ++b) {
       mbarrier_init(q_full(b), Q_LOADERS);
       mbarrier_init(q_empty(b), 256);
+    }
+    for (int j = 0; j < WORK_SLOTS; ++j) {
+      mbarrier_init(work_full(j), 1);
+      mbarrier_init(work_empty(j), WORK_READERS);
     }
     for (int s = 0; s < C::STAGES; ++s) {
       mbarrier_init(full_k(s), 1);
@@ -137,6 +152,14 @@ __device__ __forceinline__ Work work_of(const Params& p, int x) {
   return w;
 }
 
+// Item j of the CTA's list: its Work slot, once the scheduler published it. The caller releases the slot
+// (work_empty) once it is done reading it.
+template <class C>
+__device__ __forceinline__ const Work& read_work(const uint8_t* smem, const Barriers<C>& bars, int j) {
+  mbarrier_wait(bars.work_full(j % WORK_SLOTS), (j / WORK_SLOTS) & 1);
+  return reinterpret_cast<const Work*>(smem + Layout<C>::WORK_OFFSET)[j % WORK_SLOTS];
+}
+
 // The boxes of one KV tile (per 64-column block): TILE_KV rows of a ragged tensor, or BOX rows of each page it
 // spans (PAGE_SIZE is a multiple of 8 that divides TILE_KV or is divided by it, so boxes never straddle pages
 // and land on whole 8-row swizzle atoms). Maps are 4-D, innermost first: NHD {dim, head, row, page}, HND
@@ -170,12 +193,12 @@ struct KVBoxes {
   }
 };
 
-// WG0 warp 0 (K) and warp 1 (V): the tiles of every item of the CTA into their stage ring, a tile's boxes issued
-// by the warp's lanes (a paged tile is up to 32 boxes). Stage s = it % STAGES of the CTA's running tile count it
+// WG0 warp 0 (K) and warp 1 (V): the tiles of every item the scheduler publishes into their stage ring, a tile's
+// boxes issued by the warp's lanes (a paged tile is up to 32 boxes). Stage s = it % STAGES of the CTA's running tile count it
 // is refilled once every consumer thread released it; a fresh empty barrier passes the first wait (parity 1).
 // The next tile's position (custom mask: its list entry) and page ids are read one tile ahead.
-template <class C, class Params>
-__device__ __forceinline__ void produce_kv(const Params& p, const CUtensorMap* map, uint32_t ring,
+template <class C>
+__device__ __forceinline__ void produce_kv(const uint8_t* smem, const CUtensorMap* map, uint32_t ring,
                                            uint32_t (Barriers<C>::*full)(int) const,
                                            uint32_t (Barriers<C>::*empty)(int) const, const Barriers<C>& bars) {
   using L = Layout<C>;
@@ -183,9 +206,11 @@ __device__ __forceinline__ void produce_kv(const Params& p, const CUtensorMap* m
   const int lane = threadIdx.x % 32;
   if (lane == 0) prefetch_tensormap(map);
   int it = 0;
-  for (int x = blockIdx.x; x < p.num_items * p.num_kv_heads; x += gridDim.x) {
-    const Work w = work_of<C>(p, x);
-    if (!w.valid) continue;
+  for (int j = 0;; ++j) {
+    // read in place (fields are re-read from shared memory after each barrier wait rather than held: the warp
+    // has 40 registers) and released once the item's tiles are issued
+    const Work& w = read_work<C>(smem, bars, j);
+    if (!w.valid) break;
     const bool boxer = lane < Boxes::PER_TILE;
     int next_pos = TileList<C>::pos(w.kv_lo, 0, w.num_tiles > 0 ? TileList<C>::entry(w.tiles, 0) : 0);
     int next_page = boxer ? Boxes::page(w, next_pos, lane) : 0;
@@ -201,27 +226,42 @@ __device__ __forceinline__ void produce_kv(const Params& p, const CUtensorMap* m
       __syncwarp();
       if (boxer) Boxes::load(ring + s * L::KV_STAGE, map, (bars.*full)(s), w, pos0, lane, page);
     }
+    mbarrier_arrive(bars.work_empty(j % WORK_SLOTS));
   }
 }
 
-// WG0 warps 2-3: each item's 128 packed Q rows into the swizzled Q tile (rows past the request are zeros) once
-// the consumers released the previous item's Q, made visible to wgmma by fence.proxy.async before q_full.
+// WG0 warps 2-3, the scheduler: each item's Work into its slot (work_full), then its 128 packed Q rows into the
+// swizzled Q tile (rows past the request are zeros) once the consumers released that Q buffer, made visible to
+// wgmma by fence.proxy.async before q_full. Padding items (request_idx < 0) are not published.
 template <class C, class Params>
 __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, const Barriers<C>& bars) {
   using L = Layout<C>;
   constexpr int CHUNKS = L::D / 8;  // 16-byte chunks of a row
   const int tid = threadIdx.x - 64;
+  Work* slots = reinterpret_cast<Work*>(q_smem + L::WORK_OFFSET);
   int k = 0;
+  // item k goes into slot k % WORK_SLOTS once every reader released the slot's previous item (a fresh barrier
+  // passes the first wait); waited for before the Work is computed, so that it is not live across the wait (the
+  // waits back off, leaving issue slots to the consumers)
+  auto wait_slot = [&] {
+    for (const uint32_t parity = ((k / WORK_SLOTS) & 1) ^ 1;
+         !mbarrier_try_wait(bars.work_empty(k % WORK_SLOTS), parity);)
+      __nanosleep(128);
+  };
+  auto publish = [&](const Work& w) {
+    if (tid == 0) {
+      slots[k % WORK_SLOTS] = w;
+      mbarrier_arrive(bars.work_full(k % WORK_SLOTS));
+    }
+  };
   for (int x = blockIdx.x; x < p.num_items * p.num_kv_heads; x += gridDim.x) {
-    Work w = work_of<C>(p, x);
+    wait_slot();
+    const Work w = work_of<C>(p, x);
     if (!w.valid) continue;
-    w.pages = nullptr;  // K / V producer fields, not handed over: fewer registers live across the wait below
-    w.last_page = w.kv_row0 = 0;
+    publish(w);
     const int buf = k % C::Q_BUFFERS;
-    // the loaders wait most of an item for the buffer: they back off, leaving issue slots to the consumers
     for (const uint32_t parity = ((k++ / C::Q_BUFFERS) & 1) ^ 1; !mbarrier_try_wait(bars.q_empty(buf), parity);)
       __nanosleep(256);
-    if (tid == 0) reinterpret_cast<Work*>(q_smem + L::WORK_OFFSET)[buf] = w;  // the consumers' copy of the item
     uint8_t* q_dst = q_smem + buf * L::Q_BYTES;
     // every chunk in flight at once (cp.async, no registers held): one memory round trip, where loads through
     // registers (40 of them) kept two in flight and took ~16 round trips for the tile
@@ -241,11 +281,15 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
     fence_proxy_async();  // ... and are made visible to wgmma (async proxy) before the release by q_full
     mbarrier_arrive(bars.q_full(buf));
   }
-  // the end of the CTA's list: an invalid Work in the next buffer
+  // the end of the CTA's list: an invalid Work, and for the consumers (who read a slot after q_full) the next Q
+  // buffer's q_full
+  Work end;
+  end.valid = false;
+  wait_slot();
+  publish(end);
   const int buf = k % C::Q_BUFFERS;
   for (const uint32_t parity = ((k / C::Q_BUFFERS) & 1) ^ 1; !mbarrier_try_wait(bars.q_empty(buf), parity);)
     __nanosleep(256);
-  if (tid == 0) reinterpret_cast<Work*>(q_smem + L::WORK_OFFSET)[buf].valid = false;
   mbarrier_arrive(bars.q_full(buf));
 }
 
@@ -415,18 +459,23 @@ __device__ __forceinline__ void zero_v_tail(uint8_t* smem, int v_stage_offset, i
 
 // Ping-pong of the two consumer warpgroups (C::PINGPONG): each takes its turn to issue its GEMMs (hardware
 // barrier 3 + wg), then hands the turn to the other, so one warpgroup's softmax runs under the other's GEMMs.
-// WG2 gives WG1 the first turn; every step of WG1 hands over, every step of WG2 but its last.
+// The turns run on across items (both warpgroups take num_tiles + 1 steps an item): WG1 may issue the next
+// item's first S while WG2 finishes this one. WG2 gives WG1 the first turn (start), and WG1 takes the last
+// hand-over at the end of the list (finish), so both barriers end balanced.
 template <class C>
 struct Scheduler {
   int wg;
-  __device__ __forceinline__ void start(int num_tiles) const {
-    if constexpr (C::PINGPONG) if (wg == 1 && num_tiles > 0) named_barrier_arrive(3, 256);
+  __device__ __forceinline__ void start() const {
+    if constexpr (C::PINGPONG) if (wg == 1) named_barrier_arrive(3, 256);
+  }
+  __device__ __forceinline__ void finish() const {
+    if constexpr (C::PINGPONG) if (wg == 0) named_barrier_sync(3, 256);
   }
   __device__ __forceinline__ void wait_turn() const {
     if constexpr (C::PINGPONG) named_barrier_sync(3 + wg, 256);
   }
-  __device__ __forceinline__ void pass_turn(bool last) const {
-    if constexpr (C::PINGPONG) if (wg == 0 || !last) named_barrier_arrive(4 - wg, 256);
+  __device__ __forceinline__ void pass_turn() const {
+    if constexpr (C::PINGPONG) named_barrier_arrive(4 - wg, 256);
   }
 };
 
@@ -480,7 +529,6 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   auto phase = [&](int t) { return uint32_t((it + t) / C::STAGES) & 1; };
   const int qb = k % C::Q_BUFFERS;  // q_full(qb) was waited for by the caller
   if (n == 0) mbarrier_arrive(bars.q_empty(qb));
-  sched.start(n);
   float sc[C::TILE_KV / 2], o_scale[2];
   uint32_t pa[C::TILE_KV / 16][4];
   MaskBits<C> bits;
@@ -490,7 +538,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     sched.wait_turn();
     issue_qk<C>(sc, q_wg, k_base + stage(0) * L::KV_STAGE);
     wgmma_commit();
-    sched.pass_turn(false);
+    sched.pass_turn();
     bits.load(p.custom_mask, w, t0, kv_len, partial, wg);
     wgmma_wait<0>();
     fence_operands(sc);
@@ -508,7 +556,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     wgmma_commit();
     issue_pv<C>(o, pa, v_base + stage(t - 1) * L::KV_STAGE);
     wgmma_commit();
-    sched.pass_turn(false);
+    sched.pass_turn();
     bits.load(p.custom_mask, w, t0, kv_len, partial, wg);
     wgmma_wait<1>();
     fence_operands(sc);
@@ -530,7 +578,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     sched.wait_turn();
     issue_pv<C>(o, pa, v_base + stage(n - 1) * L::KV_STAGE);
     wgmma_commit();
-    sched.pass_turn(true);
+    sched.pass_turn();
     wgmma_wait<0>();
     fence_operands(o);
     mbarrier_arrive(bars.empty_v(stage(n - 1)));
@@ -552,21 +600,25 @@ __device__ __forceinline__ void run(const Params& p) {
   if (wg == 0) {
     setmaxnreg_dec<C::PRODUCER_REGS>();
     if (threadIdx.x < 32)
-      produce_kv<C>(p, &p.tma_k, base + L::K_OFFSET, &Barriers<C>::full_k, &Barriers<C>::empty_k, bars);
+      produce_kv<C>(smem, &p.tma_k, base + L::K_OFFSET, &Barriers<C>::full_k, &Barriers<C>::empty_k, bars);
     else if (threadIdx.x < 64)
-      produce_kv<C>(p, &p.tma_v, base + L::V_OFFSET, &Barriers<C>::full_v, &Barriers<C>::empty_v, bars);
+      produce_kv<C>(smem, &p.tma_v, base + L::V_OFFSET, &Barriers<C>::full_v, &Barriers<C>::empty_v, bars);
     else
       produce_q<C>(p, smem, bars);
   } else {
     setmaxnreg_inc<C::CONSUMER_REGS>();
     const Work* slots = reinterpret_cast<const Work*>(smem + L::WORK_OFFSET);
-    for (int it = 0, k = 0;; ++k) {  // the items the Q loaders hand over, until an invalid one
+    const Scheduler<C> sched{wg - 1};
+    sched.start();
+    for (int it = 0, k = 0;; ++k) {  // the published items, until an invalid one (its slot read after q_full)
       mbarrier_wait(bars.q_full(k % C::Q_BUFFERS), (k / C::Q_BUFFERS) & 1);
-      const Work w = slots[k % C::Q_BUFFERS];
+      const Work w = slots[k % WORK_SLOTS];
       if (!w.valid) break;
+      mbarrier_arrive(bars.work_empty(k % WORK_SLOTS));
       consume<C>(p, w, smem, base, bars, wg - 1, it, k);
       it += w.num_tiles;
     }
+    sched.finish();
   }
 }
 
