@@ -10,7 +10,7 @@ by ``build`` stays cached in its process by spec: set ``FLASHGEN_PREFILL_TILES``
 | ``FLASHGEN_CUDA_ARCH`` | target arch (``sm_90a``, ``90a``, ``9.0a``), overriding the GPU's own |
 | ``FLASHGEN_DISABLE_JIT`` | ``1``: a cache miss raises ``MissingKernelError`` instead of compiling |
 | ``FLASHGEN_NVCC_THREADS`` | ``nvcc --threads`` value (default 1) |
-| ``FLASHGEN_PREFILL_TILES`` | portable prefill tiles: ``kv32`` (default), ``kv64``, ``warps=W,rows=R,kv=K[,...]`` (in the uri) |
+| ``FLASHGEN_PREFILL_TILES`` | portable prefill tiles: ``kv64`` (default), ``kv32``, ``warps=W,rows=R,kv=K[,...]`` (in the uri) |
 | ``FLASHGEN_SM90_PINGPONG`` | ``0``: the sm90 prefill's consumer warpgroups do not take turns (an A/B toggle; in the source) |
 | ``FLASHGEN_VERBOSE`` | ``1``: print each compile and its time to stderr |
 | ``CUDA_HOME`` / ``CUDA_PATH`` | where to look for ``bin/nvcc`` before ``PATH`` |

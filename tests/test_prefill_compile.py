@@ -43,7 +43,7 @@ def test_tiles_knob_changes_uri_and_source(monkeypatch):
     assert len(set(uris.values())) == len(set(sources.values())) == 3
     assert "TILE_KV = 64;" in sources["kv64"] and "STAGES = 2;" in sources["kv64"]
     monkeypatch.delenv("FLASHGEN_PREFILL_TILES")
-    assert family("prefill").uri(spec) == uris["kv32"]  # the default preset
+    assert family("prefill").uri(spec) == uris["kv64"]  # the default preset
 
 
 def test_tiles_knob_parsing():

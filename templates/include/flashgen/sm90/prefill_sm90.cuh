@@ -440,8 +440,10 @@ __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const
   }
 }
 
-// V rows of the last tile past kv_hi (the tail of a request's last page, rows past a ragged request) hold anything,
-// NaN included, and P = 0 there does not cancel NaN: the warpgroup zeroes them before its last P V. Both consumer
+// V rows of the last tile past the request's KV (the tail of its last page, rows past a ragged batch) hold
+// anything, NaN included, and P = 0 there does not cancel NaN: the warpgroup zeroes them before its last P V.
+// Rows past a causal or window kv_hi but inside the request are its own keys (finite) and are left alone: most
+// causal items end inside their request and skip this. Both consumer
 // warpgroups write the same zeros, so their overlap is harmless; the fence and the warpgroup barrier order this
 // warpgroup's writes before its own wgmma reads them.
 template <class C>
@@ -574,7 +576,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     mbarrier_wait(bars.full_v(stage(n - 1)), phase(n - 1));
     // the last tile's start: t0 either way, but holding t0 to here cost the ALiBi + window variant a spill
     const int last_t0 = C::CUSTOM_MASK ? t0 : w.kv_lo + (n - 1) * C::TILE_KV;
-    zero_v_tail<C>(smem, L::V_OFFSET + stage(n - 1) * L::KV_STAGE, w.kv_hi - last_t0, wg);
+    zero_v_tail<C>(smem, L::V_OFFSET + stage(n - 1) * L::KV_STAGE, kv_len - last_t0, wg);
     sched.wait_turn();
     issue_pv<C>(o, pa, v_base + stage(n - 1) * L::KV_STAGE);
     wgmma_commit();
