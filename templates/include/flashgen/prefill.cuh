@@ -14,8 +14,9 @@
 // see, so fully masked tiles are never loaded; the per-element mask runs only on a warp's boundary tiles.
 // A custom bit mask comes as a tile list per item (planned on the host, flashgen/plan/mask_tiles.py): fully
 // masked tiles are not listed, so never loaded; fully visible ones run without the element mask (unless they
-// cross kv_hi); a device mask lists every tile as partial. Split requests write fp32 partials; the last CTA of a tile
-// merges them (an atomic counter per tile, reset by the merger, so a CUDA-graph replay starts from zero).
+// cross kv_hi); a device mask lists every tile as partial. Split requests write fp32 partials; the last CTA
+// of a tile merges them (an atomic counter per tile, reset by the merger, so a CUDA-graph replay starts from
+// zero).
 #pragma once
 #include <flashgen/prefill_tiles.cuh>
 
