@@ -243,8 +243,10 @@ def test_cuda_graph_replay_after_replanning(form):
         check(spec, q, kv, table, qo_indptr, masks, out[:n].cpu(), lse[:n].cpu())
 
 
-def test_mask_is_checked():
-    wrapper = flashgen.BatchPrefillWrapper(SPECS[0], backend="portable")
+@pytest.mark.parametrize("backend", ["portable", pytest.param("sm90", marks=pytest.mark.hopper)])
+def test_mask_is_checked(backend):
+    """The custom-mask intake both backends share (flashgen.api.custom_mask) names the argument."""
+    wrapper = flashgen.BatchPrefillWrapper(SPECS[0], backend=backend)
     table = dict(qo_indptr=[0, 4], kv_indptr=[0, 9], num_qo_heads=4, num_kv_heads=2)
     with pytest.raises(PlanError, match="^custom_mask: required"):
         wrapper.plan(**table)

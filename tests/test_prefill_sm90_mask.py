@@ -192,18 +192,3 @@ def test_cuda_graph_replay_after_replanning():
         low, low_lse = same_dtype_reference(spec, q, kv, **kw)
         assert_attention_close(out[:n].cpu(), ref, low)
         assert_attention_close(lse[:n].cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
-
-
-def test_mask_is_checked():
-    from flashgen.plan import PlanError
-
-    wrapper = flashgen.BatchPrefillWrapper(SPECS[0], backend="sm90")
-    table = dict(qo_indptr=[0, 4], kv_indptr=[0, 9], num_qo_heads=4, num_kv_heads=2)
-    with pytest.raises(PlanError, match="^custom_mask: required"):
-        wrapper.plan(**table)
-    with pytest.raises(PlanError, match=r"^custom_mask: expected uint8 \[5\]"):
-        wrapper.plan(custom_mask=torch.zeros(4, dtype=torch.uint8), **table)
-    with pytest.raises(PlanError, match=r"^custom_mask\[0\]: shape \(4, 8\)"):
-        wrapper.plan(custom_mask=[torch.ones(4, 8, dtype=torch.bool)], **table)
-    with pytest.raises(PlanError, match="^custom_mask: 4 bytes, expected 5"):
-        wrapper.plan(custom_mask=torch.zeros(4, dtype=torch.uint8, device="cuda"), **table)
