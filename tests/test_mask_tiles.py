@@ -364,3 +364,23 @@ def test_graph_mode_keeps_the_fixed_fields_in_place():
             for prow in range(qo_lens[b] * 4):
                 assert np.array_equal(seen[(b, prow)], m[prow // 4])
     assert layouts[0] == layouts[1]
+
+
+def test_fixed_buffers_say_what_sized_them():
+    """A CUDA-graph wrapper's buffers are sized by its first plan; a later plan that needs more gets an error
+    naming the buffer and what to do (a mask's bits and tiles grow with the KV, not with max_batch_size)."""
+    from flashgen.api.prefill import _GRAPH_HINTS
+    import torch
+
+    from flashgen.api.staging import DeviceBuffer
+
+    buf = DeviceBuffer(torch.int32, torch.device("cpu"), fixed=True)
+    first = buf.get(10, "tiles", _GRAPH_HINTS["tiles"])
+    assert buf.get(7, "tiles") is first  # fits: the same memory (a captured graph keeps its address)
+    with pytest.raises(PlanError, match=r"^tiles: needs 11 elements, more than the 10 .* the longest KV\)$"):
+        buf.get(11, "tiles", _GRAPH_HINTS["tiles"])
+    with pytest.raises(PlanError, match=r"\(raise max_batch_size\)$"):
+        buf.get(11, "kv_indptr")
+    grows = DeviceBuffer(torch.int32, torch.device("cpu"), fixed=False)
+    grows.get(10, "tiles")
+    assert grows.get(11, "tiles").numel() == 11

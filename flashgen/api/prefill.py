@@ -32,6 +32,11 @@ from .kv_inputs import TORCH_DTYPES, KVView, PageTable, kv_view, page_ids_pointe
 from .staging import DeviceBuffer
 
 _NULL = 0
+# what sizes the host-copied buffers of a CUDA-graph wrapper beyond max_batch_size: the first plan's page ids and
+# mask (its bits and tile lists grow with the KV lengths, which the wrapper has no bound for)
+_FIRST_PLAN = "make the first plan the one with the longest KV"
+_GRAPH_HINTS = {"pages": "make the first plan the one with the most page ids", "mask": _FIRST_PLAN,
+                "tiles": _FIRST_PLAN}
 BACKENDS = ("auto", "portable", "sm90")
 SM90_CAPABILITY = (9, 0)  # the sm90 kernel is built for sm_90a (H100, H200, H20)
 
@@ -320,7 +325,8 @@ class _PortablePrefill:
         if host is None:
             return _NULL
         src = torch.from_numpy(np.ascontiguousarray(host))
-        buf = self._bufs[name].get(max(src.numel(), capacity if self.fixed else 0), name)
+        buf = self._bufs[name].get(max(src.numel(), capacity if self.fixed else 0), name,
+                                   _GRAPH_HINTS.get(name, "raise max_batch_size"))
         buf[: src.numel()].copy_(src.to(buf.dtype).pin_memory(), non_blocking=True)
         self._keep_host = getattr(self, "_keep_host", {})
         self._keep_host[name] = src
