@@ -25,9 +25,14 @@ ELIGIBLE = [AttentionSpec(d, dtype=dtype, kv_layout=Ragged(), mask=mask)
                                    (128, "float16", Causal()), (256, "bfloat16", Causal()))]
 ELIGIBLE_MASKS = [AttentionSpec(128, kv_layout=Ragged(), mask=CustomMask()),
                   AttentionSpec(128, kv_layout=Paged(16), mask=CustomMask())]
-PORTABLE_ONLY = [
-    AttentionSpec(128, kv_layout=Paged(1), mask=Causal()),  # pages of one token: never a TMA box
+ELIGIBLE_GATHERED = [  # page sizes no TMA box takes: gathered by the producer warps
+    AttentionSpec(128, kv_layout=Paged(1), mask=Causal()),
+    AttentionSpec(128, kv_layout=Paged(24, "HND"), mask=NoMask()),
+    AttentionSpec(256, kv_layout=Paged(96), mask=CustomMask()),
+]
+PORTABLE_ONLY = [  # sm90 takes any page size now: head dims are what it refuses
     AttentionSpec(192, head_dim_vo=128, kv_layout=Ragged(), mask=Causal()),
+    AttentionSpec(128, head_dim_vo=64, kv_layout=Paged(1)),
 ]
 
 
@@ -43,7 +48,7 @@ def hopper(test):
 # ---------------------------------------------------------------------------------------------- selection (CPU)
 
 
-@pytest.mark.parametrize("spec", ELIGIBLE + ELIGIBLE_MASKS, ids=lambda s: s.uri)
+@pytest.mark.parametrize("spec", ELIGIBLE + ELIGIBLE_MASKS + ELIGIBLE_GATHERED, ids=lambda s: s.uri)
 def test_auto_picks_sm90_on_hopper_only(spec):
     assert _select_backend(spec, "auto", (9, 0)) == "sm90"
     for capability in ((8, 0), (8, 9), (10, 0), (12, 0), (9, 1)):
@@ -81,10 +86,9 @@ def test_sm90_needs_compute_capability_9_0():
 
 
 def test_wrapper_refuses_sm90_before_touching_a_device():
-    with pytest.raises(SpecError, match=r"^backend: 'sm90' cannot run this spec \(kv_layout"):
-        flashgen.BatchPrefillWrapper(PORTABLE_ONLY[0], backend="sm90")
-    with pytest.raises(SpecError, match=r"^backend: 'sm90' cannot run this spec \(head_dim"):
-        flashgen.BatchPrefillWrapper(PORTABLE_ONLY[1], backend="sm90")
+    for spec in PORTABLE_ONLY:
+        with pytest.raises(SpecError, match=r"^backend: 'sm90' cannot run this spec \(head_dim"):
+            flashgen.BatchPrefillWrapper(spec, backend="sm90")
     with pytest.raises(ValueError, match="^backend: got 'fa2'"):
         flashgen.BatchPrefillWrapper(ELIGIBLE[0], backend="fa2")
 

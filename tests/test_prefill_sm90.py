@@ -80,8 +80,8 @@ def test_sm_scale_and_empty_batch():
 def test_unsupported_specs_are_refused():
     from flashgen import Paged, RoPE, SpecError
 
-    with pytest.raises(SpecError, match="page_size 24"):
-        PrefillSM90(AttentionSpec(128, kv_layout=Paged(24)))
+    with pytest.raises(SpecError, match="head_dim"):
+        PrefillSM90(AttentionSpec(192, head_dim_vo=128, kv_layout=Paged(24)))
     with pytest.raises(SpecError, match="RoPE on the sm90 backend is not CUDA-graph safe"):  # the pre-pass: not yet
         PrefillSM90(AttentionSpec(128, kv_layout=Ragged(), pos_encoding=RoPE()), use_cuda_graph=True, max_batch_size=4,
                     max_total_q=64)

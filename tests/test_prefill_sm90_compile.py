@@ -28,11 +28,21 @@ SM90_SPECS = [
 ] + [
     AttentionSpec(128, kv_layout=Paged(16), mask=CustomMask(), pos_encoding=ALiBi(), soft_cap=30.0),
 ]
+GATHER_SPECS = [  # page sizes no TMA box takes: rows gathered by the K and V producer warps (40 registers)
+    AttentionSpec(128, kv_layout=Paged(1)),
+    AttentionSpec(128, kv_layout=Paged(5, "HND")),
+    AttentionSpec(128, kv_layout=Paged(24), mask=Causal()),
+    AttentionSpec(64, kv_layout=Paged(3), mask=Causal()),
+    AttentionSpec(256, kv_layout=Paged(12), mask=Causal()),
+    AttentionSpec(256, dtype="float16", kv_layout=Paged(96, "HND")),
+    AttentionSpec(128, kv_layout=Paged(5), mask=CustomMask()),
+    AttentionSpec(128, kv_layout=Paged(12), mask=SlidingWindow(100), pos_encoding=ALiBi(), soft_cap=20.0),
+]
 BUILD_SECONDS = 60  # per variant on the 2-core build machine (about 1 s measured with nvcc 13.0)
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("spec", SM90_SPECS, ids=lambda s: s.uri)
+@pytest.mark.parametrize("spec", SM90_SPECS + GATHER_SPECS, ids=lambda s: s.uri)
 def test_sm90_variant_compiles_without_spills(cache_dir, spec):
     start = time.perf_counter()
     entry = jit.ensure_compiled(spec, "prefill_sm90", "sm_90a")
@@ -50,9 +60,6 @@ def test_sm90_variant_compiles_without_spills(cache_dir, spec):
 
 
 @pytest.mark.parametrize("spec", [
-    AttentionSpec(128, kv_layout=Paged(1)),
-    AttentionSpec(128, kv_layout=Paged(24)),
-    AttentionSpec(256, kv_layout=Paged(96)),
     AttentionSpec(128, kv_layout=Ragged(), pos_encoding=RoPE()),
     AttentionSpec(192, head_dim_vo=128, kv_layout=Ragged()),
 ], ids=lambda s: s.uri)
@@ -74,6 +81,27 @@ def test_sm90_params_struct_packs_tensor_maps():
     assert packed[:128] == b"\1" * 128 and packed[128:256] == b"\2" * 128 and len(packed) == layout.size
     assert packed[layout.offsets[-1]: layout.offsets[-1] + 8] == (10).to_bytes(8, "little")
     assert "struct alignas(128) PrefillSM90Params {" in jit.render(SM90_SPECS[0], "prefill_sm90")
+
+
+def test_sm90_params_struct_of_a_gathered_cache():
+    """A gathered page size (sm90_gather) takes the cache's k, v and element strides (the runner's kv_args)
+    where the tensor maps were; the rest of the struct is the same fields in the same order."""
+    from flashgen.codegen import family
+    from flashgen.codegen.prefill_sm90 import sm90_gather
+
+    assert [sm90_gather(ps, 128) for ps in (1, 5, 12, 24, 48, 96, 8, 16, 128, 256, 384)] == [True] * 6 + [False] * 5
+    assert [sm90_gather(ps, 256) for ps in (32, 64, 96, 128, 12)] == [False, False, True, False, True]
+    tma = family("prefill_sm90").entry_points(SM90_SPECS[0])[0].params
+    (entry,) = family("prefill_sm90").entry_points(GATHER_SPECS[0])
+    layout = entry.params
+    assert [f.name for f in layout.fields[:5]] == ["k", "v", "stride_page", "stride_token", "stride_head"]
+    assert [f.name for f in layout.fields[5:]] == [f.name for f in tma.fields[2:]]
+    assert layout.align == 8 and layout.offsets[:5] == (0, 8, 16, 24, 32)
+    packed = layout.packer().pack(1, 2, 3, 4, 5, *([0] * 12), 1, 1, 0.5, 1, 1, 0, 0, 0.0, 7, 8, 9, 10)
+    assert packed[16:24] == (3).to_bytes(8, "little") and len(packed) == layout.size
+    source = jit.render(GATHER_SPECS[0], "prefill_sm90")
+    assert "static constexpr bool GATHER = true;" in source and "CUtensorMap tma_k" not in source
+    assert "static constexpr bool GATHER = false;" in jit.render(SM90_SPECS[0], "prefill_sm90")
 
 
 @pytest.mark.nvcc

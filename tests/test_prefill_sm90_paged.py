@@ -1,7 +1,8 @@
-"""GPU tests of the Hopper prefill over paged KV (pages loaded by TMA, one box a page) against the fp64 reference:
-fresh random inputs, shuffled pages with NaN in every slot no request owns, NaN-poisoned outputs; page sizes from
-8 (sixteen boxes a 128-token tile) to 256 (a tile inside a page), NHD and HND, K/V as a pair or one tensor, CSR
-and block-table page tables, host and device page ids."""
+"""GPU tests of the Hopper prefill over paged KV against the fp64 reference: fresh random inputs, shuffled pages
+with NaN in every slot no request owns, NaN-poisoned outputs; page sizes from 8 (sixteen boxes a 128-token tile)
+to 256 (a tile inside a page) loaded by TMA, and page sizes no box takes (1, 3, 5, 12, 24, 100, ...: rows gathered
+by the producer warps into the swizzled tile), NHD and HND, K/V as a pair or one tensor, CSR and block-table page
+tables, host and device page ids, masks, GQA groups, head dims and CUDA-graph replay after re-planning."""
 
 from __future__ import annotations
 
@@ -145,3 +146,114 @@ def test_sm_scale_must_be_positive():
     wrapper = flashgen.BatchPrefillWrapper(AttentionSpec(64, kv_layout=Ragged()), backend="sm90")
     with pytest.raises(PlanError, match="^sm_scale: the sm90 backend needs sm_scale > 0"):
         wrapper.plan(qo_indptr=[0, 4], kv_indptr=[0, 4], num_qo_heads=2, num_kv_heads=1, sm_scale=-0.1)
+
+
+# ------------------------------------------------------------------ gathered page sizes (no TMA box: cp.async)
+# Shuffled pages of a few tokens put neighbouring rows of a tile in unrelated pages, and every slot no request
+# owns is NaN: a row copied to the wrong swizzled place, or from a wrong page, changes or poisons the output.
+# (qo_len, kv_len): empty requests both ways, one token, appends (qo < kv), tile boundaries +- 1
+GQO = [37, 0, 130, 1, 64, 5, 129, 3]
+GKV = [300, 9, 130, 1, 1000, 0, 257, 700]
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 5, 12, 24, 100])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_gathered_page_sizes(page_size, mask):
+    from flashgen import SlidingWindow
+
+    kind = {"none": NoMask(), "causal": Causal(), "window": SlidingWindow(64)}[mask]
+    run_and_check(AttentionSpec(128, kv_layout=Paged(page_size), mask=kind), GQO, GKV, seed=page_size,
+                  **({"window_left": 90} if mask == "window" else {}))
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 24])
+@pytest.mark.parametrize("form", ["csr", "block_table"])
+@pytest.mark.parametrize("device_ids", [False, True])
+def test_gathered_orders_and_page_table_forms(page_size, form, device_ids):
+    for order, combined in (("NHD", False), ("HND", True), ("HND", False)):
+        spec = AttentionSpec(128, dtype="float16", kv_layout=Paged(page_size, order), mask=Causal())
+        run_and_check(spec, GQO, GKV, combined=combined, form=form, device_ids=device_ids, seed=page_size + 7)
+
+
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("page_size", [1, 12])
+def test_gathered_gqa_groups(group, page_size):
+    run_and_check(AttentionSpec(128, kv_layout=Paged(page_size, "HND"), mask=Causal()), GQO, GKV, num_kv_heads=3,
+                  group=group, seed=group)
+
+
+@pytest.mark.parametrize("d,page_size", [(64, 1), (64, 3), (64, 24), (256, 1), (256, 12), (256, 96), (256, 5)])
+def test_gathered_head_dims(d, page_size):
+    run_and_check(AttentionSpec(d, kv_layout=Paged(page_size), mask=Causal()), GQO, GKV, group=7, seed=d + page_size)
+    run_and_check(AttentionSpec(d, kv_layout=Paged(page_size, "HND"), mask=NoMask()), GQO, GKV, seed=d)
+
+
+def test_gathered_logits_transforms():
+    from flashgen import ALiBi, SlidingWindow
+
+    spec = AttentionSpec(128, kv_layout=Paged(12), mask=SlidingWindow(100), pos_encoding=ALiBi(), soft_cap=20.0)
+    run_and_check(spec, GQO, GKV, group=7, seed=11, window_left=100)
+
+
+@pytest.mark.parametrize("page_size,order", [(1, "NHD"), (5, "HND"), (24, "NHD")])
+@pytest.mark.parametrize("kind", ["random0.5", "doc"])
+def test_gathered_custom_masks(page_size, order, kind):
+    from flashgen import CustomMask
+    from test_prefill_sm90_mask import KV as MASK_KV
+    from test_prefill_sm90_mask import QO as MASK_QO
+    from test_prefill_sm90_mask import run_and_check as check_masked  # tests/ is on sys.path
+
+    spec = AttentionSpec(128, kv_layout=Paged(page_size, order), mask=CustomMask())
+    check_masked(spec, MASK_QO, MASK_KV, kind=kind, seed=page_size)
+    check_masked(spec, MASK_QO, MASK_KV, group=7, kind=kind, form="device", seed=page_size + 1)
+
+
+@pytest.mark.parametrize("page_size", [1, 5])
+def test_gathered_cuda_graph_replay_after_replanning(page_size):
+    """The graph keeps the cache's addresses and strides (the kernel's params) and the plan buffer's; re-planning
+    rewrites the page ids and lengths in place."""
+    from flashgen.plan import PlanError
+
+    spec = AttentionSpec(128, kv_layout=Paged(page_size), mask=Causal())
+    max_batch, max_q, heads, group = 8, 700, 2, 4
+    max_pages = -(-4000 // page_size) + 8
+    wrapper = flashgen.BatchPrefillWrapper(spec, use_cuda_graph=True, max_batch_size=max_batch, max_total_q=max_q)
+    assert wrapper.backend == "sm90"
+    pool_q = torch.zeros(max_q, heads * group, 128, dtype=torch.bfloat16, device="cuda")
+    pool_kv = tuple(torch.zeros(max_pages, page_size, heads, 128, dtype=torch.bfloat16, device="cuda")
+                    for _ in range(2))
+
+    def load(qo_lens, kv_lens, seed):
+        gen = torch.Generator().manual_seed(seed)
+        q, kv, table = random_batch(spec, qo_lens, kv_lens, heads, group, generator=gen)
+        for pool, part in zip(pool_kv, kv):
+            pool.fill_(float("nan"))
+            pool[: part.shape[0]].copy_(part)
+        pool_q[: q.shape[0]].copy_(q)
+        qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+        wrapper.plan(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"].numpy(), kv_indices=table["kv_indices"],
+                     kv_last_page_len=table["kv_last_page_len"].numpy(), num_qo_heads=heads * group,
+                     num_kv_heads=heads)
+        return q, kv, table, qo_indptr
+
+    load([100, 3], [2000, 50], 0)
+    wrapper.run(pool_q, pool_kv)  # warm up (compile, load) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = wrapper.run(pool_q, pool_kv, return_lse=True)
+    for seed, (qo_lens, kv_lens) in enumerate((([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900]), ([1], [1]),
+                                               ([100, 3], [2000, 50]), ([75] * 8, [75] * 8),
+                                               ([129, 0, 257], [129, 5, 257])), start=1):
+        q, kv, table, qo_indptr = load(qo_lens, kv_lens, seed)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        n = q.shape[0]
+        kw = dict(qo_indptr=qo_indptr, **table)
+        ref, ref_lse = reference_attention(spec, q, kv, **kw)
+        low, low_lse = same_dtype_reference(spec, q, kv, **kw)
+        assert_attention_close(out[:n].cpu(), ref, low)
+        assert_attention_close(lse[:n].cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+    with pytest.raises(PlanError, match="max_batch_size"):
+        load([1] * 9, [1] * 9, 0)

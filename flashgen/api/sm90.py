@@ -16,7 +16,7 @@ import ctypes
 import numpy as np
 import torch
 
-from ..codegen.prefill_sm90 import THREADS, TILE_Q, sm90_smem_bytes, sm90_tile_kv
+from ..codegen.prefill_sm90 import THREADS, TILE_Q, sm90_gather, sm90_smem_bytes, sm90_tile_kv
 from ..codegen.rope_gather import BLOCK_THREADS as ROPE_THREADS
 from ..codegen.rope_gather import attention_spec
 from ..plan import PlanError, plan_prefill
@@ -88,6 +88,9 @@ class SM90Prefill:
         self._plan_buf = DeviceBuffer(torch.int32, device, graph is not None)
         self._staging = HostStaging(device)
         self._tile_kv = sm90_tile_kv(spec.head_dim)
+        # pages TMA cannot take: the kernel gathers them from the cache's addresses and strides, no tensor maps
+        layout = self.kernel_spec.kv_layout
+        self.gather = isinstance(layout, Paged) and sm90_gather(layout.page_size, spec.head_dim)
         self._kernel = None
         self._mask_held: torch.Tensor | None = None  # a device custom mask, read in place
         self._empty: dict[tuple, torch.Tensor] = {}  # one-row stand-ins for an empty K / V (a map needs an address)
@@ -141,7 +144,7 @@ class SM90Prefill:
         mask_args = (0, 0, 0, 0) if not custom else (
             self._mask_held.data_ptr() if self._mask_held is not None else base,
             views["mask_offset"].data_ptr(), views["tile_indptr"].data_ptr(), base)
-        # the params struct after (tma_k, tma_v, q, o, lse)
+        # the params struct after (tma_k, tma_v or a gathered cache's k, v and strides; q, o, lse)
         self._args = tuple(views[n].data_ptr() for n in ("qo_indptr", "kv_indptr", "kv_len", "request_idx",
                                                          "qo_tile_idx", "kv_start", "kv_end")) + (
             0 if block_table else pages, pages if block_table else 0,
@@ -210,9 +213,11 @@ class SM90Prefill:
         self._fn.set_max_dynamic_shared_memory(self._smem)
 
     def kv_args(self, kv: KVView) -> tuple:
-        """The TMA descriptors of K and V, bounded by the tensors' own size (the wrapper memoises them); with
-        RoPE, the cache's addresses and strides for the pre-pass (the kernel reads the scratch)."""
-        if self.rope:
+        """The TMA descriptors of K and V, bounded by the tensors' own size (the wrapper memoises them); for a
+        gathered page size (``sm90_gather``) or RoPE, the cache's addresses and element strides (k, v,
+        stride_page, stride_token, stride_head: the kernel's params, or with RoPE the pre-pass's, the kernel then
+        reading the scratch)."""
+        if self.rope or self.gather:
             return (kv.k.data_ptr(), kv.v.data_ptr(), kv.stride_page, kv.stride_token, kv.stride_head)
         if kv.k.shape[0] == 0:  # a map needs an address: an empty cache is read through a one-row stand-in
             key = (tuple(kv.k.shape[1:]), kv.k.dtype)
@@ -229,7 +234,7 @@ class SM90Prefill:
             self._rope_fn.launch(self._rope_grid, (ROPE_THREADS, 1, 1), 0, stream, q_ptr, kv[0], kv[1],
                                  *self._rope_outs, *self._rope_tables, *kv[2:], *self._rope_scalars)
             kv, q_ptr = self._scratch_maps, self._rope_outs[0]
-        self._fn.launch(self._grid, (THREADS, 1, 1), self._smem, stream, kv[0], kv[1],
+        self._fn.launch(self._grid, (THREADS, 1, 1), self._smem, stream, *kv,
                         q_ptr, out.data_ptr(), lse.data_ptr() if lse is not None else 0, *self._args)
 
 

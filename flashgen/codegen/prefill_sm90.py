@@ -1,8 +1,9 @@
 """The Hopper prefill family (op ``prefill_sm90``): TMA + wgmma, a producer and two consumer warpgroups (sm_90a).
 
 Scope (``check`` raises ``SpecError`` for the rest): fp16 / bf16 with ``kv_dtype == dtype``, ``head_dim ==
-head_dim_vo`` in {64, 128, 256}, ``Ragged()`` KV or ``Paged(page_size)`` NHD / HND with page sizes the TMA
-loads page by page (multiples of 8 that divide the KV tile or are divided by it: 8 ... 256 and beyond at d <= 128),
+head_dim_vo`` in {64, 128, 256}, ``Ragged()`` KV or ``Paged(page_size)`` NHD / HND at any page size: TMA loads
+a page per box where pages are multiples of 8 that divide the KV tile or are divided by it (8 ... 256 and beyond
+at d <= 128), the K and V producer warps gather other page sizes row by row with cp.async (``sm90_gather``),
 ``NoMask()``, ``Causal()``, ``SlidingWindow()`` or ``CustomMask()`` (planned tile lists: fully masked KV tiles
 are skipped, fully visible ones run without the element mask), no positional encoding or ``ALiBi()`` (not RoPE
 yet), soft-cap, any GQA group (packed rows), unsplit plans (``enable_split=False``: every item covers its whole
@@ -35,6 +36,17 @@ def sm90_tile_kv(head_dim: int) -> int:
     (S 32, smem 64 + 2 x 64 = 192 KB). head_dim 64: Q 16 KB + 2 x 32 KB = 80 KB -> 128.
     """
     return 64 if head_dim > 128 else 128
+
+
+def sm90_gather(page_size: int, head_dim: int) -> bool:
+    """Whether paged KV of ``page_size`` is gathered row by row (cp.async) rather than loaded a page per TMA box.
+
+    A box must land on whole 8-row 128B-swizzle atoms and never straddle a page: page sizes that are multiples
+    of 8 and divide the KV tile or are divided by it. At head_dim 128 (tile 128): 8, 16, 32, 64, 128, 256, 384
+    ... by TMA; 1, 5, 12, 24, 48, 96 gathered.
+    """
+    tile = sm90_tile_kv(head_dim)
+    return page_size % 8 != 0 or (tile % page_size != 0 and page_size % tile != 0)
 
 
 SMEM_FIXED = 256 + 512 + 1024  # barriers, the 4 Work slots, slack to align the dynamic base up to 1024
@@ -70,13 +82,7 @@ class PrefillSM90Family(AttentionFamily):
             raise SpecError(f"kv_dtype: got dtype {spec.dtype} / kv_dtype {spec.kv_dtype}, prefill_sm90 supports "
                             "float16 or bfloat16 with kv_dtype == dtype")
         layout = spec.kv_layout
-        if isinstance(layout, Paged):
-            tile = sm90_tile_kv(spec.head_dim)
-            if layout.page_size % 8 or (tile % layout.page_size and layout.page_size % tile):
-                raise SpecError(f"kv_layout: page_size {layout.page_size} at head_dim {spec.head_dim}: prefill_sm90 "
-                                f"loads pages by TMA and takes page sizes that are multiples of 8 and divide, or are "
-                                f"divided by, its {tile}-token KV tile")
-        elif not isinstance(layout, Ragged):
+        if not isinstance(layout, (Ragged, Paged)):
             raise SpecError(f"kv_layout: got {layout!r}, prefill_sm90 supports Ragged() or Paged(page_size)")
         if not isinstance(spec.mask, (NoMask, Causal, SlidingWindow, CustomMask)):
             raise SpecError(f"mask: got {spec.mask!r}, prefill_sm90 supports NoMask(), Causal(), SlidingWindow() or "
@@ -110,15 +116,18 @@ class PrefillSM90Family(AttentionFamily):
             "PAGED": "true" if paged else "false",
             "PAGE_SIZE": spec.kv_layout.page_size if paged else 0,
             "HND": "true" if paged and spec.kv_layout.order == "HND" else "false",
+            "GATHER": "true" if _gathered(spec) else "false",
             "PINGPONG": "true" if knobs.sm90_pingpong() else "false",
         }
 
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
         q = CPP_TYPES[spec.dtype]
         i32 = "const int32_t*"
+        # K and V: two TMA descriptors, or for a gathered cache its base pointers and element strides (KVView)
+        kv = ((f"const {q}*", "k"), (f"const {q}*", "v"), ("int64_t", "stride_page"), ("int64_t", "stride_token"),
+              ("int64_t", "stride_head")) if _gathered(spec) else (("CUtensorMap", "tma_k"), ("CUtensorMap", "tma_v"))
         params = struct(
-            "PrefillSM90Params",
-            ("CUtensorMap", "tma_k"), ("CUtensorMap", "tma_v"),
+            "PrefillSM90Params", *kv,
             (f"const {q}*", "q"), (f"{q}*", "o"), ("float*", "lse"),
             (i32, "qo_indptr"), (i32, "kv_indptr"), (i32, "kv_len"), (i32, "request_idx"), (i32, "qo_tile_idx"),
             (i32, "kv_start"), (i32, "kv_end"), (i32, "kv_indices"), (i32, "block_table"),
@@ -133,6 +142,10 @@ class PrefillSM90Family(AttentionFamily):
 
 
 register(PrefillSM90Family())
+
+
+def _gathered(spec: AttentionSpec) -> bool:
+    return isinstance(spec.kv_layout, Paged) and sm90_gather(spec.kv_layout.page_size, spec.head_dim)
 
 
 def check_sm90_backend(spec: AttentionSpec, graph: bool = False) -> None:

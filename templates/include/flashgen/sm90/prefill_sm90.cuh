@@ -8,6 +8,8 @@
 //       TILE_KV rows a 64-column block, paged: one box a page, lanes issuing in parallel) into STAGES-deep rings, each stage with a full
 //       barrier (1 arrival + the tile's bytes) and an empty barrier (every consumer thread arrives); the stage
 //       counter runs on across items, so the next item's tiles stream in while the consumers finish the last.
+//       Pages TMA cannot take (C::GATHER) are gathered row by row by the warp's lanes with cp.async into the same
+//       swizzled layout (kv_gather.cuh); the full barrier then takes 32 arrivals, one a lane once its copies landed.
 //       Warps 2-3, the scheduler: each item's plan entries are read once, into a Work published in a ring of
 //       WORK_SLOTS shared-memory slots (work_full; every reader releases it by work_empty), so the K and V
 //       warps start an item's loads without the plan's dependent global loads; then its 128 packed Q rows by
@@ -30,6 +32,7 @@
 #include <flashgen/logits.cuh>
 #include <flashgen/mma.cuh>
 #include <flashgen/sm90/custom_mask.cuh>
+#include <flashgen/sm90/kv_gather.cuh>
 #include <flashgen/sm90/tma.cuh>
 #include <flashgen/sm90/wgmma.cuh>
 
@@ -100,8 +103,8 @@ struct Barriers {
       mbarrier_init(work_empty(j), WORK_READERS);
     }
     for (int s = 0; s < C::STAGES; ++s) {
-      mbarrier_init(full_k(s), 1);
-      mbarrier_init(full_v(s), 1);
+      mbarrier_init(full_k(s), C::GATHER ? 32 : 1);  // gathered: each lane of the warp; TMA: one + the bytes
+      mbarrier_init(full_v(s), C::GATHER ? 32 : 1);
       mbarrier_init(empty_k(s), 256);  // every consumer thread arrives once it has finished the tile
       mbarrier_init(empty_v(s), 256);
     }
@@ -225,6 +228,41 @@ __device__ __forceinline__ void produce_kv(const uint8_t* smem, const CUtensorMa
       if (lane == 0) mbarrier_arrive_expect_tx((bars.*full)(s), L::KV_STAGE);
       __syncwarp();
       if (boxer) Boxes::load(ring + s * L::KV_STAGE, map, (bars.*full)(s), w, pos0, lane, page);
+    }
+    mbarrier_arrive(bars.work_empty(j % WORK_SLOTS));
+  }
+}
+
+// WG0 warp 0 (K) or warp 1 (V) of a gathered cache (C::GATHER): as produce_kv, a tile's rows copied by the lanes
+// (PageRows). Completion: each lane waits for its own copies (cp.async.wait_group), makes them visible to wgmma
+// (fence.proxy.async: cp.async writes through the generic proxy, wgmma reads through the async one) and arrives on
+// the full barrier (32 arrivals). The warp then has one tile in flight, but it is STAGES tiles ahead of the
+// consumers and mostly waits on the empty barrier, and a lane arriving only once its copies are done needs no
+// proxy fence on the consumer side (cp.async.mbarrier.arrive would leave the writer no point to fence at). The
+// tile's page ids are prefetched into L1 before that wait.
+template <class C, class Params>
+__device__ __forceinline__ void gather_kv(const uint8_t* smem, const Params& p, const typename C::DTypeKV* cache,
+                                          uint32_t ring, uint32_t (Barriers<C>::*full)(int) const,
+                                          uint32_t (Barriers<C>::*empty)(int) const, const Barriers<C>& bars) {
+  using L = Layout<C>;
+  using Rows = PageRows<C>;
+  const int lane = threadIdx.x % 32;
+  int it = 0;
+  for (int j = 0;; ++j) {
+    const Work& w = read_work<C>(smem, bars, j);
+    if (!w.valid) break;
+    const typename C::DTypeKV* col = cache + w.kv_head * p.stride_head + lane % Rows::CHUNKS * 8;
+    for (int t = 0; t < w.num_tiles; ++t, ++it) {
+      const int s = it % C::STAGES;
+      const int pos0 = TileList<C>::pos(w.kv_lo, t, TileList<C>::entry(w.tiles, t));
+      Rows::prefetch_ids(w.pages, w.last_page, pos0, lane);
+      mbarrier_wait((bars.*empty)(s), ((it / C::STAGES) & 1) ^ 1);
+      Rows::load(ring + s * L::KV_STAGE, col, p.stride_page, p.stride_token, w.pages, w.last_page,
+                 w.q_base + w.rows_total / w.group, pos0, lane);
+      cp_async_commit();
+      cp_async_wait<0>();
+      fence_proxy_async();
+      mbarrier_arrive((bars.*full)(s));
     }
     mbarrier_arrive(bars.work_empty(j % WORK_SLOTS));
   }
@@ -601,7 +639,14 @@ __device__ __forceinline__ void run(const Params& p) {
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<C::PRODUCER_REGS>();
-    if (threadIdx.x < 32)
+    if constexpr (C::GATHER) {
+      if (threadIdx.x < 32)
+        gather_kv<C>(smem, p, p.k, base + L::K_OFFSET, &Barriers<C>::full_k, &Barriers<C>::empty_k, bars);
+      else if (threadIdx.x < 64)
+        gather_kv<C>(smem, p, p.v, base + L::V_OFFSET, &Barriers<C>::full_v, &Barriers<C>::empty_v, bars);
+      else
+        produce_q<C>(p, smem, bars);
+    } else if (threadIdx.x < 32)
       produce_kv<C>(smem, &p.tma_k, base + L::K_OFFSET, &Barriers<C>::full_k, &Barriers<C>::empty_k, bars);
     else if (threadIdx.x < 64)
       produce_kv<C>(smem, &p.tma_v, base + L::V_OFFSET, &Barriers<C>::full_v, &Barriers<C>::empty_v, bars);
