@@ -310,14 +310,15 @@ __device__ __forceinline__ void issue_qk(float (&s)[C::TILE_KV / 2], uint32_t q_
 // Issue O += P V over the tile's tokens in k16 steps (V: rows = tokens, 64-column blocks at KV_BLOCK bytes)
 template <class C>
 __device__ __forceinline__ void issue_pv(float (&o)[C::HEAD_DIM / 2], uint32_t (&pa)[C::TILE_KV / 16][4],
-                                         uint32_t v_stage) {
+                                         uint32_t v_stage, bool fresh = false) {
   using L = Layout<C>;
   fence_operands(o);
   fence_operands(pa);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < C::TILE_KV / 16; ++kk)
-    Wgmma<C::HEAD_DIM, typename C::DTypeKV>::rs(o, pa[kk], desc_mn_major(v_stage + kk * 16 * 128, L::KV_BLOCK), 1);
+    Wgmma<C::HEAD_DIM, typename C::DTypeKV>::rs(o, pa[kk], desc_mn_major(v_stage + kk * 16 * 128, L::KV_BLOCK),
+                                                kk > 0 || !fresh);  // an item's first P V overwrites O (scale-d 0)
 }
 
 // tanh(x) = 1 - 2 / (e^(2x) + 1) by ex2.approx and rcp.approx (relative error ~1e-7 away from 0, absolute ~1e-7
@@ -435,7 +436,7 @@ __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const
 #pragma unroll
     for (int j = 0; j < C::HEAD_DIM / 8; ++j)
       *reinterpret_cast<uint32_t*>(dst + 8 * j) =
-          pack2<typename C::DTypeO>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+          pack2<typename C::DTypeO>(l > 0.f ? o[4 * j + 2 * h] * inv : 0.f, l > 0.f ? o[4 * j + 2 * h + 1] * inv : 0.f);
     if (q4 == 0 && p.lse != nullptr) p.lse[row] = l > 0.f ? (m[h] + log2f(l)) * LN2 : -INFINITY;
   }
 }
@@ -489,6 +490,7 @@ struct Pending {
   float m[2], l[2];  // its rows' softmax state
   int it_last;       // the CTA's running tile count of its last tile (V stage and phase)
   int tail_rows;     // valid V rows of that tile (kv_len - its start): zero_v_tail
+  bool fresh;        // its only P V (one tile): overwrites O
   bool active;
 };
 
@@ -515,7 +517,7 @@ __device__ __forceinline__ void flush(const Params& p, Pending& pd, float (&o)[C
   const Scheduler<C> sched{wg};
   pending_v_ready<C>(pd, smem, bars, wg);
   sched.wait_turn();
-  issue_pv<C>(o, pa, smem_base + Layout<C>::V_OFFSET + pd.it_last % C::STAGES * Layout<C>::KV_STAGE);
+  issue_pv<C>(o, pa, smem_base + Layout<C>::V_OFFSET + pd.it_last % C::STAGES * Layout<C>::KV_STAGE, pd.fresh);
   wgmma_commit();
   sched.pass_turn();
   wgmma_wait<0>();
@@ -573,9 +575,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   if (n == 0) {  // no tile: O = 0 and lse = -inf (after the pending item, on its own)
     mbarrier_arrive(bars.q_empty(qb));
     if (pd.active) flush<C>(p, pd, o, pa, smem, smem_base, bars, wg);
-#pragma unroll
-    for (int i = 0; i < C::HEAD_DIM / 2; ++i) o[i] = 0.f;
-    write_rows<C>(p, w, o, rs.m, rs.l, wg);
+    write_rows<C>(p, w, o, rs.m, rs.l, wg);  // l = 0: zeros, whatever O holds
     return;
   }
   float sc[C::TILE_KV / 2], o_scale[2];
@@ -587,7 +587,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   issue_qk<C>(sc, q_wg, k_base + stage(0) * L::KV_STAGE);
   wgmma_commit();
   if (pd.active) {
-    issue_pv<C>(o, pa, v_base + pd.it_last % C::STAGES * L::KV_STAGE);
+    issue_pv<C>(o, pa, v_base + pd.it_last % C::STAGES * L::KV_STAGE, pd.fresh);
     wgmma_commit();
   }
   sched.pass_turn();
@@ -597,8 +597,6 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   mbarrier_arrive(bars.empty_k(stage(0)));
   if (n == 1) mbarrier_arrive(bars.q_empty(qb));  // the item's last Q K^T is done: the producer may load the next Q
   if (pd.active) pending_done<C>(p, pd, o, bars, wg);
-#pragma unroll
-  for (int i = 0; i < C::HEAD_DIM / 2; ++i) o[i] = 0.f;
   softmax<C>(sc, rs, o_scale, lg, masked(t0, partial), t0, bits);
   pack_p<C>(pa, sc);
   for (int t = 1; t < n; ++t) {
@@ -608,7 +606,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     sched.wait_turn();
     issue_qk<C>(sc, q_wg, k_base + stage(t) * L::KV_STAGE);
     wgmma_commit();
-    issue_pv<C>(o, pa, v_base + stage(t - 1) * L::KV_STAGE);
+    issue_pv<C>(o, pa, v_base + stage(t - 1) * L::KV_STAGE, t == 1);
     wgmma_commit();
     sched.pass_turn();
     bits.load(p.custom_mask, w, t0, kv_len, partial, wg);
@@ -635,6 +633,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   }
   pd.it_last = it + n - 1;
   pd.tail_rows = kv_len - last_t0;
+  pd.fresh = n == 1;
   pd.active = true;
 }
 
