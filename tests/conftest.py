@@ -1,5 +1,5 @@
-"""Shared test setup: the `cuda` marker skips without a GPU, the `nvcc` marker without nvcc; every test
-gets a private kernel cache."""
+"""Shared test setup: the `cuda` marker skips without a GPU, the `hopper` marker without one of compute
+capability 9.0 (sm_90a kernels), the `nvcc` marker without nvcc; every test gets a private kernel cache."""
 
 from __future__ import annotations
 
@@ -27,16 +27,28 @@ def _has_nvcc() -> bool:
         return False
 
 
+def _is_hopper() -> bool:
+    if not HAS_GPU:
+        return False
+    import torch
+
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
 HAS_GPU = _has_gpu()
 HAS_NVCC = _has_nvcc()
+IS_HOPPER = _is_hopper()
 
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU")
     skip_nvcc = pytest.mark.skip(reason="needs nvcc")
+    skip_hopper = pytest.mark.skip(reason="needs a Hopper GPU (sm_90a)")
     for item in items:
         if "cuda" in item.keywords and not HAS_GPU:
             item.add_marker(skip_gpu)
+        elif "hopper" in item.keywords and not IS_HOPPER:
+            item.add_marker(skip_hopper)
         if "nvcc" in item.keywords and not HAS_NVCC:
             item.add_marker(skip_nvcc)
 

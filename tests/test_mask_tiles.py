@@ -16,8 +16,8 @@ from flashgen.api.custom_mask import custom_mask_bits
 from flashgen.api.staging import extra_offsets
 from flashgen.plan import PlanError, plan_prefill
 from flashgen.plan.mask_tiles import (
-    TILE_FULL, TILE_PARTIAL, dense_tile_lists, mask_bit_offsets, mask_tile_lists, plan_mask_tiles,
-    reorder_tile_lists,
+    TILE_FULL, TILE_PARTIAL, clip_to_chunks, dense_tile_lists, mask_bit_offsets, mask_tile_lists, plan_mask_tiles,
+    reorder_tile_lists, split_plan_mask_tiles,
 )
 
 
@@ -180,6 +180,57 @@ def test_classification_cost_16k():
     assert seconds < 2.0, seconds
 
 
+# ------------------------------------------------------------------- split plans (the portable kernel)
+
+
+def split_plan(qo_lens, kv_lens, heads, group, tile_kv, **options):
+    return plan_prefill(np.concatenate([[0], np.cumsum(qo_lens)]), np.asarray(kv_lens), num_qo_heads=heads * group,
+                        num_kv_heads=heads, tile_rows=128, kv_granularity=tile_kv, num_sms=264, **options)
+
+
+@pytest.mark.parametrize("kind", ["random0.3", "random0.995", "doc", "rows", "zeros", "ones"])
+@pytest.mark.parametrize("group,tile_kv", [(1, 64), (4, 64), (7, 32)])
+def test_split_plan_lists_cover_each_chunk(kind, group, tile_kv):
+    """Split-KV items (several chunks of one q tile) visit exactly the non-empty tiles of their own chunk,
+    with the classes of the whole q tile; padding items (a CUDA-graph capacity) none."""
+    qo_lens, kv_lens = [200, 7, 130, 0], [3000, 40, 1300, 9]
+    rng = np.random.default_rng(abs(hash((kind, group))) % 2**32)
+    masks = make_masks(kind, qo_lens, kv_lens, rng)
+    plan = split_plan(qo_lens, kv_lens, 1, group, tile_kv, max_batch_size=6, max_total_q=400)
+    n = plan.info.num_items
+    assert plan.numpy("num_chunks")[0] > 1 and plan.info.capacity > n  # split, and padded
+    indptr, entries = split_plan_mask_tiles(plan, pack(masks), mask_bit_offsets(qo_lens, kv_lens), np.array(kv_lens),
+                                            tile_kv=tile_kv)
+    assert indptr.dtype == entries.dtype == np.int32 and indptr.size == plan.info.capacity + 1
+    request, qo_tile = plan.numpy("request_idx")[:n], plan.numpy("qo_tile_idx")[:n]
+    start, end = plan.numpy("kv_start")[:n], plan.numpy("kv_end")[:n]
+    whole = brute_lists(masks, request, qo_tile, group, 128, tile_kv)
+    expected = [[(j, c) for j, c in tiles if start[i] <= j * tile_kv < end[i]] for i, tiles in enumerate(whole)]
+    got = decode(indptr, entries)
+    assert got[:n] == expected and got[n:] == [[]] * (plan.info.capacity - n)
+    union = {}
+    for i in range(n):  # the chunks of a q tile together list each of its tiles once
+        union.setdefault((request[i], qo_tile[i]), []).extend(got[i])
+    assert all(union[(request[i], qo_tile[i])] == whole[i] for i in range(n))
+
+
+def test_split_plan_dense_lists_are_every_chunk_tile():
+    """A device mask: every tile of every chunk, all partial, so the kernel skips nothing."""
+    qo_lens, kv_lens = [200, 7], [3000, 40]
+    plan = split_plan(qo_lens, kv_lens, 1, 4, 64)
+    n = plan.info.num_items
+    indptr, entries = split_plan_mask_tiles(plan, None, mask_bit_offsets(qo_lens, kv_lens), np.array(kv_lens),
+                                            tile_kv=64)
+    start, end = plan.numpy("kv_start")[:n], plan.numpy("kv_end")[:n]
+    assert decode(indptr, entries) == [[(j, TILE_PARTIAL) for j in range(s // 64, -(-e // 64))]
+                                       for s, e in zip(start, end)]
+
+
+def test_chunks_must_start_on_a_tile():
+    with pytest.raises(PlanError, match="^kv_start: chunk starts must be multiples of the KV tile"):
+        clip_to_chunks(np.array([0, 1]), np.array([0], np.int32), np.array([32]), np.array([100]), tile_kv=64)
+
+
 # ------------------------------------------------------------------------- the runner's upload, read back
 
 
@@ -313,3 +364,23 @@ def test_graph_mode_keeps_the_fixed_fields_in_place():
             for prow in range(qo_lens[b] * 4):
                 assert np.array_equal(seen[(b, prow)], m[prow // 4])
     assert layouts[0] == layouts[1]
+
+
+def test_fixed_buffers_say_what_sized_them():
+    """A CUDA-graph wrapper's buffers are sized by its first plan; a later plan that needs more gets an error
+    naming the buffer and what to do (a mask's bits and tiles grow with the KV, not with max_batch_size)."""
+    from flashgen.api.prefill import _GRAPH_HINTS
+    import torch
+
+    from flashgen.api.staging import DeviceBuffer
+
+    buf = DeviceBuffer(torch.int32, torch.device("cpu"), fixed=True)
+    first = buf.get(10, "tiles", _GRAPH_HINTS["tiles"])
+    assert buf.get(7, "tiles") is first  # fits: the same memory (a captured graph keeps its address)
+    with pytest.raises(PlanError, match=r"^tiles: needs 11 elements, more than the 10 .* the longest KV\)$"):
+        buf.get(11, "tiles", _GRAPH_HINTS["tiles"])
+    with pytest.raises(PlanError, match=r"\(raise max_batch_size\)$"):
+        buf.get(11, "kv_indptr")
+    grows = DeviceBuffer(torch.int32, torch.device("cpu"), fixed=False)
+    grows.get(10, "tiles")
+    assert grows.get(11, "tiles").numel() == 11

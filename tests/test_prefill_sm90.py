@@ -16,11 +16,7 @@ from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                       reason="needs a Hopper GPU (sm_90a)"),
-]
+pytestmark = [pytest.mark.cuda, pytest.mark.hopper]
 
 # (qo_len, kv_len): empty requests both ways, one token, append (qo < kv), qo = kv, tile boundaries +- 1
 QO = [0, 1, 17, 65, 64, 3, 130, 5, 129]

@@ -15,14 +15,11 @@ import torch
 import flashgen
 from flashgen import AttentionSpec, CustomMask, Paged, Ragged
 from flashgen.testing.layouts import random_batch
-from flashgen.testing.reference import pack_custom_mask, reference_attention
+from flashgen.testing.masks import as_form, doc_mask, make_masks
+from flashgen.testing.reference import reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                       reason="needs a Hopper GPU (sm_90a)"),
-]
+pytestmark = [pytest.mark.cuda, pytest.mark.hopper]
 
 # (qo_len, kv_len): empty requests both ways, one token, append (qo < kv), qo = kv, tile boundaries +- 1
 QO = [0, 1, 17, 65, 64, 3, 130, 5, 129]
@@ -39,50 +36,6 @@ def compiled():
     """Compile every variant of this module in parallel up front."""
     with ThreadPoolExecutor(max_workers=4) as pool:
         list(pool.map(lambda s: flashgen.ensure_compiled(s, "prefill_sm90"), SPECS))
-
-
-def doc_mask(qo_len: int, kv_len: int, docs: int) -> torch.Tensor:
-    """``docs`` causal documents over the KV; the queries are its last qo_len tokens."""
-    doc = torch.arange(kv_len) * docs // max(kv_len, 1)
-    pos = torch.arange(kv_len)
-    full = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
-    return full[kv_len - qo_len:] if qo_len <= kv_len else torch.zeros(qo_len, kv_len, dtype=torch.bool)
-
-
-def make_masks(kind: str, qo_lens, kv_lens, gen) -> list[torch.Tensor]:
-    shapes = list(zip(qo_lens, kv_lens))
-    if kind.startswith("random"):
-        return [torch.rand(a, b, generator=gen) < float(kind[6:]) for a, b in shapes]
-    if kind == "doc":
-        return [doc_mask(a, b, 3) for a, b in shapes]
-    if kind == "causal":
-        return [torch.arange(b)[None, :] <= (b - a + torch.arange(a))[:, None] for a, b in shapes]
-    if kind == "zeros":
-        return [torch.zeros(a, b, dtype=torch.bool) for a, b in shapes]
-    if kind == "ones":
-        return [torch.ones(a, b, dtype=torch.bool) for a, b in shapes]
-    if kind == "empty_rows":  # every other row sees nothing; a whole KV tile's columns hidden from every row
-        masks = [torch.rand(a, b, generator=gen) < 0.5 for a, b in shapes]
-        for m in masks:
-            m[::2] = False
-            m[:, 128:256] = False
-        return masks
-    raise ValueError(kind)
-
-
-def as_form(masks, form: str):
-    if form == "list":
-        return masks
-    packed = pack_custom_mask(masks)
-    if form == "host":
-        return packed
-    if form == "numpy":
-        return packed.numpy()
-    if form == "device":
-        return packed.cuda()
-    if form == "device_unaligned":  # a view 3 bytes into its allocation: the kernel's word reads stay aligned
-        return torch.cat([torch.zeros(3, dtype=torch.uint8), packed]).cuda()[3:]
-    raise ValueError(form)
 
 
 def run_and_check(spec, qo_lens, kv_lens, num_kv_heads=2, group=4, *, kind="random0.5", form="list", seed=0,
@@ -239,18 +192,3 @@ def test_cuda_graph_replay_after_replanning():
         low, low_lse = same_dtype_reference(spec, q, kv, **kw)
         assert_attention_close(out[:n].cpu(), ref, low)
         assert_attention_close(lse[:n].cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
-
-
-def test_mask_is_checked():
-    from flashgen.plan import PlanError
-
-    wrapper = flashgen.BatchPrefillWrapper(SPECS[0], backend="sm90")
-    table = dict(qo_indptr=[0, 4], kv_indptr=[0, 9], num_qo_heads=4, num_kv_heads=2)
-    with pytest.raises(PlanError, match="^custom_mask: required"):
-        wrapper.plan(**table)
-    with pytest.raises(PlanError, match=r"^custom_mask: expected uint8 \[5\]"):
-        wrapper.plan(custom_mask=torch.zeros(4, dtype=torch.uint8), **table)
-    with pytest.raises(PlanError, match=r"^custom_mask\[0\]: shape \(4, 8\)"):
-        wrapper.plan(custom_mask=[torch.ones(4, 8, dtype=torch.bool)], **table)
-    with pytest.raises(PlanError, match="^custom_mask: 4 bytes, expected 5"):
-        wrapper.plan(custom_mask=torch.zeros(4, dtype=torch.uint8, device="cuda"), **table)

@@ -15,11 +15,7 @@ from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                       reason="needs a Hopper GPU (sm_90a)"),
-]
+pytestmark = [pytest.mark.cuda, pytest.mark.hopper]
 
 QO = [37, 0, 130, 1, 64, 200]
 KV = [300, 9, 130, 1, 1000, 200]

@@ -5,15 +5,10 @@ NaN-poisoned outputs, ragged and paged KV (NaN in every slot no request owns), a
 from __future__ import annotations
 
 import pytest
-import torch
 
 from flashgen import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, SlidingWindow
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                       reason="needs a Hopper GPU (sm_90a)"),
-]
+pytestmark = [pytest.mark.cuda, pytest.mark.hopper]
 
 QO = [37, 0, 130, 1, 64, 200]
 KV = [300, 9, 130, 1, 1000, 200]

@@ -134,7 +134,7 @@ class BatchDecodeWrapper:
         return np.concatenate([indptr, np.full(self.max_batch_size + 1 - indptr.size, indptr[-1], indptr.dtype)])
 
     def _upload_pages(self, host: torch.Tensor) -> int:
-        buf = self._pages_buf.get(host.numel(), "page ids")
+        buf = self._pages_buf.get(host.numel(), "page ids", "make the first plan the one with the most page ids")
         buf[: host.numel()].copy_(host.pin_memory(), non_blocking=True)
         return buf.data_ptr()
 

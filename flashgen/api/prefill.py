@@ -23,6 +23,7 @@ from ..codegen.prefill import (
     prefill_ctas_per_sm, prefill_smem_bytes, prefill_stages, prefill_tile_q, prefill_tiles,
 )
 from ..plan import PlanError, host_array, plan_prefill
+from ..plan.mask_tiles import split_plan_mask_tiles
 from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Ragged, RoPE, SlidingWindow, SpecError
 from .checks import check_tensor
 from .custom_mask import custom_mask_bits
@@ -31,6 +32,11 @@ from .kv_inputs import TORCH_DTYPES, KVView, PageTable, kv_view, page_ids_pointe
 from .staging import DeviceBuffer
 
 _NULL = 0
+# what sizes the host-copied buffers of a CUDA-graph wrapper beyond max_batch_size: the first plan's page ids and
+# mask (its bits and tile lists grow with the KV lengths, which the wrapper has no bound for)
+_FIRST_PLAN = "make the first plan the one with the longest KV"
+_GRAPH_HINTS = {"pages": "make the first plan the one with the most page ids", "mask": _FIRST_PLAN,
+                "tiles": _FIRST_PLAN}
 BACKENDS = ("auto", "portable", "sm90")
 SM90_CAPABILITY = (9, 0)  # the sm90 kernel is built for sm_90a (H100, H200, H20)
 
@@ -264,7 +270,8 @@ class _PortablePrefill:
         self.max_batch_size, self.max_total_q = graph or (None, None)
         self._bufs = {name: DeviceBuffer(dtype, device, self.fixed) for name, dtype in (
             ("plan", torch.int32), ("kv_indptr", torch.int32), ("pages", torch.int32), ("tmp_o", torch.float32),
-            ("tmp_lse", torch.float32), ("mask", torch.uint8), ("mask_offset", torch.int64))}
+            ("tmp_lse", torch.float32), ("mask", torch.uint8), ("mask_offset", torch.int64),
+            ("tile_indptr", torch.int32), ("tiles", torch.int32))}
         self._counters = None  # int32 [max_total_q * num_qo_heads], zero; the kernel leaves it zero
         self._kernel = None
 
@@ -293,7 +300,7 @@ class _PortablePrefill:
         self._grid = (info.capacity, num_kv_heads, 1)
         # the params struct between (q, k, v, o, lse) and the KV strides, then the scalars after them
         self._args = (tmp_o.data_ptr(), tmp_lse.data_ptr(), *tables, *plan_ptrs, counters,
-                      *self._custom_mask(custom_mask, qo, table.kv_lens))
+                      *self._custom_mask(plan, custom_mask, qo, table.kv_lens))
         self._scalars = (bt_stride, num_qo_heads, num_qo_heads // num_kv_heads, *runtime)
         self._keep = (plan, table)  # the host buffers stay alive until the copies have run
         return info.max_total_q
@@ -318,21 +325,32 @@ class _PortablePrefill:
         if host is None:
             return _NULL
         src = torch.from_numpy(np.ascontiguousarray(host))
-        buf = self._bufs[name].get(max(src.numel(), capacity if self.fixed else 0), name)
+        buf = self._bufs[name].get(max(src.numel(), capacity if self.fixed else 0), name,
+                                   _GRAPH_HINTS.get(name, "raise max_batch_size"))
         buf[: src.numel()].copy_(src.to(buf.dtype).pin_memory(), non_blocking=True)
         self._keep_host = getattr(self, "_keep_host", {})
         self._keep_host[name] = src
         return buf.data_ptr()
 
-    def _custom_mask(self, custom_mask, qo: np.ndarray, kv_lens: np.ndarray) -> tuple[int, int]:
+    def _custom_mask(self, plan, custom_mask, qo: np.ndarray, kv_lens: np.ndarray) -> tuple[int, int, int, int]:
+        """The kernel's (custom_mask, mask_offset, tile_indptr, tiles). Each item's tile list (its chunk's
+        tiles that some row sees, ``split_plan_mask_tiles``) lies in buffers of their own, which never move in
+        CUDA-graph mode; ``tiles`` is sized there by the first plan's tiles without a mask, so any mask over
+        the same lengths fits. A device mask is read in place, its tiles all partial (no sync)."""
         if not isinstance(self.spec.mask, CustomMask):
-            return _NULL, _NULL  # (a mask given to another spec was refused by the wrapper)
+            return _NULL, _NULL, _NULL, _NULL  # (a mask given to another spec was refused by the wrapper)
         bits = custom_mask_bits(custom_mask, qo, kv_lens)
         if bits.device is not None:
             self._keep_mask, mask_ptr = bits.device, bits.device.data_ptr()
         else:
             mask_ptr = self._copy("mask", bits.host, 0)
-        return mask_ptr, self._copy("mask_offset", bits.offsets, self.max_batch_size or 0)
+        tile_kv = prefill_tiles(self.spec.head_dim, self.spec.head_dim_vo)[2]
+        indptr, entries = split_plan_mask_tiles(plan, bits.host, bits.offsets, kv_lens, tile_kv=tile_kv)
+        n = plan.info.num_items
+        start, end = plan.numpy("kv_start")[:n].astype(np.int64), plan.numpy("kv_end")[:n].astype(np.int64)
+        dense = int(np.maximum(-(-end // tile_kv) - start // tile_kv, 0).sum())  # the most any mask lists
+        return (mask_ptr, self._copy("mask_offset", bits.offsets, self.max_batch_size or 0),
+                self._copy("tile_indptr", indptr, 0), self._copy("tiles", entries, dense))
 
     def _load_kernel(self) -> None:
         from ..jit import build

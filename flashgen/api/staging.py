@@ -32,12 +32,14 @@ class DeviceBuffer:
     def __init__(self, dtype: torch.dtype, device: torch.device, fixed: bool):
         self.dtype, self.device, self.fixed, self.tensor = dtype, device, fixed, None
 
-    def get(self, numel: int, what: str) -> torch.Tensor:
+    def get(self, numel: int, what: str, hint: str = "raise max_batch_size") -> torch.Tensor:
+        """At least ``numel`` elements; ``what`` and ``hint`` (how to make room) name the buffer in the error a
+        fixed buffer raises when a later plan needs more than the first plan sized."""
         if self.tensor is None or (self.tensor.numel() < numel and not self.fixed):
             self.tensor = torch.empty(max(numel, 1), dtype=self.dtype, device=self.device)
         elif self.tensor.numel() < numel:
             raise PlanError(f"{what}: needs {numel} elements, more than the {self.tensor.numel()} sized by the "
-                            f"first plan of this CUDA-graph wrapper (raise max_batch_size)")
+                            f"first plan of this CUDA-graph wrapper ({hint})")
         return self.tensor
 
 

@@ -224,7 +224,7 @@ class PrefillFamily(AttentionFamily):
             (i32, "kv_indptr"), (i32, "kv_indices"), (i32, "block_table"),
             (i32, "qo_indptr"), (i32, "kv_len"), (i32, "request_idx"), (i32, "qo_tile_idx"), (i32, "chunk_idx"),
             (i32, "kv_start"), (i32, "kv_end"), (i32, "merge_indptr"), (i32, "num_chunks"), ("int32_t*", "counters"),
-            ("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"),
+            ("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"), (i32, "tile_indptr"), (i32, "tiles"),
             ("int64_t", "stride_page"), ("int64_t", "stride_token"), ("int64_t", "stride_head"),
             ("int32_t", "block_table_stride"), ("int32_t", "num_qo_heads"), ("int32_t", "group_size"),
             ("int32_t", "window_left"),

@@ -146,6 +146,19 @@ def reorder_tile_lists(indptr: np.ndarray, entries: np.ndarray, perm: np.ndarray
     return new, entries[src]
 
 
+def _plan_tile_lists(plan, packed: np.ndarray | None, bit_offsets: np.ndarray, kv_lens: np.ndarray,
+                     tile_kv: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tile lists of ``plan``'s items over their requests' whole KV: classified under a host mask
+    ``packed``, or every tile PARTIAL for a device mask (None)."""
+    info, n = plan.info, plan.info.num_items
+    request, qo_tile = plan.numpy("request_idx")[:n], plan.numpy("qo_tile_idx")[:n]
+    if packed is None:
+        return dense_tile_lists(kv_lens, request, tile_kv=tile_kv)
+    qo_indptr = plan.numpy("qo_indptr")[: info.batch_size + 1].astype(np.int64)
+    return mask_tile_lists(packed, bit_offsets, np.diff(qo_indptr), kv_lens, request, qo_tile,
+                           group_size=info.group_size, tile_rows=info.tile_rows, tile_kv=tile_kv)
+
+
 def plan_mask_tiles(plan, packed: np.ndarray | None, bit_offsets: np.ndarray, kv_lens: np.ndarray, *,
                     tile_kv: int) -> tuple[np.ndarray, np.ndarray]:
     """The tile lists of an unsplit prefill ``plan``'s items (``plan_prefill(..., enable_split=False)``) under a
@@ -155,18 +168,52 @@ def plan_mask_tiles(plan, packed: np.ndarray | None, bit_offsets: np.ndarray, kv
     sm90 kernel takes items from the end of the list, so the longest start first (LPT); padding items stay
     last. Example: a document mask's items have 1 .. 16 tiles (2048-token documents, 128-token tiles).
     """
-    info = plan.info
-    n = info.num_items
-    request, qo_tile = plan.numpy("request_idx")[:n], plan.numpy("qo_tile_idx")[:n]
-    qo_indptr = plan.numpy("qo_indptr")[: info.batch_size + 1].astype(np.int64)
-    if packed is None:
-        indptr, entries = dense_tile_lists(kv_lens, request, tile_kv=tile_kv)
-    else:
-        indptr, entries = mask_tile_lists(packed, bit_offsets, np.diff(qo_indptr), kv_lens, request, qo_tile,
-                                          group_size=info.group_size, tile_rows=info.tile_rows, tile_kv=tile_kv)
+    info, n = plan.info, plan.info.num_items
+    indptr, entries = _plan_tile_lists(plan, packed, bit_offsets, kv_lens, tile_kv)
     order = np.argsort(np.diff(indptr), kind="stable")
     for name in ITEM_FIELDS:
         field = plan.numpy(name)
         field[:n] = field[:n][order]
     indptr, entries = reorder_tile_lists(indptr, entries, order)
     return np.concatenate([indptr, np.full(info.capacity - n, indptr[-1], np.int64)]), entries
+
+
+def clip_to_chunks(indptr: np.ndarray, entries: np.ndarray, kv_start: np.ndarray, kv_end: np.ndarray, *,
+                   tile_kv: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each item's list cut to the tiles of its KV chunk ``[kv_start, kv_end)`` (a split-KV plan's items share
+    their q tile's classification; each visits only its chunk). Chunk starts are multiples of ``tile_kv``, so
+    a tile lies in one chunk.
+
+    >>> clip_to_chunks(np.array([0, 3, 6]), np.array([0, 3, 4, 0, 3, 4]), np.array([0, 128]), np.array([128, 150]),
+    ...                tile_kv=64)
+    (array([0, 2, 3]), array([0, 3, 4]))
+    """
+    kv_start, kv_end = np.asarray(kv_start, np.int64), np.asarray(kv_end, np.int64)
+    if np.any(kv_start % tile_kv):
+        raise PlanError(f"kv_start: chunk starts must be multiples of the KV tile ({tile_kv} tokens)")
+    counts = np.diff(indptr)
+    item = np.repeat(np.arange(counts.size), counts)
+    first = entries.astype(np.int64) >> 1
+    keep = (first * tile_kv >= kv_start[item]) & (first * tile_kv < kv_end[item])
+    new = np.zeros(counts.size + 1, np.int64)
+    np.cumsum(np.bincount(item[keep], minlength=counts.size), out=new[1:])
+    return new, entries[keep]
+
+
+def split_plan_mask_tiles(plan, packed: np.ndarray | None, bit_offsets: np.ndarray, kv_lens: np.ndarray, *,
+                          tile_kv: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tile lists of a (possibly split) prefill ``plan``'s items, each cut to its KV chunk, under a host
+    mask ``packed`` (None: a device mask, every tile PARTIAL): ``(indptr int32 [capacity + 1], entries int32)``.
+    Items keep their order (the portable kernel runs item ``blockIdx.x``; padding items get no tiles).
+
+    Example: a 16k-token request of 8 causal documents, 32-token q tiles (128 packed rows, group 4) and 64-key
+    tiles: an item visits the 1 .. 32 tiles of its own document, one of them PARTIAL (the diagonal).
+    """
+    info, n = plan.info, plan.info.num_items
+    request = plan.numpy("request_idx")[:n]
+    indptr, entries = _plan_tile_lists(plan, packed, bit_offsets, kv_lens, tile_kv)
+    real = request >= 0
+    indptr, entries = clip_to_chunks(indptr, entries, np.where(real, plan.numpy("kv_start")[:n], 0),
+                                     np.where(real, plan.numpy("kv_end")[:n], 0), tile_kv=tile_kv)
+    padded = np.concatenate([indptr, np.full(info.capacity - n, indptr[-1], np.int64)])
+    return padded.astype(np.int32), entries.astype(np.int32)

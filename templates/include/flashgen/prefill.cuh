@@ -12,8 +12,11 @@
 //
 // Masks: causal (aligned to the KV end) and the sliding window clip the CTA's KV range to what its rows can
 // see, so fully masked tiles are never loaded; the per-element mask runs only on a warp's boundary tiles.
-// A custom bit mask is evaluated on every tile. Split requests write fp32 partials; the last CTA of a tile
-// merges them (an atomic counter per tile, reset by the merger, so a CUDA-graph replay starts from zero).
+// A custom bit mask comes as a tile list per item (planned on the host, flashgen/plan/mask_tiles.py): fully
+// masked tiles are not listed, so never loaded; fully visible ones run without the element mask (unless they
+// cross kv_hi); a device mask lists every tile as partial. Split requests write fp32 partials; the last CTA
+// of a tile merges them (an atomic counter per tile, reset by the merger, so a CUDA-graph replay starts from
+// zero).
 #pragma once
 #include <flashgen/prefill_tiles.cuh>
 
@@ -38,6 +41,12 @@ struct RowInfo {
   float slope[C::ALIBI ? Layout<C>::TILE_Q : 1];
   float4 stats[C::MMA_Q][Layout<C>::THREADS];  // {m[mq][0], m[mq][1], l[mq][0], l[mq][1]} of thread t: private
 
+  // whether tile number t (list entry e, first key t0) needs the element mask: a custom mask's PARTIAL tiles
+  // and a tile crossing kv_hi; else the warp's tiles outside [full_lo, full_hi)
+  __device__ __forceinline__ bool boundary(int warp, int t, int e, int t0) const {
+    if constexpr (C::CUSTOM_MASK) return (e & 1) || t0 + C::TILE_KV > mi.kv_hi;
+    else return t < full_lo[warp] || t >= full_hi[warp];
+  }
   // the CTA-local row of the thread's accumulator row h of mma tile mq
   static __device__ __forceinline__ int row(int warp, int lane, int mq, int h) {
     return warp * Layout<C>::WARP_ROWS + mq * 16 + lane / 4 + 8 * h;

@@ -20,15 +20,22 @@ __device__ __forceinline__ void run(const Params& p) {
   const TileRows tr{token0, p.qo_tile_idx[item] * L::TILE_Q, qo_len * group, kv_head, group};
   const int last_row = min(tr.row0 + L::TILE_Q, tr.rows_total) - 1;
 
-  // the CTA's KV range: the chunk, clipped to what its rows can see
+  // the CTA's KV range: the chunk, clipped to what its rows can see; with a custom mask, the chunk's tiles of
+  // the item's tile list (positions from the list: kv_lo = 0)
   int kv_lo = p.kv_start[item], kv_hi = p.kv_end[item];
   if constexpr (C::CAUSAL) kv_hi = min(kv_hi, q_base + last_row / group + 1);
   if constexpr (C::WINDOW) kv_lo = max(kv_lo, q_base + tr.row0 / group - p.window_left);
-  const int num_tiles = kv_hi > kv_lo ? (kv_hi - kv_lo + L::TILE_KV - 1) / L::TILE_KV : 0;
+  int num_tiles = kv_hi > kv_lo ? (kv_hi - kv_lo + L::TILE_KV - 1) / L::TILE_KV : 0;
+  const int32_t* tiles = nullptr;
+  if constexpr (C::CUSTOM_MASK) {
+    tiles = p.tiles + p.tile_indptr[item];
+    num_tiles = p.tile_indptr[item + 1] - p.tile_indptr[item];
+    kv_lo = 0;
+  }
   // this warp's rows decide its boundary tiles: tiles [full_lo, full_hi) need no element mask
   const int w_first = min(tr.row0 + warp * L::WARP_ROWS, last_row);
   const int w_last = min(tr.row0 + (warp + 1) * L::WARP_ROWS - 1, last_row);
-  int full_lo = 0, full_hi = C::CUSTOM_MASK ? 0 : (kv_hi - kv_lo) / L::TILE_KV;  // ... and the tile ends by kv_hi
+  int full_lo = 0, full_hi = (kv_hi - kv_lo) / L::TILE_KV;  // ... and the tile ends by kv_hi (custom mask: unused)
   if constexpr (C::CAUSAL)  // the tile's last key <= the warp's first query
     full_hi = min(full_hi, max(0, (q_base + w_first / group - kv_lo + 1) / L::TILE_KV));
   if constexpr (C::WINDOW) {  // the tile's first key >= the warp's last query - window_left
@@ -44,7 +51,8 @@ __device__ __forceinline__ void run(const Params& p) {
   __shared__ int request_saved;
   if (threadIdx.x == 0) {
     src = KVSource<C>{KVRows<C::PAGED, C::PAGE_SIZE>(p, request), p.k + int64_t(kv_head) * p.stride_head,
-                      p.v + KVPipeline<C>::v_offset(int64_t(kv_head) * p.stride_head), kv_lo, kv_hi, num_tiles};
+                      p.v + KVPipeline<C>::v_offset(int64_t(kv_head) * p.stride_head), tiles, kv_lo, kv_hi,
+                      num_tiles};
     ri.mi = MaskInfo{kv_hi, q_base, qo_len, kv_len, p.window_left, p.custom_mask,
                      C::CUSTOM_MASK ? p.mask_offset[request] : 0};
     tr_saved = tr;
@@ -109,11 +117,11 @@ __device__ __forceinline__ void run(const Params& p) {
       pipe.rope_k(p, tile);
       __syncthreads();
     }
-    const int t0 = src.kv_lo + tile * L::TILE_KV;
+    const int e = src.entry(tile), t0 = src.start(e);
     float s[MQ][L::TILE_KV / 8][4];
     scores<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
     logits<C>(s, ri, transform, t0, warp, lane);
-    if (tile < ri.full_lo[warp] || tile >= ri.full_hi[warp]) apply_mask<C>(s, ri, t0, warp, lane);
+    if (ri.boundary(warp, tile, e, t0)) apply_mask<C>(s, ri, t0, warp, lane);
     float m[MQ][2], l[MQ][2];
     ri.load_stats(m, l);
     online_softmax<C>(s, o, m, l);

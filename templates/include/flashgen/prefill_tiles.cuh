@@ -77,18 +77,28 @@ __device__ __forceinline__ void load_q(const Params& p, typename C::DTypeQ* q_sm
   }
 }
 
-// The CTA's K/V source: where its rows live in global memory and its KV range [kv_lo, kv_hi) of num_tiles
-// tiles. Thread 0 writes it to shared memory once; the pipeline reads it there once a tile, so none of it
-// holds a register over the tile's math.
+// The CTA's K/V source: where its rows live in global memory and its num_tiles tiles, clipped at kv_hi.
+// Tile t starts at kv_lo + t * TILE_KV, or, with a custom mask, where entry t of the item's tile list says
+// (entry = tile * 2 + partial, planned on the host: fully masked tiles are not listed; kv_lo = 0). Thread 0
+// writes it to shared memory once; the pipeline reads it there once a tile, so none of it holds a register
+// over the tile's math.
 template <class C>
 struct KVSource {
   KVRows<C::PAGED, C::PAGE_SIZE> rows;
   const typename C::DTypeKV* k_head;
   const typename C::DTypeKV* v_head;
+  const int32_t* tiles;  // custom mask: the item's tile list
   int kv_lo, kv_hi, num_tiles;
+
+  // entry t of the tile list (t < num_tiles), or 2 t without a custom mask
+  __device__ __forceinline__ int entry(int t) const {
+    if constexpr (C::CUSTOM_MASK) return __ldg(tiles + t);
+    else return 2 * t;
+  }
+  __device__ __forceinline__ int start(int e) const { return kv_lo + (e >> 1) * C::TILE_KV; }
 };
 
-// K/V tiles of positions [kv_lo + t * TILE_KV, ...) clipped at kv_hi (rows past it are zero-filled).
+// K/V tiles of positions [src.start(src.entry(t)), ...) clipped at kv_hi (rows past it are zero-filled).
 // Thread tid < TILE_KV owns row tid of every tile's offsets: its page id is loaded two tiles ahead.
 template <class C>
 struct KVPipeline {
@@ -100,14 +110,16 @@ struct KVPipeline {
   int64_t* row_offsets;  // [2][TILE_KV]
 
   __device__ __forceinline__ int32_t page_of(int tile) const {
-    const int tid = threadIdx.x, pos = src.kv_lo + tile * L::TILE_KV + tid;
-    return (tid < L::TILE_KV && tile < src.num_tiles && pos < src.kv_hi) ? src.rows.page(pos) : 0;
+    const int tid = threadIdx.x;
+    if (tid >= L::TILE_KV || tile >= src.num_tiles) return 0;
+    const int pos = src.start(src.entry(tile)) + tid;
+    return pos < src.kv_hi ? src.rows.page(pos) : 0;
   }
   __device__ __forceinline__ void store_offset(int tile, int32_t page_id) const {
-    const int tid = threadIdx.x, pos = src.kv_lo + tile * L::TILE_KV + tid;
-    if (tid < L::TILE_KV)
-      row_offsets[(tile & 1) * L::TILE_KV + tid] =
-          (tile < src.num_tiles && pos < src.kv_hi) ? src.rows.offset(pos, page_id) : -1;
+    const int tid = threadIdx.x;
+    if (tid >= L::TILE_KV) return;
+    const int pos = tile < src.num_tiles ? src.start(src.entry(tile)) + tid : src.kv_hi;
+    row_offsets[(tile & 1) * L::TILE_KV + tid] = pos < src.kv_hi ? src.rows.offset(pos, page_id) : -1;
   }
   // V rows: the K row offset scaled by HEAD_DIM_VO / HEAD_DIM (the wrapper checks that V's strides are K's so scaled)
   static __device__ __forceinline__ int64_t v_offset(int64_t k_off) {
@@ -156,12 +168,13 @@ struct KVPipeline {
   __device__ __forceinline__ void rope_k(const Params& p, int tile) const {
     constexpr int HALF = L::K_CHUNKS / 2;
     DTypeKV* ks = k_tile(tile);
+    const int t0 = src.start(src.entry(tile));
     for (int job = threadIdx.x; job < L::TILE_KV * HALF; job += L::THREADS) {
       const int r = job / HALF, c = job % HALF;
       uint4* a = reinterpret_cast<uint4*>(ks + tile_index(r, c, L::K_CHUNKS));
       uint4* b = reinterpret_cast<uint4*>(ks + tile_index(r, c + HALF, L::K_CHUNKS));
       uint4 x = *a, y = *b;
-      rope_chunk_pair<DTypeKV>(x, y, float(src.kv_lo + tile * L::TILE_KV + r), c * 8, L::D, p.rope_rcp_scale,
+      rope_chunk_pair<DTypeKV>(x, y, float(t0 + r), c * 8, L::D, p.rope_rcp_scale,
                                p.rope_log2_theta);
       *a = x;
       *b = y;
