@@ -18,9 +18,9 @@
 //   WG1, WG2 consumers (setmaxnreg.inc): 64 packed q rows each (packed row = token * group + q head in the
 //       group). Per KV tile: S = Q K^T (wgmma SS, fp32), online softmax in registers (base 2), P -> 16-bit A
 //       fragments, O += P V (wgmma RS, V MN-major). The GEMMs of consecutive tiles overlap the softmax, and the
-//       two warpgroups take turns issuing them (ping-pong), continuously across items: one warpgroup's first
-//       S of the next item issues while the other finishes the last item. Epilogue: O / l and lse straight
-//       from registers.
+//       two warpgroups take turns issuing them (ping-pong), continuously across items. An item's last P V is
+//       issued together with the next item's first S (Pending), so an item boundary costs one step, not two.
+//       Epilogue: O / l and lse straight from registers.
 //
 // Masks: causal (aligned to the KV end: q_pos = kv_len - qo_len + token) clips the KV range to what the tile's
 // rows can see, a sliding window (causal, plus keys >= q_pos - window_left) also skips the tiles before the
@@ -348,14 +348,15 @@ __device__ __forceinline__ void issue_qk(float (&s)[C::TILE_KV / 2], uint32_t q_
 // Issue O += P V over the tile's tokens in k16 steps (V: rows = tokens, 64-column blocks at KV_BLOCK bytes)
 template <class C>
 __device__ __forceinline__ void issue_pv(float (&o)[C::HEAD_DIM / 2], uint32_t (&pa)[C::TILE_KV / 16][4],
-                                         uint32_t v_stage) {
+                                         uint32_t v_stage, bool fresh = false) {
   using L = Layout<C>;
   fence_operands(o);
   fence_operands(pa);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < C::TILE_KV / 16; ++kk)
-    Wgmma<C::HEAD_DIM, typename C::DTypeKV>::rs(o, pa[kk], desc_mn_major(v_stage + kk * 16 * 128, L::KV_BLOCK), 1);
+    Wgmma<C::HEAD_DIM, typename C::DTypeKV>::rs(o, pa[kk], desc_mn_major(v_stage + kk * 16 * 128, L::KV_BLOCK),
+                                                kk > 0 || !fresh);  // an item's first P V overwrites O (scale-d 0)
 }
 
 // tanh(x) = 1 - 2 / (e^(2x) + 1) by ex2.approx and rcp.approx (relative error ~1e-7 away from 0, absolute ~1e-7
@@ -458,11 +459,11 @@ __device__ __forceinline__ void pack_p(uint32_t (&pa)[C::TILE_KV / 16][4], const
 // O / l and lse (natural log; -inf for a row that sees no key) of the thread's two rows
 template <class C, class Params>
 __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const float (&o)[C::HEAD_DIM / 2],
-                                           RowState& rs, int wg) {
+                                           const float (&m)[2], const float (&l_part)[2], int wg) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32, q4 = lane % 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float l = rs.l[h];
+    float l = l_part[h];
     l += __shfl_xor_sync(0xffffffff, l, 1);
     l += __shfl_xor_sync(0xffffffff, l, 2);
     const int prow = w.row0 + wg * 64 + warp * 16 + lane / 4 + 8 * h;
@@ -473,8 +474,8 @@ __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const
 #pragma unroll
     for (int j = 0; j < C::HEAD_DIM / 8; ++j)
       *reinterpret_cast<uint32_t*>(dst + 8 * j) =
-          pack2<typename C::DTypeO>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-    if (q4 == 0 && p.lse != nullptr) p.lse[row] = l > 0.f ? (rs.m[h] + log2f(l)) * LN2 : -INFINITY;
+          pack2<typename C::DTypeO>(l > 0.f ? o[4 * j + 2 * h] * inv : 0.f, l > 0.f ? o[4 * j + 2 * h + 1] * inv : 0.f);
+    if (q4 == 0 && p.lse != nullptr) p.lse[row] = l > 0.f ? (m[h] + log2f(l)) * LN2 : -INFINITY;
   }
 }
 
@@ -519,14 +520,58 @@ struct Scheduler {
   }
 };
 
+// An item's last P V, carried into the next item's first step (issued with its first S, so that the two
+// half-steps at an item boundary become one) or flushed on its own (end of the list, or before an item without
+// tiles). O and P stay in the caller's registers.
+struct Pending {
+  Work w;            // the item (its rows, for write_rows)
+  float m[2], l[2];  // its rows' softmax state
+  int it_last;       // the CTA's running tile count of its last tile (V stage and phase)
+  int tail_rows;     // valid V rows of that tile (kv_len - its start): zero_v_tail
+  bool fresh;        // its only P V (one tile): overwrites O
+  bool active;
+};
+
+template <class C>
+__device__ __forceinline__ void pending_v_ready(const Pending& pd, uint8_t* smem, const Barriers<C>& bars, int wg) {
+  mbarrier_wait(bars.full_v(pd.it_last % C::STAGES), uint32_t(pd.it_last / C::STAGES) & 1);
+  zero_v_tail<C>(smem, Layout<C>::V_OFFSET + pd.it_last % C::STAGES * Layout<C>::KV_STAGE, pd.tail_rows, wg);
+}
+
+// after the wait for the pending P V: release its V stage and write its rows
+template <class C, class Params>
+__device__ __forceinline__ void pending_done(const Params& p, Pending& pd, float (&o)[C::HEAD_DIM / 2],
+                                             const Barriers<C>& bars, int wg) {
+  fence_operands(o);
+  mbarrier_arrive(bars.empty_v(pd.it_last % C::STAGES));
+  write_rows<C>(p, pd.w, o, pd.m, pd.l, wg);
+  pd.active = false;
+}
+
+template <class C, class Params>
+__device__ __forceinline__ void flush(const Params& p, Pending& pd, float (&o)[C::HEAD_DIM / 2],
+                                      uint32_t (&pa)[C::TILE_KV / 16][4], uint8_t* smem, uint32_t smem_base,
+                                      const Barriers<C>& bars, int wg) {
+  const Scheduler<C> sched{wg};
+  pending_v_ready<C>(pd, smem, bars, wg);
+  sched.wait_turn();
+  issue_pv<C>(o, pa, smem_base + Layout<C>::V_OFFSET + pd.it_last % C::STAGES * Layout<C>::KV_STAGE, pd.fresh);
+  wgmma_commit();
+  sched.pass_turn();
+  wgmma_wait<0>();
+  pending_done<C>(p, pd, o, bars, wg);
+}
+
 // WG1 / WG2: one item. The GEMMs of consecutive tiles overlap the softmax (FlashAttention-3's intra-warpgroup
 // pipelining): step t issues S_t = Q K_t and O += P_(t-1) V_(t-1) together, waits for S_t only, runs the softmax
 // of tile t under the P V, then waits for it and rescales O. `it` is the CTA's running tile count (stages and
 // barrier phases), `k` its running item count (Q's barrier phase). Custom mask: the next tile's list entry is
-// read one step ahead, a partial tile's bits are loaded while its S is computed.
+// read one step ahead, a partial tile's bits are loaded while its S is computed. The previous item's last P V
+// (pd) is issued with this item's first S; this item's own last P V is left pending in o, pa and pd.
 template <class C, class Params>
 __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem, uint32_t smem_base,
-                                        const Barriers<C>& bars, int wg, int it, int k) {
+                                        const Barriers<C>& bars, int wg, int it, int k, Pending& pd,
+                                        float (&o)[C::HEAD_DIM / 2], uint32_t (&pa)[C::TILE_KV / 16][4]) {
   using L = Layout<C>;
   const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
   const int wg_first = min(w.row0 + wg * 64, w.last_row), wg_last = min(w.row0 + wg * 64 + 63, w.last_row);
@@ -542,9 +587,6 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     rs.q_pos[h] = w.q_base + prow / w.group;
     rs.slope[h] = C::ALIBI ? alibi_slope(w.kv_head * w.group + prow % w.group, p.num_qo_heads) * pre : 0.f;
   }
-  float o[C::HEAD_DIM / 2];
-#pragma unroll
-  for (int i = 0; i < C::HEAD_DIM / 2; ++i) o[i] = 0.f;
   const LogitsParams lg{p.sm_scale * pre, p.soft_cap * LOG2E, w.kv_hi, p.window_left};
   const uint32_t q_wg = smem_base + (k % C::Q_BUFFERS) * L::Q_BYTES + wg * L::WG_ROWS * 128;
   const uint32_t k_base = smem_base + L::K_OFFSET, v_base = smem_base + L::V_OFFSET;
@@ -568,25 +610,33 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   auto stage = [&](int t) { return (it + t) % C::STAGES; };
   auto phase = [&](int t) { return uint32_t((it + t) / C::STAGES) & 1; };
   const int qb = k % C::Q_BUFFERS;  // q_full(qb) was waited for by the caller
-  if (n == 0) mbarrier_arrive(bars.q_empty(qb));
-  float sc[C::TILE_KV / 2], o_scale[2];
-  uint32_t pa[C::TILE_KV / 16][4];
-  MaskBits<C> bits;
-  if (n > 0) {
-    next_tile(0);
-    mbarrier_wait(bars.full_k(stage(0)), phase(0));
-    sched.wait_turn();
-    issue_qk<C>(sc, q_wg, k_base + stage(0) * L::KV_STAGE);
-    wgmma_commit();
-    sched.pass_turn();
-    bits.load(p.custom_mask, w, t0, kv_len, partial, wg);
-    wgmma_wait<0>();
-    fence_operands(sc);
-    mbarrier_arrive(bars.empty_k(stage(0)));
-    if (n == 1) mbarrier_arrive(bars.q_empty(qb));  // the item's last Q K^T is done: the producer may load the next Q
-    softmax<C>(sc, rs, o_scale, lg, masked(t0, partial), t0, bits);
-    pack_p<C>(pa, sc);
+  if (n == 0) {  // no tile: O = 0 and lse = -inf (after the pending item, on its own)
+    mbarrier_arrive(bars.q_empty(qb));
+    if (pd.active) flush<C>(p, pd, o, pa, smem, smem_base, bars, wg);
+    write_rows<C>(p, w, o, rs.m, rs.l, wg);  // l = 0: zeros, whatever O holds
+    return;
   }
+  float sc[C::TILE_KV / 2], o_scale[2];
+  MaskBits<C> bits;
+  next_tile(0);
+  mbarrier_wait(bars.full_k(stage(0)), phase(0));
+  if (pd.active) pending_v_ready<C>(pd, smem, bars, wg);
+  sched.wait_turn();
+  issue_qk<C>(sc, q_wg, k_base + stage(0) * L::KV_STAGE);
+  wgmma_commit();
+  if (pd.active) {
+    issue_pv<C>(o, pa, v_base + pd.it_last % C::STAGES * L::KV_STAGE, pd.fresh);
+    wgmma_commit();
+  }
+  sched.pass_turn();
+  bits.load(p.custom_mask, w, t0, kv_len, partial, wg);
+  wgmma_wait<0>();
+  fence_operands(sc);
+  mbarrier_arrive(bars.empty_k(stage(0)));
+  if (n == 1) mbarrier_arrive(bars.q_empty(qb));  // the item's last Q K^T is done: the producer may load the next Q
+  if (pd.active) pending_done<C>(p, pd, o, bars, wg);
+  softmax<C>(sc, rs, o_scale, lg, masked(t0, partial), t0, bits);
+  pack_p<C>(pa, sc);
   for (int t = 1; t < n; ++t) {
     next_tile(t);
     mbarrier_wait(bars.full_k(stage(t)), phase(t));
@@ -594,7 +644,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     sched.wait_turn();
     issue_qk<C>(sc, q_wg, k_base + stage(t) * L::KV_STAGE);
     wgmma_commit();
-    issue_pv<C>(o, pa, v_base + stage(t - 1) * L::KV_STAGE);
+    issue_pv<C>(o, pa, v_base + stage(t - 1) * L::KV_STAGE, t == 1);
     wgmma_commit();
     sched.pass_turn();
     bits.load(p.custom_mask, w, t0, kv_len, partial, wg);
@@ -610,20 +660,19 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     rescale<C>(o, o_scale);
     pack_p<C>(pa, sc);
   }
-  if (n > 0) {
-    mbarrier_wait(bars.full_v(stage(n - 1)), phase(n - 1));
-    // the last tile's start: t0 either way, but holding t0 to here cost the ALiBi + window variant a spill
-    const int last_t0 = C::CUSTOM_MASK ? t0 : w.kv_lo + (n - 1) * C::TILE_KV;
-    zero_v_tail<C>(smem, L::V_OFFSET + stage(n - 1) * L::KV_STAGE, kv_len - last_t0, wg);
-    sched.wait_turn();
-    issue_pv<C>(o, pa, v_base + stage(n - 1) * L::KV_STAGE);
-    wgmma_commit();
-    sched.pass_turn();
-    wgmma_wait<0>();
-    fence_operands(o);
-    mbarrier_arrive(bars.empty_v(stage(n - 1)));
+  // the last P V: pending. The last tile's start is t0 either way, but holding t0 to here cost the ALiBi + window
+  // variant a spill.
+  const int last_t0 = C::CUSTOM_MASK ? t0 : w.kv_lo + (n - 1) * C::TILE_KV;
+  pd.w = w;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    pd.m[h] = rs.m[h];
+    pd.l[h] = rs.l[h];
   }
-  write_rows<C>(p, w, o, rs, wg);
+  pd.it_last = it + n - 1;
+  pd.tail_rows = kv_len - last_t0;
+  pd.fresh = n == 1;
+  pd.active = true;
 }
 
 template <class C, class Params>
@@ -657,14 +706,19 @@ __device__ __forceinline__ void run(const Params& p) {
     const Work* slots = reinterpret_cast<const Work*>(smem + L::WORK_OFFSET);
     const Scheduler<C> sched{wg - 1};
     sched.start();
+    float o[C::HEAD_DIM / 2];
+    uint32_t pa[C::TILE_KV / 16][4];
+    Pending pd;
+    pd.active = false;
     for (int it = 0, k = 0;; ++k) {  // the published items, until an invalid one (its slot read after q_full)
       mbarrier_wait(bars.q_full(k % C::Q_BUFFERS), (k / C::Q_BUFFERS) & 1);
       const Work w = slots[k % WORK_SLOTS];
       if (!w.valid) break;
       mbarrier_arrive(bars.work_empty(k % WORK_SLOTS));
-      consume<C>(p, w, smem, base, bars, wg - 1, it, k);
+      consume<C>(p, w, smem, base, bars, wg - 1, it, k, pd, o, pa);
       it += w.num_tiles;
     }
+    if (pd.active) flush<C>(p, pd, o, pa, smem, base, bars, wg - 1);
     sched.finish();
   }
 }
