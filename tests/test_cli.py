@@ -67,6 +67,22 @@ def test_hopper_only_builds_are_skipped_for_other_archs(tmp_path):
 
 
 @pytest.mark.nvcc
+def test_a_rope_spec_builds_what_the_sm90_backend_runs(tmp_path):
+    """RoPE on sm90 is the rope_gather pre-pass plus the kernel of the spec's ragged twin: a plan naming the
+    spec gets both, so a deployment with FLASHGEN_DISABLE_JIT=1 finds them."""
+    plan = tmp_path / "plan.json"
+    plan.write_text('[{"op": "prefill_sm90", "spec": {"type": "AttentionSpec", "head_dim": 128, "kv_layout": '
+                    '{"type": "Paged", "page_size": 16}, "mask": {"type": "Causal"}, "pos_encoding": '
+                    '{"type": "RoPE"}}}]')
+    out = flashgen("build", "--arch", "sm_90a", "--plan", str(plan), cache=tmp_path / "c")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2, out.stdout
+    assert "sm_90a  rope_gather_d128_vo128_bf16_kvbf16_paged16nhd_nomask_rope_nocap" in out.stdout  # mask-free
+    assert "sm_90a  prefill_sm90_d128_vo128_bf16_kvbf16_ragged_causal_nopos_nocap" in out.stdout
+
+
+@pytest.mark.nvcc
 def test_shipped_build_plans_compile(tmp_path):
     for plan in sorted((REPO / "plans").glob("*.json")):
         out = flashgen("build", "--arch", "sm_90a", "--plan", str(plan), cache=tmp_path / plan.stem)

@@ -16,7 +16,7 @@ import ctypes
 import numpy as np
 import torch
 
-from ..codegen.prefill_sm90 import THREADS, TILE_Q, sm90_smem_bytes, sm90_tile_kv
+from ..codegen.prefill_sm90 import THREADS, TILE_Q, sm90_kernels, sm90_smem_bytes, sm90_tile_kv
 from ..codegen.rope_gather import BLOCK_THREADS as ROPE_THREADS
 from ..codegen.rope_gather import attention_spec
 from ..plan import PlanError, plan_prefill
@@ -202,9 +202,10 @@ class SM90Prefill:
     def _load_kernel(self) -> None:
         from ..jit import build
 
+        kernels = dict(sm90_kernels(self.spec))  # {"prefill_sm90": kernel spec[, "rope_gather": spec]}
         if self.rope:
-            self._rope_fn = build(self.spec, "rope_gather", device=self.device.index)["rope_gather"]
-        self._kernel = build(self.kernel_spec, "prefill_sm90", device=self.device.index)
+            self._rope_fn = build(kernels["rope_gather"], "rope_gather", device=self.device.index)["rope_gather"]
+        self._kernel = build(kernels["prefill_sm90"], "prefill_sm90", device=self.device.index)
         self._fn = self._kernel["prefill_sm90"]
         self._smem = sm90_smem_bytes(self.spec.head_dim)
         self._fn.set_max_dynamic_shared_memory(self._smem)

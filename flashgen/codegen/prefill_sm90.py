@@ -135,6 +135,15 @@ class PrefillSM90Family(AttentionFamily):
 register(PrefillSM90Family())
 
 
+def sm90_kernels(spec: AttentionSpec) -> tuple[tuple[str, AttentionSpec], ...]:
+    """The (op, spec) kernels the sm90 backend runs for ``spec``: ``prefill_sm90`` of the spec itself, or for a
+    RoPE spec the ``rope_gather`` pre-pass and ``prefill_sm90`` of its ragged twin. An AOT build of a RoPE spec
+    needs both (``flashgen build`` expands a plan's ``prefill_sm90`` items with this)."""
+    if isinstance(spec.pos_encoding, RoPE):
+        return (("rope_gather", spec), ("prefill_sm90", attention_spec(spec)))
+    return (("prefill_sm90", spec),)
+
+
 def check_sm90_backend(spec: AttentionSpec, graph: bool = False) -> None:
     """Raise ``SpecError`` unless the sm90 backend runs ``spec``: the kernel itself, or for a RoPE spec the
     ``rope_gather`` pre-pass followed by the kernel of its ragged twin (``rope_gather.attention_spec``); that
