@@ -2,9 +2,10 @@
 
 Two backends run a plan. ``portable`` is the mma.sync kernel (family ``prefill``): every spec the family
 accepts, split-KV plans, any GPU flashgen targets. ``sm90`` is the Hopper kernel (family ``prefill_sm90``,
-runner in ``flashgen.api.sm90``): wgmma + TMA, sm_90a only, the specs ``PrefillSM90Family.check`` accepts
+runner in ``flashgen.api.sm90``): wgmma + TMA, sm_90a only, the specs ``check_sm90_backend`` accepts
 (so far ragged KV or pages of a multiple of 8 tokens, NoMask / Causal / SlidingWindow / CustomMask, ALiBi,
-soft-cap, fp16 / bf16, head_dim == head_dim_vo in 64 / 128 / 256), unsplit plans. The
+soft-cap, RoPE through a pre-pass outside CUDA graphs, fp16 / bf16, head_dim == head_dim_vo in 64 / 128 / 256),
+unsplit plans. The
 wrapper owns what both share (argument checks, page-table intake, runtime values, q / out / lse, the memo of
 validated KV caches); a backend owns its plan buffers and its launch.
 """
@@ -150,9 +151,9 @@ class BatchPrefillWrapper:
     their addresses). ``workspace`` is accepted for FlashInfer-style call sites; the wrapper owns its buffers.
 
     ``backend``: ``"auto"`` (default) runs the Hopper kernel (``"sm90"``) on a compute-capability 9.0 GPU
-    when it supports the spec (``family("prefill_sm90").check``; so far ragged KV or pages of a multiple of
-    8 tokens, NoMask / Causal / SlidingWindow / CustomMask, fp16 / bf16, head_dim == head_dim_vo in 64 / 128 /
-    256, no RoPE), else the ``"portable"`` kernel; naming one forces it (an ``"sm90"`` it cannot honour raises).
+    when it supports the spec (``check_sm90_backend``; so far ragged KV or pages of a multiple of 8 tokens,
+    NoMask / Causal / SlidingWindow / CustomMask, fp16 / bf16, head_dim == head_dim_vo in 64 / 128 / 256, RoPE
+    outside CUDA graphs), else the ``"portable"`` kernel; naming one forces it (an ``"sm90"`` it cannot honour raises).
     ``wrapper.backend`` says which runs.
     """
 

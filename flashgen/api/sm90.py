@@ -18,7 +18,6 @@ import torch
 
 from ..codegen.prefill_sm90 import THREADS, TILE_Q, sm90_gather, sm90_kernels, sm90_smem_bytes, sm90_tile_kv
 from ..codegen.rope_gather import BLOCK_THREADS as ROPE_THREADS
-from ..codegen.rope_gather import attention_spec
 from ..plan import PlanError, plan_prefill
 from ..plan.mask_tiles import plan_mask_tiles
 from ..spec import AttentionSpec, CustomMask, Paged, RoPE
@@ -83,7 +82,8 @@ class SM90Prefill:
         # RoPE: the rope_gather pre-pass writes rotated q, rotated K and V (ragged) into scratch, and the kernel of
         # the spec's ragged twin attends over it (check_sm90_backend refuses RoPE in CUDA-graph mode)
         self.rope = isinstance(spec.pos_encoding, RoPE)
-        self.kernel_spec = attention_spec(spec) if self.rope else spec
+        self._kernels = dict(sm90_kernels(spec))  # {"prefill_sm90": its spec[, "rope_gather": spec]}: what runs
+        self.kernel_spec = self._kernels["prefill_sm90"]
         self._scratch = DeviceBuffer(TORCH_DTYPES[spec.dtype], device, False) if self.rope else None
         self._plan_buf = DeviceBuffer(torch.int32, device, graph is not None)
         self._staging = HostStaging(device)
@@ -205,10 +205,9 @@ class SM90Prefill:
     def _load_kernel(self) -> None:
         from ..jit import build
 
-        kernels = dict(sm90_kernels(self.spec))  # {"prefill_sm90": kernel spec[, "rope_gather": spec]}
         if self.rope:
-            self._rope_fn = build(kernels["rope_gather"], "rope_gather", device=self.device.index)["rope_gather"]
-        self._kernel = build(kernels["prefill_sm90"], "prefill_sm90", device=self.device.index)
+            self._rope_fn = build(self._kernels["rope_gather"], "rope_gather", device=self.device.index)["rope_gather"]
+        self._kernel = build(self.kernel_spec, "prefill_sm90", device=self.device.index)
         self._fn = self._kernel["prefill_sm90"]
         self._smem = sm90_smem_bytes(self.spec.head_dim)
         self._fn.set_max_dynamic_shared_memory(self._smem)

@@ -161,11 +161,8 @@ def check_sm90_backend(spec: AttentionSpec, graph: bool = False) -> None:
     """Raise ``SpecError`` unless the sm90 backend runs ``spec``: the kernel itself, or for a RoPE spec the
     ``rope_gather`` pre-pass followed by the kernel of its ragged twin (``rope_gather.attention_spec``); that
     pair is not CUDA-graph safe yet (``graph``): the pre-pass grid and totals depend on the plan."""
-    if not isinstance(spec.pos_encoding, RoPE):
-        family("prefill_sm90").check(spec)
-        return
-    if graph:
+    if graph and isinstance(spec.pos_encoding, RoPE):
         raise SpecError("pos_encoding: RoPE on the sm90 backend is not CUDA-graph safe yet (use_cuda_graph=True); "
                         "backend='portable' runs it in a graph")
-    family("rope_gather").check(spec)
-    family("prefill_sm90").check(attention_spec(spec))
+    for op, kernel_spec in sm90_kernels(spec):
+        family(op).check(kernel_spec)

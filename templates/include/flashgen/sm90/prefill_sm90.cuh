@@ -279,12 +279,11 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
   Work* slots = reinterpret_cast<Work*>(q_smem + L::WORK_OFFSET);
   int k = 0;
   // item k goes into slot k % WORK_SLOTS once every reader released the slot's previous item (a fresh barrier
-  // passes the first wait); waited for before the Work is computed, so that it is not live across the wait (the
-  // waits back off, leaving issue slots to the consumers)
-  auto wait_slot = [&] {
-    for (const uint32_t parity = ((k / WORK_SLOTS) & 1) ^ 1;
-         !mbarrier_try_wait(bars.work_empty(k % WORK_SLOTS), parity);)
-      __nanosleep(128);
+  // passes the first wait); waited for before the Work is computed, so that it is not live across the wait
+  auto wait_slot = [&] { mbarrier_wait_backoff<128>(bars.work_empty(k % WORK_SLOTS), ((k / WORK_SLOTS) & 1) ^ 1); };
+  // Q buffer k % Q_BUFFERS, once the consumers released its previous item's Q
+  auto wait_q_buffer = [&] {
+    mbarrier_wait_backoff<256>(bars.q_empty(k % C::Q_BUFFERS), ((k / C::Q_BUFFERS) & 1) ^ 1);
   };
   auto publish = [&](const Work& w) {
     if (tid == 0) {
@@ -298,8 +297,8 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
     if (!w.valid) continue;
     publish(w);
     const int buf = k % C::Q_BUFFERS;
-    for (const uint32_t parity = ((k++ / C::Q_BUFFERS) & 1) ^ 1; !mbarrier_try_wait(bars.q_empty(buf), parity);)
-      __nanosleep(256);
+    wait_q_buffer();
+    ++k;
     uint8_t* q_dst = q_smem + buf * L::Q_BYTES;
     // every chunk in flight at once (cp.async, no registers held): one memory round trip, where loads through
     // registers (40 of them) kept two in flight and took ~16 round trips for the tile
@@ -325,10 +324,8 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
   end.valid = false;
   wait_slot();
   publish(end);
-  const int buf = k % C::Q_BUFFERS;
-  for (const uint32_t parity = ((k / C::Q_BUFFERS) & 1) ^ 1; !mbarrier_try_wait(bars.q_empty(buf), parity);)
-    __nanosleep(256);
-  mbarrier_arrive(bars.q_full(buf));
+  wait_q_buffer();
+  mbarrier_arrive(bars.q_full(k % C::Q_BUFFERS));
 }
 
 // Issue S = Q K^T over head_dim in k16 steps (asynchronous: the caller commits and waits). Q rows of this

@@ -42,6 +42,12 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
   while (!mbarrier_try_wait(bar, parity)) {
   }
 }
+// the same for a thread that waits long (most of a work item): it sleeps NS ns between tries, leaving issue slots
+// to the warps that compute
+template <int NS>
+__device__ __forceinline__ void mbarrier_wait_backoff(uint32_t bar, uint32_t parity) {
+  while (!mbarrier_try_wait(bar, parity)) __nanosleep(NS);
+}
 
 // generic-proxy writes to shared memory (st.shared) become visible to the async proxy (wgmma, TMA)
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
