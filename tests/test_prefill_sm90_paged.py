@@ -236,7 +236,16 @@ def test_gathered_cuda_graph_replay_after_replanning(page_size):
                      num_kv_heads=heads)
         return q, kv, table, qo_indptr
 
-    load([100, 3], [2000, 50], 0)
+    # host page ids travel with the plan, whose device buffer the first plan sizes: the first is the largest
+    with pytest.raises(PlanError, match="most page ids"):
+        small = flashgen.BatchPrefillWrapper(spec, use_cuda_graph=True, max_batch_size=max_batch, max_total_q=max_q)
+        for qo_lens, kv_lens in (([1], [1]), ([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900])):
+            table = random_batch(spec, qo_lens, kv_lens, heads, group, generator=torch.Generator())[2]
+            small.plan(qo_indptr=np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32),
+                       kv_indptr=table["kv_indptr"].numpy(), kv_indices=table["kv_indices"],
+                       kv_last_page_len=table["kv_last_page_len"].numpy(), num_qo_heads=heads * group,
+                       num_kv_heads=heads)
+    load([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900], 0)
     wrapper.run(pool_q, pool_kv)  # warm up (compile, load) outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -123,7 +123,11 @@ class SM90Prefill:
             extras = self._mask_extras(plan, qo, table.kv_lens, custom_mask, extras, pages_host)
         elif pages_host is not None:
             extras["pages"] = pages_host
-        views = self._staging.upload(plan, extras, self._plan_buf)
+        # host page ids and mask data travel with the plan: their size follows the batch's KV, not max_batch_size
+        hint = ("page ids or a custom mask on the host travel with the plan: make the first plan the one with the "
+                "most page ids and mask bits, or pass them on the device" if set(extras) - {"kv_indptr", "src_indptr"}
+                else "raise max_batch_size")
+        views = self._staging.upload(plan, extras, self._plan_buf, hint)
         if ids is None:
             pages, bt_stride, self._page_ids_held = 0, 0, None
         elif ids.is_cuda:

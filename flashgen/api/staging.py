@@ -75,10 +75,12 @@ class HostStaging:
                 numel *= 4
         raise PlanError("host_buffer: the plan did not fit a staging buffer of 4**8 times the initial size")
 
-    def upload(self, plan: Plan, extras: dict[str, np.ndarray], device_buffer) -> dict[str, torch.Tensor]:
+    def upload(self, plan: Plan, extras: dict[str, np.ndarray], device_buffer,
+               hint: str = "raise max_batch_size") -> dict[str, torch.Tensor]:
         """Append ``extras`` (int32-convertible 1-D arrays) after the plan in its host buffer and copy both to
         the device in one async copy; returns device views of every plan field and extra. The extras land
-        where ``extra_offsets`` says."""
+        where ``extra_offsets`` says. ``hint``: how to make room, for the error of a fixed (CUDA-graph) buffer
+        that a later plan outgrows (extras sized by the batch's KV, not by max_batch_size, need their own)."""
         starts, offset = extra_offsets(plan.numel, {name: values.size for name, values in extras.items()})
         spans = {name: (starts[name], values.size) for name, values in extras.items()}
         host = self._buffers[self._turn]
@@ -89,7 +91,7 @@ class HostStaging:
         flat = host.numpy()
         for name, (start, size) in spans.items():
             flat[start: start + size] = extras[name]
-        dev = device_buffer.get(offset, "plan")
+        dev = device_buffer.get(offset, "plan", hint)
         dev[:offset].copy_(host[:offset], non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
