@@ -213,7 +213,7 @@ class SM90Prefill:
             self._rope_fn = build(self._kernels["rope_gather"], "rope_gather", device=self.device.index)["rope_gather"]
         self._kernel = build(self.kernel_spec, "prefill_sm90", device=self.device.index)
         self._fn = self._kernel["prefill_sm90"]
-        self._smem = sm90_smem_bytes(self.spec.head_dim)
+        self._smem = sm90_smem_bytes(self.spec.head_dim, gather=self.gather)
         self._fn.set_max_dynamic_shared_memory(self._smem)
 
     def kv_args(self, kv: KVView) -> tuple:

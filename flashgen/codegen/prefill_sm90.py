@@ -52,9 +52,12 @@ def sm90_gather(page_size: int, head_dim: int) -> bool:
 SMEM_FIXED = 256 + 512 + 1024  # barriers, the 4 Work slots, slack to align the dynamic base up to 1024
 
 
-def _smem(head_dim: int, q_buffers: int, elem: int) -> int:
-    """Q tiles + STAGES K and V stages + SMEM_FIXED."""
-    return q_buffers * TILE_Q * head_dim * elem + 2 * STAGES * sm90_tile_kv(head_dim) * head_dim * elem + SMEM_FIXED
+def _smem(head_dim: int, q_buffers: int, elem: int, gather: bool = False) -> int:
+    """Q tiles + STAGES K and V stages + SMEM_FIXED (+ a gathered cache's row offsets: one KV tile of int64 for
+    each of the K and V warps)."""
+    tile = sm90_tile_kv(head_dim)
+    return (q_buffers * TILE_Q * head_dim * elem + 2 * STAGES * tile * head_dim * elem + SMEM_FIXED
+            + (2 * tile * 8 if gather else 0))
 
 
 def sm90_q_buffers(head_dim: int, elem: int = 2) -> int:
@@ -62,12 +65,12 @@ def sm90_q_buffers(head_dim: int, elem: int = 2) -> int:
 
     head_dim 128: 2 x 32 KB + 2 x (32 + 32) KB = 192 KB -> 2; head_dim 256: 2 x 64 + 2 x (32 + 32) = 256 KB -> 1.
     """
-    return 2 if _smem(head_dim, 2, elem) <= SMEM_LIMIT else 1
+    return 2 if _smem(head_dim, 2, elem, gather=True) <= SMEM_LIMIT else 1
 
 
-def sm90_smem_bytes(head_dim: int, elem: int = 2) -> int:
-    """The dynamic shared memory of a CTA (see ``_smem``)."""
-    return _smem(head_dim, sm90_q_buffers(head_dim, elem), elem)
+def sm90_smem_bytes(head_dim: int, elem: int = 2, gather: bool = False) -> int:
+    """The dynamic shared memory of a CTA (see ``_smem``); ``gather``: a gathered paged cache (``sm90_gather``)."""
+    return _smem(head_dim, sm90_q_buffers(head_dim, elem), elem, gather)
 
 
 class PrefillSM90Family(AttentionFamily):
@@ -93,7 +96,7 @@ class PrefillSM90Family(AttentionFamily):
     def context(self, spec: AttentionSpec) -> dict:
         d = spec.head_dim
         paged = isinstance(spec.kv_layout, Paged)
-        smem = sm90_smem_bytes(d)
+        smem = sm90_smem_bytes(d, gather=_gathered(spec))
         assert smem <= SMEM_LIMIT, (d, smem)
         return {
             "DTypeQ": CPP_TYPES[spec.dtype],

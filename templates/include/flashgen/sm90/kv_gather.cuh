@@ -8,6 +8,11 @@
 // lane's source column and destination block are constants. Row pos of the request lives in page
 // pages[pos / PAGE_SIZE] (the index clamped to the request's last page, so that the page list is never read
 // past its end) at token pos % PAGE_SIZE; rows at or past kv_len are zero-filled (src-size 0, nothing read).
+// The page ids are read once a tile, each lane the rows lane + 32 i, into the warp's row offsets in shared memory,
+// so no copy waits on a global load. A lane's copies complete on the stage's full barrier by
+// cp.async.mbarrier.arrive.noinc (32 arrivals): the warp never waits for its copies and keeps STAGES tiles in
+// flight; the consumers fence the async proxy after that barrier (cp.async writes through the generic proxy,
+// wgmma reads through the async one).
 #pragma once
 #include <cstdint>
 #include <flashgen/mma.cuh>
@@ -21,37 +26,45 @@ __device__ __forceinline__ void cp_async_16_shared(uint32_t dst, const void* src
                : "memory");
 }
 
-// prefetch the 128-byte line at ptr into L1 (page ids of the next tile, while the warp waits for its stage)
-__device__ __forceinline__ void prefetch_l1(const void* ptr) {
-  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(ptr));
+// arrive on the mbarrier at bar once all of this thread's earlier cp.async copies have landed (asynchronously: the
+// thread runs on); .noinc: the arrival counts against the barrier's expected count, one per lane and phase
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
 template <class C>
 struct PageRows {
   using T = typename C::DTypeKV;
   static constexpr int CHUNKS = C::HEAD_DIM / 8, ROWS = 32 / CHUNKS, BLOCK = C::TILE_KV * 128;
-  static_assert(32 % CHUNKS == 0 && C::TILE_KV % ROWS == 0, "a warp pass covers whole rows of the tile");
-  // 32-bit page ids of the TILE_KV rows from any position: at most this many 128-byte lines
-  static constexpr int ID_LINES = ((C::TILE_KV - 1) / C::PAGE_SIZE + 2 + 31) / 32 + 1;
-  static_assert(ID_LINES <= 32, "one line a lane");
+  static_assert(32 % CHUNKS == 0 && C::TILE_KV % 32 == 0, "a warp pass covers whole rows");
 
-  // prefetch the page ids of the tile at pos0 (lanes < ID_LINES, one line each)
-  __device__ __forceinline__ static void prefetch_ids(const int32_t* pages, int last_page, int pos0, int lane) {
-    if (lane < ID_LINES) prefetch_l1(pages + min(pos0 / C::PAGE_SIZE + 32 * lane, last_page));
+  // the element offsets (from the cache at the item's kv head) of the tile's rows into off[TILE_KV] (shared
+  // memory), -1 for a row at or past kv_len (zero-filled); lane l computes rows l, l + 32, ...; the page list is
+  // read clamped to the request's last page
+  __device__ __forceinline__ static void offsets(int64_t* off, const int32_t* pages, int last_page,
+                                                 int64_t stride_page, int64_t stride_token, int kv_len, int pos0,
+                                                 int lane) {
+    constexpr int PER_LANE = C::TILE_KV / 32;
+    int32_t page[PER_LANE];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) page[i] = __ldg(pages + min((pos0 + lane + 32 * i) / C::PAGE_SIZE, last_page));
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+      const int pos = pos0 + lane + 32 * i;
+      off[lane + 32 * i] = pos < kv_len ? page[i] * stride_page + (pos % C::PAGE_SIZE) * stride_token : -1;
+    }
   }
 
-  // the tile at request position pos0 into the stage at shared address stage; col: the cache at the item's kv
-  // head and this lane's column chunk (element offset kv_head * stride_head + lane % CHUNKS * 8)
-  __device__ __forceinline__ static void load(uint32_t stage, const T* col, int64_t stride_page, int64_t stride_token,
-                                              const int32_t* pages, int last_page, int kv_len, int pos0, int lane) {
-    const int c = lane % CHUNKS;
+  // the tile into the stage at shared address stage: pass k copies rows r = lane / CHUNKS + ROWS k (whole rows,
+  // coalesced), each lane its chunk lane % CHUNKS of its row (the row's offset a broadcast shared-memory read).
+  // col: the cache at the item's kv head and this lane's chunk (element offset kv_head * stride_head + lane % CHUNKS * 8)
+  __device__ __forceinline__ static void load(uint32_t stage, const T* col, const int64_t* off, int lane) {
+    const int c = lane % CHUNKS, r0 = lane / CHUNKS;
     const uint32_t dst = stage + c / 8 * BLOCK;
 #pragma unroll 8
-    for (int r = lane / CHUNKS; r < C::TILE_KV; r += ROWS) {
-      const int pos = pos0 + r;
-      const int page = __ldg(pages + min(pos / C::PAGE_SIZE, last_page));
-      const T* src = col + page * stride_page + (pos % C::PAGE_SIZE) * stride_token;
-      cp_async_16_shared(dst + r * 128 + swizzle(r, c % 8) * 16, src, pos >= kv_len);
+    for (int r = r0; r < C::TILE_KV; r += ROWS) {
+      const int64_t o = off[r];
+      cp_async_16_shared(dst + r * 128 + swizzle(r, c % 8) * 16, col + (o < 0 ? 0 : o), o < 0);
     }
   }
 };

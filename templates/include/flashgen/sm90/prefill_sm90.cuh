@@ -9,7 +9,8 @@
 //       barrier (1 arrival + the tile's bytes) and an empty barrier (every consumer thread arrives); the stage
 //       counter runs on across items, so the next item's tiles stream in while the consumers finish the last.
 //       Pages TMA cannot take (C::GATHER) are gathered row by row by the warp's lanes with cp.async into the same
-//       swizzled layout (kv_gather.cuh); the full barrier then takes 32 arrivals, one a lane once its copies landed.
+//       swizzled layout (kv_gather.cuh); the full barrier then takes 32 arrivals, one a lane once its copies landed
+//       (cp.async.mbarrier.arrive.noinc), and consumers fence the async proxy after it.
 //       Warps 2-3, the scheduler: each item's plan entries are read once, into a Work published in a ring of
 //       WORK_SLOTS shared-memory slots (work_full; every reader releases it by work_empty), so the K and V
 //       warps start an item's loads without the plan's dependent global loads; then its 128 packed Q rows by
@@ -64,7 +65,9 @@ struct Layout {
   static constexpr int BAR_OFFSET = V_OFFSET + C::STAGES * KV_STAGE;
   // barriers, then the Work slots; the dynamic base is aligned up to 1024 at run time
   static constexpr int BAR_BYTES = 256, WORK_OFFSET = BAR_OFFSET + BAR_BYTES, WORK_BYTES = 512, ALIGN_SLACK = 1024;
-  static constexpr int TOTAL = WORK_OFFSET + WORK_BYTES + ALIGN_SLACK;
+  // a gathered cache: the K and the V warp's row offsets of the tile they copy (int64 each)
+  static constexpr int GATHER_OFFSET = WORK_OFFSET + WORK_BYTES, GATHER_BYTES = C::GATHER ? 2 * C::TILE_KV * 8 : 0;
+  static constexpr int TOTAL = GATHER_OFFSET + GATHER_BYTES + ALIGN_SLACK;
   static_assert(TOTAL == C::SMEM_BYTES, "codegen and the kernel disagree on the shared-memory size");
   static_assert(C::TILE_Q == 2 * WG_ROWS, "two consumer warpgroups of 64 rows");
   static_assert(D % 64 == 0 && sizeof(typename C::DTypeQ) == 2, "rows of whole 128-byte blocks of 16-bit values");
@@ -234,12 +237,9 @@ __device__ __forceinline__ void produce_kv(const uint8_t* smem, const CUtensorMa
 }
 
 // WG0 warp 0 (K) or warp 1 (V) of a gathered cache (C::GATHER): as produce_kv, a tile's rows copied by the lanes
-// (PageRows). Completion: each lane waits for its own copies (cp.async.wait_group), makes them visible to wgmma
-// (fence.proxy.async: cp.async writes through the generic proxy, wgmma reads through the async one) and arrives on
-// the full barrier (32 arrivals). The warp then has one tile in flight, but it is STAGES tiles ahead of the
-// consumers and mostly waits on the empty barrier, and a lane arriving only once its copies are done needs no
-// proxy fence on the consumer side (cp.async.mbarrier.arrive would leave the writer no point to fence at). The
-// tile's page ids are prefetched into L1 before that wait.
+// (PageRows), their offsets computed before the wait for the stage. Completion: cp.async.mbarrier.arrive.noinc, one
+// arrival a lane once its copies landed, so the warp runs on to the next stage at once; the consumers fence the
+// async proxy after the full barrier (wait_kv).
 template <class C, class Params>
 __device__ __forceinline__ void gather_kv(const uint8_t* smem, const Params& p, const typename C::DTypeKV* cache,
                                           uint32_t ring, uint32_t (Barriers<C>::*full)(int) const,
@@ -247,22 +247,22 @@ __device__ __forceinline__ void gather_kv(const uint8_t* smem, const Params& p, 
   using L = Layout<C>;
   using Rows = PageRows<C>;
   const int lane = threadIdx.x % 32;
+  int64_t* offsets = reinterpret_cast<int64_t*>(const_cast<uint8_t*>(smem) + L::GATHER_OFFSET) + threadIdx.x / 32 * C::TILE_KV;
   int it = 0;
   for (int j = 0;; ++j) {
     const Work& w = read_work<C>(smem, bars, j);
     if (!w.valid) break;
     const typename C::DTypeKV* col = cache + w.kv_head * p.stride_head + lane % Rows::CHUNKS * 8;
+    const int kv_len = w.q_base + w.rows_total / w.group;
     for (int t = 0; t < w.num_tiles; ++t, ++it) {
       const int s = it % C::STAGES;
-      const int pos0 = TileList<C>::pos(w.kv_lo, t, TileList<C>::entry(w.tiles, t));
-      Rows::prefetch_ids(w.pages, w.last_page, pos0, lane);
+      __syncwarp();  // the previous tile's offsets were read by every lane
+      Rows::offsets(offsets, w.pages, w.last_page, p.stride_page, p.stride_token, kv_len,
+                    TileList<C>::pos(w.kv_lo, t, TileList<C>::entry(w.tiles, t)), lane);
       mbarrier_wait((bars.*empty)(s), ((it / C::STAGES) & 1) ^ 1);
-      Rows::load(ring + s * L::KV_STAGE, col, p.stride_page, p.stride_token, w.pages, w.last_page,
-                 w.q_base + w.rows_total / w.group, pos0, lane);
-      cp_async_commit();
-      cp_async_wait<0>();
-      fence_proxy_async();
-      mbarrier_arrive((bars.*full)(s));
+      __syncwarp();  // the offsets are visible to the warp
+      Rows::load(ring + s * L::KV_STAGE, col, offsets, lane);
+      cp_async_arrive_noinc((bars.*full)(s));
     }
     mbarrier_arrive(bars.work_empty(j % WORK_SLOTS));
   }
@@ -517,6 +517,14 @@ struct Scheduler {
   }
 };
 
+// a K or V stage's full barrier; a gathered stage (cp.async, the generic proxy) is then made visible to this
+// thread's wgmma (the async proxy)
+template <class C>
+__device__ __forceinline__ void wait_kv(uint32_t bar, uint32_t parity) {
+  mbarrier_wait(bar, parity);
+  if constexpr (C::GATHER) fence_proxy_async();
+}
+
 // An item's last P V, carried into the next item's first step (issued with its first S, so that the two
 // half-steps at an item boundary become one) or flushed on its own (end of the list, or before an item without
 // tiles). O and P stay in the caller's registers.
@@ -531,7 +539,7 @@ struct Pending {
 
 template <class C>
 __device__ __forceinline__ void pending_v_ready(const Pending& pd, uint8_t* smem, const Barriers<C>& bars, int wg) {
-  mbarrier_wait(bars.full_v(pd.it_last % C::STAGES), uint32_t(pd.it_last / C::STAGES) & 1);
+  wait_kv<C>(bars.full_v(pd.it_last % C::STAGES), uint32_t(pd.it_last / C::STAGES) & 1);
   zero_v_tail<C>(smem, Layout<C>::V_OFFSET + pd.it_last % C::STAGES * Layout<C>::KV_STAGE, pd.tail_rows, wg);
 }
 
@@ -616,7 +624,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   float sc[C::TILE_KV / 2], o_scale[2];
   MaskBits<C> bits;
   next_tile(0);
-  mbarrier_wait(bars.full_k(stage(0)), phase(0));
+  wait_kv<C>(bars.full_k(stage(0)), phase(0));
   if (pd.active) pending_v_ready<C>(pd, smem, bars, wg);
   sched.wait_turn();
   issue_qk<C>(sc, q_wg, k_base + stage(0) * L::KV_STAGE);
@@ -636,8 +644,8 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   pack_p<C>(pa, sc);
   for (int t = 1; t < n; ++t) {
     next_tile(t);
-    mbarrier_wait(bars.full_k(stage(t)), phase(t));
-    mbarrier_wait(bars.full_v(stage(t - 1)), phase(t - 1));
+    wait_kv<C>(bars.full_k(stage(t)), phase(t));
+    wait_kv<C>(bars.full_v(stage(t - 1)), phase(t - 1));
     sched.wait_turn();
     issue_qk<C>(sc, q_wg, k_base + stage(t) * L::KV_STAGE);
     wgmma_commit();
