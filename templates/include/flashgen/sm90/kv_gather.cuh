@@ -7,9 +7,9 @@
 // rows a warp-wide pass: 4 at head_dim 64, 2 at 128, 1 at 256), so a pass reads whole rows, coalesced, and each
 // lane's source column and destination block are constants. Row pos of the request lives in page
 // pages[pos / PAGE_SIZE] (the index clamped to the request's last page, so that the page list is never read
-// past its end) at token pos % PAGE_SIZE; rows at or past kv_len are zero-filled (src-size 0, nothing read).
-// The page ids are read once a tile, each lane the rows lane + 32 i, into the warp's row offsets in shared memory,
-// so no copy waits on a global load. A lane's copies complete on the stage's full barrier by
+// past its end) at token pos % PAGE_SIZE; rows at or past kv_len copy the request's last row (see addresses()).
+// The page ids are read once a tile, each lane the rows lane + 32 i, into the warp's row addresses in shared
+// memory, so no copy waits on a global load. A lane's copies complete on the stage's full barrier by
 // cp.async.mbarrier.arrive.noinc (32 arrivals): the warp never waits for its copies and keeps STAGES tiles in
 // flight; the consumers fence the async proxy after that barrier (cp.async writes through the generic proxy,
 // wgmma reads through the async one).
@@ -38,33 +38,35 @@ struct PageRows {
   static constexpr int CHUNKS = C::HEAD_DIM / 8, ROWS = 32 / CHUNKS, BLOCK = C::TILE_KV * 128;
   static_assert(32 % CHUNKS == 0 && C::TILE_KV % 32 == 0, "a warp pass covers whole rows");
 
-  // the element offsets (from the cache at the item's kv head) of the tile's rows into off[TILE_KV] (shared
-  // memory), -1 for a row at or past kv_len (zero-filled); lane l computes rows l, l + 32, ...; the page list is
-  // read clamped to the request's last page
-  __device__ __forceinline__ static void offsets(int64_t* off, const int32_t* pages, int last_page,
-                                                 int64_t stride_page, int64_t stride_token, int kv_len, int pos0,
-                                                 int lane) {
+  // the addresses of the tile's rows (the cache at the item's kv head) into rows[TILE_KV] (shared memory); lane l
+  // computes rows l, l + 32, ... A row at or past kv_len (kv_len >= 1) copies row kv_len - 1: a real row, finite,
+  // whose logits the mask removes and whose V row zero_v_tail zeroes, as for a TMA page's rows past the request
+  __device__ __forceinline__ static void addresses(const T** rows, const T* head, const int32_t* pages,
+                                                   int64_t stride_page, int64_t stride_token, int kv_len, int pos0,
+                                                   int lane) {
     constexpr int PER_LANE = C::TILE_KV / 32;
-    int32_t page[PER_LANE];
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) page[i] = __ldg(pages + min((pos0 + lane + 32 * i) / C::PAGE_SIZE, last_page));
+    int pos[PER_LANE], page[PER_LANE];
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) {
-      const int pos = pos0 + lane + 32 * i;
-      off[lane + 32 * i] = pos < kv_len ? page[i] * stride_page + (pos % C::PAGE_SIZE) * stride_token : -1;
+      pos[i] = max(min(pos0 + lane + 32 * i, kv_len - 1), 0);
+      page[i] = __ldg(pages + pos[i] / C::PAGE_SIZE);
     }
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i)
+      rows[lane + 32 * i] = head + page[i] * stride_page + (pos[i] % C::PAGE_SIZE) * stride_token;
   }
 
-  // the tile into the stage at shared address stage: pass k copies rows r = lane / CHUNKS + ROWS k (whole rows,
-  // coalesced), each lane its chunk lane % CHUNKS of its row (the row's offset a broadcast shared-memory read).
-  // col: the cache at the item's kv head and this lane's chunk (element offset kv_head * stride_head + lane % CHUNKS * 8)
-  __device__ __forceinline__ static void load(uint32_t stage, const T* col, const int64_t* off, int lane) {
-    const int c = lane % CHUNKS, r0 = lane / CHUNKS;
-    const uint32_t dst = stage + c / 8 * BLOCK;
-#pragma unroll 8
-    for (int r = r0; r < C::TILE_KV; r += ROWS) {
-      const int64_t o = off[r];
-      cp_async_16_shared(dst + r * 128 + swizzle(r, c % 8) * 16, col + (o < 0 ? 0 : o), o < 0);
+  // the tile into the stage at shared address stage: pass k copies rows r = r0 + ROWS k, r0 = lane / CHUNKS (whole
+  // rows, coalesced), each lane its chunk c = lane % CHUNKS of its row (the row's address a broadcast shared-memory
+  // read). As ROWS is a power of two above r0, r % 8 = r0 ^ (ROWS k % 8), so the swizzled chunk is the lane's
+  // c % 8 ^ r0 xor a constant of the pass, and the destination a per-lane base plus an immediate.
+  __device__ __forceinline__ static void load(uint32_t stage, const T* const* rows, int lane) {
+    const int c = lane % CHUNKS, r0 = lane / CHUNKS, sw = (c % 8) ^ r0;
+    const uint32_t dst = stage + c / 8 * BLOCK + r0 * 128;
+#pragma unroll
+    for (int k = 0; k < C::TILE_KV / ROWS; ++k) {
+      const int r = r0 + ROWS * k;
+      cp_async_16_shared(dst + ROWS * k * 128 + ((sw ^ (ROWS * k % 8)) << 4), rows[r] + c * 8, false);
     }
   }
 };

@@ -65,7 +65,7 @@ struct Layout {
   static constexpr int BAR_OFFSET = V_OFFSET + C::STAGES * KV_STAGE;
   // barriers, then the Work slots; the dynamic base is aligned up to 1024 at run time
   static constexpr int BAR_BYTES = 256, WORK_OFFSET = BAR_OFFSET + BAR_BYTES, WORK_BYTES = 512, ALIGN_SLACK = 1024;
-  // a gathered cache: the K and the V warp's row offsets of the tile they copy (int64 each)
+  // a gathered cache: the K and the V warp's row addresses of the tile they copy (8 bytes each)
   static constexpr int GATHER_OFFSET = WORK_OFFSET + WORK_BYTES, GATHER_BYTES = C::GATHER ? 2 * C::TILE_KV * 8 : 0;
   static constexpr int TOTAL = GATHER_OFFSET + GATHER_BYTES + ALIGN_SLACK;
   static_assert(TOTAL == C::SMEM_BYTES, "codegen and the kernel disagree on the shared-memory size");
@@ -247,21 +247,22 @@ __device__ __forceinline__ void gather_kv(const uint8_t* smem, const Params& p, 
   using L = Layout<C>;
   using Rows = PageRows<C>;
   const int lane = threadIdx.x % 32;
-  int64_t* offsets = reinterpret_cast<int64_t*>(const_cast<uint8_t*>(smem) + L::GATHER_OFFSET) + threadIdx.x / 32 * C::TILE_KV;
+  const typename C::DTypeKV** rows =
+      reinterpret_cast<const typename C::DTypeKV**>(const_cast<uint8_t*>(smem) + L::GATHER_OFFSET) + threadIdx.x / 32 * C::TILE_KV;
   int it = 0;
   for (int j = 0;; ++j) {
     const Work& w = read_work<C>(smem, bars, j);
     if (!w.valid) break;
-    const typename C::DTypeKV* col = cache + w.kv_head * p.stride_head + lane % Rows::CHUNKS * 8;
+    const typename C::DTypeKV* head = cache + w.kv_head * p.stride_head;
     const int kv_len = w.q_base + w.rows_total / w.group;
     for (int t = 0; t < w.num_tiles; ++t, ++it) {
       const int s = it % C::STAGES;
-      __syncwarp();  // the previous tile's offsets were read by every lane
-      Rows::offsets(offsets, w.pages, w.last_page, p.stride_page, p.stride_token, kv_len,
-                    TileList<C>::pos(w.kv_lo, t, TileList<C>::entry(w.tiles, t)), lane);
+      __syncwarp();  // every lane has read the previous tile's rows
+      Rows::addresses(rows, head, w.pages, p.stride_page, p.stride_token, kv_len,
+                      TileList<C>::pos(w.kv_lo, t, TileList<C>::entry(w.tiles, t)), lane);
       mbarrier_wait((bars.*empty)(s), ((it / C::STAGES) & 1) ^ 1);
-      __syncwarp();  // the offsets are visible to the warp
-      Rows::load(ring + s * L::KV_STAGE, col, offsets, lane);
+      __syncwarp();  // the rows are visible to the warp
+      Rows::load(ring + s * L::KV_STAGE, rows, lane);
       cp_async_arrive_noinc((bars.*full)(s));
     }
     mbarrier_arrive(bars.work_empty(j % WORK_SLOTS));
