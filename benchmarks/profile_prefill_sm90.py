@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashgen  # noqa: E402
-from flashgen import AttentionSpec, Causal, NoMask, Ragged, SlidingWindow  # noqa: E402
+from flashgen import AttentionSpec, Causal, NoMask, Paged, Ragged, SlidingWindow  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -28,12 +28,27 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--mask", choices=("none", "causal", "window"), default="causal")
     parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--page-size", type=int, default=0, help="0: ragged KV; else a paged cache of shuffled pages "
+                        "(FlashInfer is then skipped)")
     args = parser.parse_args()
     total = args.batch * args.seqlen
     q = torch.randn(total, HQ, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(total, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     mask = {"none": NoMask(), "causal": Causal(), "window": SlidingWindow(args.window)}[args.mask]
     indptr = np.arange(args.batch + 1, dtype=np.int32) * args.seqlen
+    if args.page_size:
+        ps = args.page_size
+        pages_per = -(-args.seqlen // ps)
+        ids = torch.randperm(args.batch * pages_per, dtype=torch.int32)
+        cache = torch.randn(ids.numel(), 2, ps, HKV, D, device="cuda", dtype=torch.bfloat16)
+        wrapper = flashgen.BatchPrefillWrapper(AttentionSpec(D, kv_layout=Paged(ps), mask=mask), backend="sm90")
+        wrapper.plan(qo_indptr=indptr, kv_indptr=np.arange(args.batch + 1, dtype=np.int32) * pages_per,
+                     kv_indices=ids.cuda(), kv_last_page_len=np.full(args.batch, args.seqlen - (pages_per - 1) * ps),
+                     num_qo_heads=HQ, num_kv_heads=HKV)
+        for _ in range(2):
+            wrapper.run(q, cache)
+        torch.cuda.synchronize()
+        return
     wrapper = flashgen.BatchPrefillWrapper(AttentionSpec(D, kv_layout=Ragged(), mask=mask), backend="sm90")
     wrapper.plan(qo_indptr=indptr, kv_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV)
     for _ in range(2):
