@@ -38,9 +38,14 @@ struct PageRows {
   static constexpr int CHUNKS = C::HEAD_DIM / 8, ROWS = 32 / CHUNKS, BLOCK = C::TILE_KV * 128;
   static_assert(32 % CHUNKS == 0 && C::TILE_KV % 32 == 0, "a warp pass covers whole rows");
 
-  // the addresses of the tile's rows (the cache at the item's kv head) into rows[TILE_KV] (shared memory); lane l
-  // computes rows l, l + 32, ... A row at or past kv_len (kv_len >= 1) copies row kv_len - 1: a real row, finite,
-  // whose logits the mask removes and whose V row zero_v_tail zeroes, as for a TMA page's rows past the request
+  // where row r's address is kept: the rows one lane copies (r0, r0 + ROWS, ...) side by side, so that a lane reads
+  // two of them with one 16-byte shared-memory load
+  __device__ __forceinline__ static constexpr int slot(int r) { return r % ROWS * (C::TILE_KV / ROWS) + r / ROWS; }
+
+  // the addresses of the tile's rows (the cache at the item's kv head) into rows[TILE_KV] (shared memory, slot());
+  // lane l computes rows l, l + 32, ... A row at or past kv_len (kv_len >= 1) copies row kv_len - 1: a real row,
+  // finite, whose logits the mask removes and whose V row zero_v_tail zeroes, as for a TMA page's rows past the
+  // request
   __device__ __forceinline__ static void addresses(const T** rows, const T* head, const int32_t* pages,
                                                    int64_t stride_page, int64_t stride_token, int kv_len, int pos0,
                                                    int lane) {
@@ -53,20 +58,31 @@ struct PageRows {
     }
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i)
-      rows[lane + 32 * i] = head + page[i] * stride_page + (pos[i] % C::PAGE_SIZE) * stride_token;
+      rows[slot(lane + 32 * i)] = head + page[i] * stride_page + (pos[i] % C::PAGE_SIZE) * stride_token;
   }
 
   // the tile into the stage at shared address stage: pass k copies rows r = r0 + ROWS k, r0 = lane / CHUNKS (whole
-  // rows, coalesced), each lane its chunk c = lane % CHUNKS of its row (the row's address a broadcast shared-memory
-  // read). As ROWS is a power of two above r0, r % 8 = r0 ^ (ROWS k % 8), so the swizzled chunk is the lane's
-  // c % 8 ^ r0 xor a constant of the pass, and the destination a per-lane base plus an immediate.
+  // rows, coalesced), each lane its chunk c = lane % CHUNKS of its row. The row addresses are read BATCH at a
+  // time (16-byte loads, two rows each) ahead of their copies, so the copies do not wait on one load each. As ROWS
+  // is a power of two above r0, r % 8 = r0 ^ (ROWS k % 8): the swizzled chunk is the lane's c % 8 ^ r0 xor a
+  // constant of the pass, and the destination a per-lane base plus an immediate.
   __device__ __forceinline__ static void load(uint32_t stage, const T* const* rows, int lane) {
+    constexpr int PASSES = C::TILE_KV / ROWS, BATCH = 4;
+    static_assert(PASSES % BATCH == 0, "whole batches");
     const int c = lane % CHUNKS, r0 = lane / CHUNKS, sw = (c % 8) ^ r0;
     const uint32_t dst = stage + c / 8 * BLOCK + r0 * 128;
+    const ulonglong2* mine = reinterpret_cast<const ulonglong2*>(rows + r0 * PASSES);
 #pragma unroll
-    for (int k = 0; k < C::TILE_KV / ROWS; ++k) {
-      const int r = r0 + ROWS * k;
-      cp_async_16_shared(dst + ROWS * k * 128 + ((sw ^ (ROWS * k % 8)) << 4), rows[r] + c * 8, false);
+    for (int k0 = 0; k0 < PASSES; k0 += BATCH) {
+      ulonglong2 a[BATCH / 2];
+#pragma unroll
+      for (int j = 0; j < BATCH / 2; ++j) a[j] = mine[k0 / 2 + j];
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) {
+        const int k = k0 + j;
+        const T* row = reinterpret_cast<const T*>(j % 2 ? a[j / 2].y : a[j / 2].x);
+        cp_async_16_shared(dst + ROWS * k * 128 + ((sw ^ (ROWS * k % 8)) << 4), row + c * 8, false);
+      }
     }
   }
 };
