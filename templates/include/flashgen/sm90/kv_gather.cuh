@@ -6,8 +6,8 @@
 // Lane l keeps one 16-byte column chunk, l % CHUNKS, and walks rows l / CHUNKS, + ROWS, ... (ROWS = 32 / CHUNKS
 // rows a warp-wide pass: 4 at head_dim 64, 2 at 128, 1 at 256), so a pass reads whole rows, coalesced, and each
 // lane's source column and destination block are constants. Row pos of the request lives in page
-// pages[pos / PAGE_SIZE] (the index clamped to the request's last page, so that the page list is never read
-// past its end) at token pos % PAGE_SIZE; rows at or past kv_len copy the request's last row (see addresses()).
+// pages[pos / PAGE_SIZE] at token pos % PAGE_SIZE; rows at or past kv_len copy the request's last row (see
+// addresses()), so the page list is never read past its end.
 // The page ids are read once a tile, each lane the rows lane + 32 i, into the warp's row addresses in shared
 // memory, so no copy waits on a global load. A lane's copies complete on the stage's full barrier by
 // cp.async.mbarrier.arrive.noinc (32 arrivals): the warp never waits for its copies and keeps STAGES tiles in
