@@ -21,6 +21,7 @@ from flashgen.plan import PlanError, csr_to_block_table
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import pack_custom_mask, reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
+from graph_replay import REPLAN_BATCHES, replay_after_replanning
 
 pytestmark = pytest.mark.cuda
 
@@ -186,18 +187,12 @@ def test_cuda_graph_replay_after_replanning():
                      kv_indices=indices_buf, kv_last_page_len=table["kv_last_page_len"])
         return q, kv, table, qo_indptr
 
-    load([100, 3], [2000, 50])
-    wrapper.run(pool_q, pool_kv)  # warm up (compile, load) outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = wrapper.run(pool_q, pool_kv, return_lse=True)
-    for qo_lens, kv_lens in (([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900]), ([1], [1]), ([100, 3], [2000, 50]),
-                             ([75] * 8, [75] * 8)):
-        q, kv, table, qo_indptr = load(qo_lens, kv_lens)
-        out.fill_(float("nan"))
-        graph.replay()
-        n = q.shape[0]
-        check(spec, q, kv, table, qo_indptr, out[:n], lse[:n])
+    def check_replay(loaded, out, lse):
+        q, kv, table, qo_indptr = loaded
+        check(spec, q, kv, table, qo_indptr, out[: q.shape[0]], lse[: q.shape[0]])
+
+    replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check_replay,
+                            ([100, 3], [2000, 50]), REPLAN_BATCHES[:4])
 
 
 @pytest.mark.parametrize("head_dim", [128, 192])

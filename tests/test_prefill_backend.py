@@ -16,6 +16,7 @@ from flashgen.plan import PlanError
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
+from graph_replay import REPLAN_BATCHES, replay_after_replanning
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 on_hopper = [pytest.mark.cuda, pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90a)")]
@@ -202,22 +203,14 @@ def test_cuda_graph_replay_after_replanning():
         wrapper.plan(qo_indptr=qo_indptr, kv_indptr=kv_indptr, num_qo_heads=heads * group, num_kv_heads=heads)
         return q, kv, qo_indptr, kv_indptr
 
-    load([100, 3], [2000, 50], 0)
-    wrapper.run(pool_q, pool_kv)  # warm up (compile, load, tensor maps) outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = wrapper.run(pool_q, pool_kv, return_lse=True)
+    def check_replay(loaded, out, lse):
+        q, kv, qo_indptr, kv_indptr = loaded
+        check(spec, q, kv, qo_indptr, kv_indptr, out[: q.shape[0]], lse[: q.shape[0]])
+
+    out, _ = replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check_replay,
+                                     ([100, 3], [2000, 50], 0),
+                                     [(*b, seed) for seed, b in enumerate(REPLAN_BATCHES, start=1)])
     assert out.shape == (max_q, heads * group, 128)
-    for seed, (qo_lens, kv_lens) in enumerate((([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900]), ([1], [1]),
-                                               ([100, 3], [2000, 50]), ([75] * 8, [75] * 8),
-                                               ([129, 0, 257], [129, 5, 257])), start=1):
-        q, kv, qo_indptr, kv_indptr = load(qo_lens, kv_lens, seed)
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        n = q.shape[0]
-        check(spec, q, kv, qo_indptr, kv_indptr, out[:n], lse[:n])
     with pytest.raises(PlanError, match="max_batch_size"):
         load([1] * 9, [1] * 9, 0)
 

@@ -21,6 +21,7 @@ from flashgen.testing.layouts import random_batch
 from flashgen.testing.masks import as_form, doc_mask, make_masks
 from flashgen.testing.reference import pack_custom_mask, reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
+from graph_replay import replay_after_replanning
 
 pytestmark = pytest.mark.cuda
 
@@ -224,23 +225,17 @@ def test_cuda_graph_replay_after_replanning(form):
                      custom_mask=mask_buf if form == "device" else packed)
         return q, kv, table, qo_indptr, masks
 
-    load([600, 50], [3000, 900], 0, "random0.5")  # the largest plan first: it sizes the fixed buffers
-    wrapper.run(pool_q, pool_kv)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = wrapper.run(pool_q, pool_kv, return_lse=True)
-    for seed, (qo_lens, kv_lens, kind) in enumerate((([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900], "doc"),
-                                                     ([1], [1], "ones"), ([100, 3], [2000, 50], "empty_rows"),
-                                                     ([75] * 8, [75] * 8, "random0.05"),
-                                                     ([600, 50], [3000, 900], "blocks"),
-                                                     ([20, 30], [3000, 100], "zeros")), start=1):
-        q, kv, table, qo_indptr, masks = load(qo_lens, kv_lens, seed, kind)
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    def check_replay(loaded, out, lse):
+        q, kv, table, qo_indptr, masks = loaded
         n = q.shape[0]
         check(spec, q, kv, table, qo_indptr, masks, out[:n].cpu(), lse[:n].cpu())
+
+    batches = (([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900], "doc"), ([1], [1], "ones"),
+               ([100, 3], [2000, 50], "empty_rows"), ([75] * 8, [75] * 8, "random0.05"),
+               ([600, 50], [3000, 900], "blocks"), ([20, 30], [3000, 100], "zeros"))
+    replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check_replay,
+                            ([600, 50], [3000, 900], 0, "random0.5"),  # the largest plan first: it sizes the buffers
+                            [(qo, kv, seed, kind) for seed, (qo, kv, kind) in enumerate(batches, start=1)])
 
 
 @pytest.mark.parametrize("backend", ["portable", pytest.param("sm90", marks=pytest.mark.hopper)])

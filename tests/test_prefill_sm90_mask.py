@@ -18,6 +18,7 @@ from flashgen.testing.layouts import random_batch
 from flashgen.testing.masks import as_form, doc_mask, make_masks
 from flashgen.testing.reference import reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
+from graph_replay import replay_after_replanning
 
 pytestmark = [pytest.mark.cuda, pytest.mark.hopper]
 
@@ -173,22 +174,17 @@ def test_cuda_graph_replay_after_replanning():
                      num_kv_heads=heads, custom_mask=masks)
         return q, kv, qo_indptr, table["kv_indptr"], masks
 
-    load([600, 50], [3000, 900], 0, "random0.5")  # the largest plan first: it sizes the fixed buffers
-    wrapper.run(pool_q, pool_kv)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = wrapper.run(pool_q, pool_kv, return_lse=True)
-    for seed, (qo_lens, kv_lens, kind) in enumerate((([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900], "doc"),
-                                                     ([1], [1], "ones"), ([100, 3], [2000, 50], "empty_rows"),
-                                                     ([75] * 8, [75] * 8, "random0.05")), start=1):
-        q, kv, qo_indptr, kv_indptr, masks = load(qo_lens, kv_lens, seed, kind)
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    def check(loaded, out, lse):
+        q, kv, qo_indptr, kv_indptr, masks = loaded
         n = q.shape[0]
         kw = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, custom_mask=masks)
         ref, ref_lse = reference_attention(spec, q, kv, **kw)
         low, low_lse = same_dtype_reference(spec, q, kv, **kw)
         assert_attention_close(out[:n].cpu(), ref, low)
         assert_attention_close(lse[:n].cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+
+    batches = (([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900], "doc"), ([1], [1], "ones"),
+               ([100, 3], [2000, 50], "empty_rows"), ([75] * 8, [75] * 8, "random0.05"))
+    replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check,
+                            ([600, 50], [3000, 900], 0, "random0.5"),  # the largest plan first: it sizes the buffers
+                            [(qo, kv, seed, kind) for seed, (qo, kv, kind) in enumerate(batches, start=1)])

@@ -15,6 +15,7 @@ from flashgen import AttentionSpec, Causal, NoMask, Paged
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
+from graph_replay import REPLAN_BATCHES, replay_after_replanning
 
 pytestmark = [pytest.mark.cuda, pytest.mark.hopper]
 
@@ -245,24 +246,16 @@ def test_gathered_cuda_graph_replay_after_replanning(page_size):
                        kv_indptr=table["kv_indptr"].numpy(), kv_indices=table["kv_indices"],
                        kv_last_page_len=table["kv_last_page_len"].numpy(), num_qo_heads=heads * group,
                        num_kv_heads=heads)
-    load([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900], 0)
-    wrapper.run(pool_q, pool_kv)  # warm up (compile, load) outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = wrapper.run(pool_q, pool_kv, return_lse=True)
-    for seed, (qo_lens, kv_lens) in enumerate((([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900]), ([1], [1]),
-                                               ([100, 3], [2000, 50]), ([75] * 8, [75] * 8),
-                                               ([129, 0, 257], [129, 5, 257])), start=1):
-        q, kv, table, qo_indptr = load(qo_lens, kv_lens, seed)
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    def check(loaded, out, lse):
+        q, kv, table, qo_indptr = loaded
         n = q.shape[0]
         kw = dict(qo_indptr=qo_indptr, **table)
         ref, ref_lse = reference_attention(spec, q, kv, **kw)
         low, low_lse = same_dtype_reference(spec, q, kv, **kw)
         assert_attention_close(out[:n].cpu(), ref, low)
         assert_attention_close(lse[:n].cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+
+    replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check,
+                            (*REPLAN_BATCHES[0], 0), [(*b, seed) for seed, b in enumerate(REPLAN_BATCHES, start=1)])
     with pytest.raises(PlanError, match="max_batch_size"):
         load([1] * 9, [1] * 9, 0)

@@ -1,0 +1,30 @@
+"""The CUDA-graph scaffold the wrapper tests share: capture run() once, then re-plan other batches and replay."""
+
+from __future__ import annotations
+
+import torch
+
+# batches re-planned under one captured graph: empty requests, a single token, the first plan's batch again, the
+# full batch size, lengths past a tile (each an argument tuple of the test's load())
+REPLAN_BATCHES = (([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900]), ([1], [1]), ([100, 3], [2000, 50]),
+                  ([75] * 8, [75] * 8), ([129, 0, 257], [129, 5, 257]))
+
+
+def replay_after_replanning(run, load, check, first, batches):
+    """``load(*first)`` plans the batch that sizes the wrapper's fixed buffers; ``run()`` (returning
+    ``(out, lse)``) is warmed up outside the capture and captured once. Then for each ``args`` in ``batches``:
+    ``loaded = load(*args)`` writes new inputs into the captured pools and re-plans, out and lse are poisoned
+    with NaN, the graph replays, and ``check(loaded, out, lse)`` compares. Returns the captured (out, lse)."""
+    load(*first)
+    run()  # compile, load, tensor maps: outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = run()
+    for args in batches:
+        loaded = load(*args)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(loaded, out, lse)
+    return out, lse
