@@ -19,11 +19,11 @@
 
 namespace flashgen::sm90 {
 
-// 16 bytes global -> shared (a shared-window address), zeros and no read with fill_zero; completes with the
-// thread's cp.async groups (generic proxy: fence.proxy.async before wgmma may read it)
-__device__ __forceinline__ void cp_async_16_shared(uint32_t dst, const void* src, bool fill_zero) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(fill_zero ? 0 : 16)
-               : "memory");
+// 16 bytes global -> shared, to a shared-window address (mma.cuh's cp_async_16 takes a generic pointer and a
+// zero-fill; the gather never zero-fills, see addresses()); through the generic proxy: the consumers fence
+// the async proxy before wgmma reads it
+__device__ __forceinline__ void cp_async_16_shared(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(16) : "memory");
 }
 
 // arrive on the mbarrier at bar once all of this thread's earlier cp.async copies have landed (asynchronously: the
@@ -81,7 +81,7 @@ struct PageRows {
       for (int j = 0; j < BATCH; ++j) {
         const int k = k0 + j;
         const T* row = reinterpret_cast<const T*>(j % 2 ? a[j / 2].y : a[j / 2].x);
-        cp_async_16_shared(dst + ROWS * k * 128 + ((sw ^ (ROWS * k % 8)) << 4), row + c * 8, false);
+        cp_async_16_shared(dst + ROWS * k * 128 + ((sw ^ (ROWS * k % 8)) << 4), row + c * 8);
       }
     }
   }

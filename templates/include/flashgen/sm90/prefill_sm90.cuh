@@ -47,6 +47,8 @@ struct Work {
   const int32_t* tiles;  // custom mask: the item's tile list (num_tiles entries)
   int64_t mask_bit0;     // custom mask: the bit of the request's (token 0, key 0)
   bool valid;
+  // the request's KV length: its queries are its last rows_total / group positions, the first at q_base
+  __device__ __forceinline__ int kv_len() const { return q_base + rows_total / group; }
 };
 
 constexpr int Q_LOADERS = 64;  // warps 2-3 of the producer warpgroup (a multiple of a Q row's 16-byte chunks)
@@ -254,7 +256,7 @@ __device__ __forceinline__ void gather_kv(const uint8_t* smem, const Params& p, 
     const Work& w = read_work<C>(smem, bars, j);
     if (!w.valid) break;
     const typename C::DTypeKV* head = cache + w.kv_head * p.stride_head;
-    const int kv_len = w.q_base + w.rows_total / w.group;
+    const int kv_len = w.kv_len();
     for (int t = 0; t < w.num_tiles; ++t, ++it) {
       const int s = it % C::STAGES;
       __syncwarp();  // every lane has read the previous tile's rows
@@ -582,7 +584,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
   const int wg_first = min(w.row0 + wg * 64, w.last_row), wg_last = min(w.row0 + wg * 64 + 63, w.last_row);
   const int wq_min = w.q_base + wg_first / w.group, wq_max = w.q_base + wg_last / w.group;
-  const int kv_len = w.q_base + w.rows_total / w.group;
+  const int kv_len = w.kv_len();
   const float pre = C::SOFT_CAP ? 1.f / p.soft_cap : LOG2E;  // soft_cap > 0 with SOFT_CAP (checked at plan time)
   RowState rs;
 #pragma unroll
