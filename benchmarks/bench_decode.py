@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
+import timing  # noqa: E402
 from timing import commit, copy_rate, pyplot, save_results, timed  # noqa: E402
 from flashgen import AttentionSpec, Paged  # noqa: E402
 
@@ -122,11 +123,15 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--kv-lens", default="1024,4096,16384,65536")
     parser.add_argument("--peers", default="sdpa,flex,flashinfer")
+    parser.add_argument("--flush", choices=("write", "read", "none"), default="write",
+                        help="how L2 is emptied before each timed call (timing.FLUSH): write (the anchors' way, "
+                        "leaves L2 dirty), read (leaves it clean) or none")
     parser.add_argument("--commit", default="", help="the commit measured (the device copy has no .git)")
     args = parser.parse_args()
     page_sizes = [int(p) for p in args.page_sizes.split(",")]
     peers = set(args.peers.split(",")) if args.peers else set()
     gen = torch.Generator().manual_seed(0)
+    timing.FLUSH = args.flush
     copy_gbps = copy_rate()
     print(f"copy rate {copy_gbps:.0f} GB/s", flush=True)
     grid = list(configs(args.max_kv_gb, [int(b) for b in args.batches.split(",")],
@@ -173,7 +178,7 @@ def main() -> None:
                 peers.discard("flex")
     commit_id = commit(args.commit)
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit_id,
-              "copy_GBps": copy_gbps, "shape": {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": D},
+              "copy_GBps": copy_gbps, "flush": args.flush, "shape": {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": D},
               "rows": rows}
     save_results(result, Path(args.out), markdown, plot)
 

@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--mask", choices=("none", "causal", "window"), default="causal")
     parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--backend", choices=("sm90", "portable"), default="sm90",
+                        help="flashgen's kernel: the Hopper one, or the portable mma.sync one (ncu -k regex:prefill)")
     parser.add_argument("--page-size", type=int, default=0, help="0: ragged KV; else a paged cache of shuffled pages "
                         "(FlashInfer is then skipped)")
     args = parser.parse_args()
@@ -41,7 +43,7 @@ def main() -> None:
         pages_per = -(-args.seqlen // ps)
         ids = torch.randperm(args.batch * pages_per, dtype=torch.int32)
         cache = torch.randn(ids.numel(), 2, ps, HKV, D, device="cuda", dtype=torch.bfloat16)
-        wrapper = flashgen.BatchPrefillWrapper(AttentionSpec(D, kv_layout=Paged(ps), mask=mask), backend="sm90")
+        wrapper = flashgen.BatchPrefillWrapper(AttentionSpec(D, kv_layout=Paged(ps), mask=mask), backend=args.backend)
         wrapper.plan(qo_indptr=indptr, kv_indptr=np.arange(args.batch + 1, dtype=np.int32) * pages_per,
                      kv_indices=ids.cuda(), kv_last_page_len=np.full(args.batch, args.seqlen - (pages_per - 1) * ps),
                      num_qo_heads=HQ, num_kv_heads=HKV)
@@ -49,7 +51,7 @@ def main() -> None:
             wrapper.run(q, cache)
         torch.cuda.synchronize()
         return
-    wrapper = flashgen.BatchPrefillWrapper(AttentionSpec(D, kv_layout=Ragged(), mask=mask), backend="sm90")
+    wrapper = flashgen.BatchPrefillWrapper(AttentionSpec(D, kv_layout=Ragged(), mask=mask), backend=args.backend)
     wrapper.plan(qo_indptr=indptr, kv_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV)
     for _ in range(2):
         wrapper.run(q, (k, v))
@@ -57,7 +59,7 @@ def main() -> None:
         import flashinfer
 
         fi = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(2**28, dtype=torch.uint8, device="cuda"), "NHD",
-                                                             backend="fa3")
+                                                             backend="fa3" if args.backend == "sm90" else "fa2")
         window = args.window if args.mask == "window" else -1
         fi.plan(torch.from_numpy(indptr).cuda(), torch.from_numpy(indptr).cuda(), HQ, HKV, D,
                 causal=args.mask != "none", window_left=window, q_data_type=torch.bfloat16)

@@ -9,6 +9,10 @@ from pathlib import Path
 import torch
 
 _flush: torch.Tensor | None = None
+# How timed() empties L2 before each call: "write" (zero a 1 GiB buffer, as the peers' anchors were measured:
+# L2 is left full of dirty lines, which the timed call's reads then evict and write back), "read" (sum a 1 GiB
+# buffer: L2 is left full of clean lines) or "none" (no flush).
+FLUSH = "write"
 
 
 def timed(fn, reps: int) -> float:
@@ -22,7 +26,10 @@ def timed(fn, reps: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
-        _flush.zero_()
+        if FLUSH == "write":
+            _flush.zero_()
+        elif FLUSH == "read":
+            _flush.view(torch.int32).sum(dtype=torch.int32)
         start.record()
         fn()
         end.record()
