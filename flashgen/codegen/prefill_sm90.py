@@ -23,6 +23,8 @@ SM90_HEAD_DIMS = (64, 128, 256)
 TILE_Q = 128  # two consumer warpgroups of 64 packed rows
 STAGES = 2
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 x 40 + 256 x 232 = 64512 <= 65536 registers of an SM
+# gathered pages: the K/V warps hold 8 row addresses ahead of their copies (kv_gather.cuh BATCH); 128 x 56 + 256 x 224
+GATHER_PRODUCER_REGS, GATHER_CONSUMER_REGS = 56, 224
 THREADS = 384
 SMEM_LIMIT = 227 * 1024
 
@@ -108,8 +110,8 @@ class PrefillSM90Family(AttentionFamily):
             "STAGES": STAGES,
             "Q_BUFFERS": sm90_q_buffers(d),
             "SMEM_BYTES": smem,
-            "PRODUCER_REGS": PRODUCER_REGS,
-            "CONSUMER_REGS": CONSUMER_REGS,
+            "PRODUCER_REGS": GATHER_PRODUCER_REGS if _gathered(spec) else PRODUCER_REGS,
+            "CONSUMER_REGS": GATHER_CONSUMER_REGS if _gathered(spec) else CONSUMER_REGS,
             "THREADS": THREADS,
             "CAUSAL": "true" if isinstance(spec.mask, (Causal, SlidingWindow)) else "false",
             "WINDOW": "true" if isinstance(spec.mask, SlidingWindow) else "false",
