@@ -98,58 +98,58 @@ struct KVSource {
   __device__ __forceinline__ int start(int e) const { return kv_lo + (e >> 1) * C::TILE_KV; }
 };
 
-// K/V tiles of positions [src.start(src.entry(t)), ...) clipped at kv_hi (rows past it are zero-filled).
+// K/V tiles of positions [src.start(src.entry(t)), ...) clipped at kv_hi: a row past kv_hi copies row kv_hi - 1
+// (the mask hides it, and its P = 0 multiplies finite V), so every copy reads and none needs a zero fill.
 // Thread tid < TILE_KV owns row tid of every tile's offsets: its page id is loaded two tiles ahead.
 template <class C>
 struct KVPipeline {
   using L = Layout<C>;
   using DTypeKV = typename C::DTypeKV;
+  static_assert(sizeof(DTypeKV) == 2, "8 elements a 16-byte chunk");
+  // Whole K rows a pass: thread t copies chunk t % K_CHUNKS of rows t / K_CHUNKS + i * ROWS (i < PASSES). Its
+  // rows' offsets sit side by side in the ring (slot), so it reads them with PASSES / 2 16-byte loads, ahead of
+  // its copies; V reuses them when its rows have K's chunks.
+  static constexpr int ROWS = L::THREADS / L::K_CHUNKS, PASSES = L::TILE_KV / (ROWS > 0 ? ROWS : 1);
+  static constexpr bool BY_ROWS = L::THREADS % L::K_CHUNKS == 0 && L::TILE_KV % ROWS == 0 && PASSES % 2 == 0;
+  static constexpr bool V_SAME = BY_ROWS && L::V_CHUNKS == L::K_CHUNKS;
+
   const KVSource<C>& src;  // in shared memory
   DTypeKV* k_smem;
   DTypeKV* v_smem;
-  int64_t* row_offsets;  // [2][TILE_KV]
+  int64_t* row_offsets;  // [2][TILE_KV], row r at slot(r)
 
+  static __device__ __forceinline__ int slot(int r) {
+    if constexpr (BY_ROWS) return (r % ROWS) * PASSES + r / ROWS;
+    else return r;
+  }
+  // the position of row tid of a tile (< num_tiles), clamped to the last row
+  __device__ __forceinline__ int row_pos(int tile) const {
+    return min(src.start(src.entry(tile)) + int(threadIdx.x), src.kv_hi - 1);
+  }
   __device__ __forceinline__ int32_t page_of(int tile) const {
-    const int tid = threadIdx.x;
-    if (tid >= L::TILE_KV || tile >= src.num_tiles) return 0;
-    const int pos = src.start(src.entry(tile)) + tid;
-    return pos < src.kv_hi ? src.rows.page(pos) : 0;
+    if (threadIdx.x >= L::TILE_KV || tile >= src.num_tiles) return 0;
+    return src.rows.page(row_pos(tile));
   }
   __device__ __forceinline__ void store_offset(int tile, int32_t page_id) const {
-    const int tid = threadIdx.x;
-    if (tid >= L::TILE_KV) return;
-    const int pos = tile < src.num_tiles ? src.start(src.entry(tile)) + tid : src.kv_hi;
-    row_offsets[(tile & 1) * L::TILE_KV + tid] = pos < src.kv_hi ? src.rows.offset(pos, page_id) : -1;
+    if (threadIdx.x >= L::TILE_KV || tile >= src.num_tiles) return;
+    row_offsets[(tile & 1) * L::TILE_KV + slot(threadIdx.x)] = src.rows.offset(row_pos(tile), page_id);
   }
   // V rows: the K row offset scaled by HEAD_DIM_VO / HEAD_DIM (the wrapper checks that V's strides are K's so scaled)
   static __device__ __forceinline__ int64_t v_offset(int64_t k_off) {
     if constexpr (L::D == L::DV) return k_off;
-    else return k_off < 0 ? k_off : k_off / L::D * L::DV;
+    else return k_off / L::D * L::DV;
   }
   __device__ __forceinline__ DTypeKV* k_tile(int tile) const { return k_smem + (tile % C::STAGES) * L::TILE_KV * L::D; }
   __device__ __forceinline__ DTypeKV* v_tile(int tile) const { return v_smem + (tile % C::STAGES) * L::TILE_KV * L::DV; }
 
-  // cp.async of one tile's rows into a swizzled stage: row r of the tile from head + offsets[r] (zeros for -1).
-  // When the CTA covers whole rows per pass, a thread keeps its chunk and steps its row by ROWS (addresses
-  // are a per-thread base plus constants); otherwise jobs are dealt out one chunk at a time.
+  // one chunk at a time: jobs dealt out over the CTA (rows that do not split evenly over the threads)
   template <int CHUNKS, bool IS_V>
-  __device__ __forceinline__ void copy_rows(DTypeKV* dst, const DTypeKV* head, const int64_t* offsets) const {
-    constexpr int ROWS = L::THREADS / CHUNKS;
-    if constexpr (L::THREADS % CHUNKS == 0 && L::TILE_KV % ROWS == 0) {
-      const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;
-#pragma unroll
-      for (int i = 0; i < L::TILE_KV / ROWS; ++i) {
-        const int r = r0 + i * ROWS;
-        const int64_t off = IS_V ? v_offset(offsets[r]) : offsets[r];
-        cp_async_16(dst + tile_index(r, c, CHUNKS), off < 0 ? head : head + off + c * 8, off < 0);
-      }
-    } else {
+  __device__ __forceinline__ void copy_jobs(DTypeKV* dst, const DTypeKV* head, const int64_t* offsets) const {
 #pragma unroll 4
-      for (int job = threadIdx.x; job < L::TILE_KV * CHUNKS; job += L::THREADS) {
-        const int r = job / CHUNKS, c = job % CHUNKS;
-        const int64_t off = IS_V ? v_offset(offsets[r]) : offsets[r];
-        cp_async_16(dst + tile_index(r, c, CHUNKS), off < 0 ? head : head + off + c * 8, off < 0);
-      }
+    for (int job = threadIdx.x; job < L::TILE_KV * CHUNKS; job += L::THREADS) {
+      const int r = job / CHUNKS, c = job % CHUNKS;
+      const int64_t off = IS_V ? v_offset(offsets[slot(r)]) : offsets[slot(r)];
+      cp_async_16(dst + tile_index(r, c, CHUNKS), head + off + c * 8);
     }
   }
 
@@ -157,8 +157,31 @@ struct KVPipeline {
   __device__ __forceinline__ void issue(int tile) const {
     if (tile < src.num_tiles) {
       const int64_t* offsets = row_offsets + (tile & 1) * L::TILE_KV;
-      copy_rows<L::K_CHUNKS, false>(k_tile(tile), src.k_head, offsets);
-      copy_rows<L::V_CHUNKS, true>(v_tile(tile), src.v_head, offsets);
+      if constexpr (BY_ROWS) {
+        const int r0 = threadIdx.x / L::K_CHUNKS, c = threadIdx.x % L::K_CHUNKS;
+        int64_t off[PASSES];
+#pragma unroll
+        for (int i = 0; i < PASSES / 2; ++i) {
+          const longlong2 two = reinterpret_cast<const longlong2*>(offsets + r0 * PASSES)[i];
+          off[2 * i] = two.x, off[2 * i + 1] = two.y;
+        }
+        // (with ROWS a multiple of 8 the swizzle repeats every pass: destinations are a base plus constants)
+        const DTypeKV* k = src.k_head + c * 8;
+        DTypeKV* kd = k_tile(tile);
+#pragma unroll
+        for (int i = 0; i < PASSES; ++i) cp_async_16(kd + tile_index(r0 + i * ROWS, c, L::K_CHUNKS), k + off[i]);
+        if constexpr (V_SAME) {
+          const DTypeKV* v = src.v_head + c * 8;
+          DTypeKV* vd = v_tile(tile);
+#pragma unroll
+          for (int i = 0; i < PASSES; ++i) cp_async_16(vd + tile_index(r0 + i * ROWS, c, L::V_CHUNKS), v + v_offset(off[i]));
+        } else {
+          copy_jobs<L::V_CHUNKS, true>(v_tile(tile), src.v_head, offsets);
+        }
+      } else {
+        copy_jobs<L::K_CHUNKS, false>(k_tile(tile), src.k_head, offsets);
+        copy_jobs<L::V_CHUNKS, true>(v_tile(tile), src.v_head, offsets);
+      }
     }
     cp_async_commit();
   }
