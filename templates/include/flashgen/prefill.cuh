@@ -58,6 +58,14 @@ struct RowInfo {
       m[mq][0] = v.x, m[mq][1] = v.y, l[mq][0] = v.z, l[mq][1] = v.w;
     }
   }
+  // l += the tile's row sums (rowsum[mq][0]: row g, [2]: row g + 8; every lane of a quad holds the whole row's)
+  __device__ __forceinline__ void add_rowsums(const float (&rowsum)[C::MMA_Q][4]) {
+#pragma unroll
+    for (int mq = 0; mq < C::MMA_Q; ++mq) {
+      float4& v = stats[mq][threadIdx.x];
+      v.z += rowsum[mq][0], v.w += rowsum[mq][2];
+    }
+  }
   __device__ __forceinline__ void store_stats(const float (&m)[C::MMA_Q][2], const float (&l)[C::MMA_Q][2]) {
 #pragma unroll
     for (int mq = 0; mq < C::MMA_Q; ++mq) stats[mq][threadIdx.x] = make_float4(m[mq][0], m[mq][1], l[mq][0], l[mq][1]);
@@ -112,8 +120,9 @@ __device__ __forceinline__ void scores(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
   for (int mq = 0; mq < C::MMA_Q; ++mq)
 #pragma unroll
     for (int nt = 0; nt < L::TILE_KV / 8; ++nt) s[mq][nt][0] = s[mq][nt][1] = s[mq][nt][2] = s[mq][nt][3] = 0.f;
-  constexpr int J_UNROLL = C::Q_IN_REGS ? L::D / 16 : 4;  // Q in registers needs constant indices
-#pragma unroll J_UNROLL
+  // fully unrolled, so the first k-step's mma start from zero (no accumulator clear) and Q in registers
+  // has constant indices (+2-5 % over 4-step unrolling at d=128, 2026-11-29)
+#pragma unroll
   for (int j = 0; j < L::D / 16; ++j) {
     uint32_t qa[C::MMA_Q][4];
 #pragma unroll
@@ -138,12 +147,12 @@ __device__ __forceinline__ void scores(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
   }
 }
 
-// S -> base-2 logits: one multiply by sm_scale * log2(e), or the full transform with ALiBi / soft-cap
+// S -> base-2 logits with ALiBi / soft-cap (without them, online_softmax folds sm_scale * log2(e) into its FFMA)
 template <class C>
 __device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const RowInfo<C>& ri,
                                        LogitsTransform<C::ALIBI, C::SOFT_CAP>& transform, int tile_start, int warp,
                                        int lane) {
-  const float scale_log2 = transform.sm_scale * LOG2E;
+  static_assert(C::ALIBI || C::SOFT_CAP, "plain scores are scaled in online_softmax");
 #pragma unroll
   for (int mq = 0; mq < C::MMA_Q; ++mq)
 #pragma unroll
@@ -157,12 +166,8 @@ __device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
 #pragma unroll
       for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
 #pragma unroll
-        for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          if constexpr (C::ALIBI || C::SOFT_CAP)
-            s[mq][nt][e] = transform(s[mq][nt][e], tile_start + nt * 8 + 2 * (lane % 4) + (e % 2) - q_pos);
-          else
-            s[mq][nt][e] *= scale_log2;
-        }
+        for (int e = 2 * h; e < 2 * h + 2; ++e)
+          s[mq][nt][e] = transform(s[mq][nt][e], tile_start + nt * 8 + 2 * (lane % 4) + (e % 2) - q_pos);
     }
 }
 
@@ -197,12 +202,15 @@ __device__ __forceinline__ void apply_mask(float (&s)[C::MMA_Q][C::TILE_KV / 8][
     }
 }
 
-// online-softmax update over the tile's logits: s becomes P; O and l are rescaled only when some row
-// maximum of the warp moved (once the maxima settle, most tiles skip the O pass)
+// online-softmax update over the tile's scores: s becomes P; O and l are rescaled only when some row
+// maximum of the warp moved (once the maxima settle, most tiles skip the O pass). The base-2 logit of a score
+// is s * scale (scale = sm_scale * log2(e), or 1 where logits() already transformed s), so P = exp2(s * scale - m)
+// is one FFMA and an ex2 an element; m is kept in base-2 logits. l gains the tile's row sums after P V
+// (accumulate_pv sums P on the tensor cores).
 template <class C>
 __device__ __forceinline__ void online_softmax(float (&s)[C::MMA_Q][C::TILE_KV / 8][4],
                                                float (&o)[C::MMA_Q][C::HEAD_DIM_VO / 8][4], float (&m)[C::MMA_Q][2],
-                                               float (&l)[C::MMA_Q][2]) {
+                                               float (&l)[C::MMA_Q][2], float scale_log2) {
   float m_use[C::MMA_Q][2], scale[C::MMA_Q][2];
   bool moved = false;
 #pragma unroll
@@ -214,7 +222,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[C::MMA_Q][C::TILE_KV /
       for (int nt = 0; nt < C::TILE_KV / 8; ++nt) mx = fmaxf(mx, fmaxf(s[mq][nt][2 * h], s[mq][nt][2 * h + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-      const float m_new = fmaxf(m[mq][h], mx);
+      const float m_new = fmaxf(m[mq][h], mx * scale_log2);
       m_use[mq][h] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet: P = 0, not NaN
       scale[mq][h] = exp2_fast(m[mq][h] - m_use[mq][h]);
       moved = moved || scale[mq][h] != 1.f;
@@ -239,17 +247,17 @@ __device__ __forceinline__ void online_softmax(float (&s)[C::MMA_Q][C::TILE_KV /
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int nt = 0; nt < C::TILE_KV / 8; ++nt) {
-        s[mq][nt][2 * h] = exp2_fast(s[mq][nt][2 * h] - m_use[mq][h]);
-        s[mq][nt][2 * h + 1] = exp2_fast(s[mq][nt][2 * h + 1] - m_use[mq][h]);
-        l[mq][h] += s[mq][nt][2 * h] + s[mq][nt][2 * h + 1];
+        s[mq][nt][2 * h] = exp2_fast(fmaf(s[mq][nt][2 * h], scale_log2, -m_use[mq][h]));
+        s[mq][nt][2 * h + 1] = exp2_fast(fmaf(s[mq][nt][2 * h + 1], scale_log2, -m_use[mq][h]));
       }
 }
 
-// O += P V: P from the S accumulators (C layout -> A layout), V fragments by ldmatrix.trans
+// O += P V: P from the S accumulators (C layout -> A layout), V fragments by ldmatrix.trans; rowsum += P 1 (the rows'
+// sums of P as rounded for the mma, in every lane of a quad: 2 mma a 16-key step instead of 16 FADD a thread)
 template <class C>
 __device__ __forceinline__ void accumulate_pv(float (&o)[C::MMA_Q][C::HEAD_DIM_VO / 8][4],
                                               const float (&s)[C::MMA_Q][C::TILE_KV / 8][4],
-                                              const typename C::DTypeKV* vs, int lane) {
+                                              const typename C::DTypeKV* vs, int lane, float (&rowsum)[C::MMA_Q][4]) {
   using L = Layout<C>;
   using T = typename C::DTypeKV;
   const int mat = lane / 8, mrow = opaque(lane % 8);
@@ -264,6 +272,10 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[C::MMA_Q][C::HEAD_DIM_V
       pa[mq][2] = pack2<T>(s[mq][2 * kk + 1][0], s[mq][2 * kk + 1][1]);
       pa[mq][3] = pack2<T>(s[mq][2 * kk + 1][2], s[mq][2 * kk + 1][3]);
     }
+    // the rows' sums of P (as rounded for the mma) by one more mma against a column of ones
+    const uint32_t ones = std::is_same_v<T, __half> ? 0x3C003C00u : 0x3F803F80u;
+#pragma unroll
+    for (int mq = 0; mq < C::MMA_Q; ++mq) mma_16816<T>(rowsum[mq], pa[mq], ones, ones);
 #pragma unroll
     for (int c = 0; c < L::DV / 16; ++c) {
       uint32_t vf[4];

@@ -106,6 +106,7 @@ __device__ __forceinline__ void run(const Params& p) {
     ri.store_stats(m, l);
   }
   LogitsTransform<C::ALIBI, C::SOFT_CAP> transform{p.sm_scale, p.soft_cap, p.soft_cap > 0.f ? 1.f / p.soft_cap : 0.f, 0.f};
+  const float scale_log2 = p.sm_scale * LOG2E;
 
   for (int tile = 0; tile < src.num_tiles; ++tile) {
     cp_async_wait<S - 2>();
@@ -120,13 +121,15 @@ __device__ __forceinline__ void run(const Params& p) {
     const int e = src.entry(tile), t0 = src.start(e);
     float s[MQ][L::TILE_KV / 8][4];
     scores<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
-    logits<C>(s, ri, transform, t0, warp, lane);
+    if constexpr (C::ALIBI || C::SOFT_CAP) logits<C>(s, ri, transform, t0, warp, lane);
     if (ri.boundary(warp, tile, e, t0)) apply_mask<C>(s, ri, t0, warp, lane);
     float m[MQ][2], l[MQ][2];
     ri.load_stats(m, l);
-    online_softmax<C>(s, o, m, l);
+    online_softmax<C>(s, o, m, l, C::ALIBI || C::SOFT_CAP ? 1.f : scale_log2);
     ri.store_stats(m, l);
-    accumulate_pv<C>(o, s, pipe.v_tile(tile), lane);
+    float rowsum[MQ][4] = {};
+    accumulate_pv<C>(o, s, pipe.v_tile(tile), lane, rowsum);
+    ri.add_rowsums(rowsum);
   }
   cp_async_wait<0>();
   float m[MQ][2], l[MQ][2];
