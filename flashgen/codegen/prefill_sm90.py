@@ -23,8 +23,18 @@ SM90_HEAD_DIMS = (64, 128, 256)
 TILE_Q = 128  # two consumer warpgroups of 64 packed rows
 STAGES = 2
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 x 40 + 256 x 232 = 64512 <= 65536 registers of an SM
-# gathered pages: the K/V warps hold 8 row addresses ahead of their copies (kv_gather.cuh BATCH); 128 x 56 + 256 x 224
+# gathered pages up to head_dim 128: the K/V warps hold 8 row addresses ahead of their copies (GATHER_BATCH) in
+# 56 registers, the consumers keep 224 (128 x 56 + 256 x 224); at head_dim 256 the consumers spill at 224, so 4
+# addresses ahead in the plain split (8 spilled 8-24 bytes in 40 producer registers)
 GATHER_PRODUCER_REGS, GATHER_CONSUMER_REGS = 56, 224
+
+
+def sm90_registers(head_dim: int, gathered: bool) -> tuple[int, int, int]:
+    """``(PRODUCER_REGS, CONSUMER_REGS, GATHER_BATCH)`` of a variant: the warpgroups' register split and how many
+    row addresses a gathering K/V warp reads ahead of its copies."""
+    if gathered and head_dim <= 128:
+        return GATHER_PRODUCER_REGS, GATHER_CONSUMER_REGS, 8
+    return PRODUCER_REGS, CONSUMER_REGS, 4
 THREADS = 384
 SMEM_LIMIT = 227 * 1024
 
@@ -100,6 +110,7 @@ class PrefillSM90Family(AttentionFamily):
         paged = isinstance(spec.kv_layout, Paged)
         smem = sm90_smem_bytes(d, gather=_gathered(spec))
         assert smem <= SMEM_LIMIT, (d, smem)
+        regs = sm90_registers(d, _gathered(spec))
         return {
             "DTypeQ": CPP_TYPES[spec.dtype],
             "DTypeKV": CPP_TYPES[spec.kv_dtype],
@@ -110,8 +121,9 @@ class PrefillSM90Family(AttentionFamily):
             "STAGES": STAGES,
             "Q_BUFFERS": sm90_q_buffers(d),
             "SMEM_BYTES": smem,
-            "PRODUCER_REGS": GATHER_PRODUCER_REGS if _gathered(spec) else PRODUCER_REGS,
-            "CONSUMER_REGS": GATHER_CONSUMER_REGS if _gathered(spec) else CONSUMER_REGS,
+            "PRODUCER_REGS": regs[0],
+            "CONSUMER_REGS": regs[1],
+            "GATHER_BATCH": regs[2],
             "THREADS": THREADS,
             "CAUSAL": "true" if isinstance(spec.mask, (Causal, SlidingWindow)) else "false",
             "WINDOW": "true" if isinstance(spec.mask, SlidingWindow) else "false",

@@ -67,7 +67,7 @@ struct PageRows {
   // is a power of two above r0, r % 8 = r0 ^ (ROWS k % 8): the swizzled chunk is the lane's c % 8 ^ r0 xor a
   // constant of the pass, and the destination a per-lane base plus an immediate.
   __device__ __forceinline__ static void load(uint32_t stage, const T* const* rows, int lane) {
-    constexpr int PASSES = C::TILE_KV / ROWS, BATCH = 8;
+    constexpr int PASSES = C::TILE_KV / ROWS, BATCH = C::GATHER_BATCH;
     static_assert(PASSES % BATCH == 0, "whole batches");
     const int c = lane % CHUNKS, r0 = lane / CHUNKS, sw = (c % 8) ^ r0;
     const uint32_t dst = stage + c / 8 * BLOCK + r0 * 128;
