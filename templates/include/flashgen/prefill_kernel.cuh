@@ -83,9 +83,13 @@ __device__ __forceinline__ void run(const Params& p) {
   pipe.store_offset(S - 1, pipe.page_of(S - 1));
   int32_t next_page = pipe.page_of(S);
 
-  // Q fragments (the prologue's barrier made the Q tile visible)
+  // Q fragments (RoPE: the prologue's barrier made the Q tile visible; else Q landed with the first KV tile)
   uint32_t q_regs[MQ][QR][4];
   if constexpr (C::Q_IN_REGS) {
+    if constexpr (!C::ROPE) {
+      cp_async_wait<S - 2>();
+      __syncthreads();
+    }
 #pragma unroll
     for (int mq = 0; mq < MQ; ++mq)
 #pragma unroll

@@ -54,11 +54,21 @@ __device__ __forceinline__ void rope_chunk_pair(uint4& a, uint4& b, float pos, i
 }
 
 // The CTA's Q tile: packed row r = token (r + row0) / group, q head kv_head * group + (r + row0) % group;
-// rows past the request's end are zeros. RoPE at q_pos = q_base + token.
+// rows past the request's end are zeros. RoPE at q_pos = q_base + token (through registers); without RoPE by
+// cp.async, in the commit group of the first KV tile, so the CTA does not wait for Q before issuing its KV.
 template <class C, class Params>
 __device__ __forceinline__ void load_q(const Params& p, typename C::DTypeQ* q_smem, int token0, int row0, int rows_total,
                                        int kv_head, int q_base) {
   using L = Layout<C>;
+  if constexpr (!C::ROPE) {
+    for (int job = threadIdx.x; job < L::TILE_Q * L::Q_CHUNKS; job += L::THREADS) {
+      const int r = job / L::Q_CHUNKS, c = job % L::Q_CHUNKS, prow = min(row0 + r, rows_total - 1);
+      const int token = prow / p.group_size, head = kv_head * p.group_size + prow % p.group_size;
+      const typename C::DTypeQ* src = p.q + (int64_t(token0 + token) * p.num_qo_heads + head) * C::HEAD_DIM;
+      cp_async_16(q_smem + tile_index(r, c, L::Q_CHUNKS), src + c * 8, row0 + r >= rows_total);
+    }
+    return;
+  }
   constexpr int HALF = L::Q_CHUNKS / 2;
   for (int job = threadIdx.x; job < L::TILE_Q * HALF; job += L::THREADS) {
     const int r = job / HALF, c = job % HALF, prow = row0 + r;
