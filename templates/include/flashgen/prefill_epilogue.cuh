@@ -23,6 +23,8 @@ __device__ __forceinline__ void write_rows(const Params& p, const TileRows& tr, 
   for (int mq = 0; mq < C::MMA_Q; ++mq) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      l[mq][h] += __shfl_xor_sync(0xffffffff, l[mq][h], 1);
+      l[mq][h] += __shfl_xor_sync(0xffffffff, l[mq][h], 2);
       const int prow = tr.row0 + warp * L::WARP_ROWS + mq * 16 + g + 8 * h;
       if (prow >= tr.rows_total) continue;
       const float lv = l[mq][h];

@@ -131,9 +131,7 @@ __device__ __forceinline__ void run(const Params& p) {
     ri.load_stats(m, l);
     online_softmax<C>(s, o, m, l, C::ALIBI || C::SOFT_CAP ? 1.f : scale_log2);
     ri.store_stats(m, l);
-    float rowsum[MQ][4] = {};
-    accumulate_pv<C>(o, s, pipe.v_tile(tile), lane, rowsum);
-    ri.add_rowsums(rowsum);
+    accumulate_pv<C>(o, s, pipe.v_tile(tile), lane);
   }
   cp_async_wait<0>();
   float m[MQ][2], l[MQ][2];
