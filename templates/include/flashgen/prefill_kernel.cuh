@@ -11,7 +11,9 @@ __device__ __forceinline__ void run(const Params& p) {
   using DTypeKV = typename C::DTypeKV;
   constexpr int S = C::STAGES, MQ = C::MMA_Q, QR = C::Q_IN_REGS ? L::D / 16 : 1;
 
-  const int item = blockIdx.x, kv_head = blockIdx.y;
+  // items are listed by request, q tiles ascending: the blocks take them from the end, so that under a causal mask
+  // a head's longest q tiles start first and its shortest fill the last wave (CTAs start in blockIdx.x order)
+  const int item = gridDim.x - 1 - blockIdx.x, kv_head = blockIdx.y;
   const int request = p.request_idx[item];
   if (request < 0) return;  // padding item of a fixed-capacity plan
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
