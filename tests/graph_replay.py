@@ -10,6 +10,17 @@ REPLAN_BATCHES = (([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900]), ([1], [1]), ([100
                   ([75] * 8, [75] * 8), ([129, 0, 257], [129, 5, 257]))
 
 
+def fill_pools(pool_q, pool_kv, q, kv, nan_rest=False):
+    """Write a batch's q and K/V at the head of the pools a captured graph reads (their addresses stay); with
+    ``nan_rest`` the pools' other K/V rows hold NaN, so a row past the batch that reached the output would show."""
+    for pool, part in zip(pool_kv, kv):
+        assert part.shape[0] <= pool.shape[0], f"the batch needs {part.shape[0]} rows, the pool holds {pool.shape[0]}"
+        if nan_rest:
+            pool.fill_(float("nan"))
+        pool[: part.shape[0]].copy_(part)
+    pool_q[: q.shape[0]].copy_(q)
+
+
 def replay_after_replanning(run, load, check, first, batches):
     """``load(*first)`` plans the batch that sizes the wrapper's fixed buffers; ``run()`` (returning
     ``(out, lse)``) is warmed up outside the capture and captured once. Then for each ``args`` in ``batches``:

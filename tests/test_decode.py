@@ -13,6 +13,7 @@ from flashgen.plan import PlanError, csr_to_block_table
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
+from graph_replay import fill_pools
 
 pytestmark = pytest.mark.cuda
 
@@ -157,12 +158,8 @@ def test_cuda_graph_replay_after_replanning():
     def load(lens):
         """A fresh batch written into the same q, cache and page-id storage, then planned."""
         q, kv, table = make_batch(spec, lens, heads, group)
-        pages = kv[0].shape[0]
-        assert pages <= pool_pages
-        for pool, part in zip(pool_kv, kv):
-            pool[:pages].copy_(part)
+        fill_pools(pool_q, pool_kv, q, kv)
         indices_buf[: table["kv_indices"].numel()].copy_(table["kv_indices"])
-        pool_q[: len(lens)].copy_(q)
         wrapper.plan(num_qo_heads=heads * group, num_kv_heads=heads, kv_indptr=table["kv_indptr"],
                      kv_indices=indices_buf, kv_last_page_len=table["kv_last_page_len"])
         return q, kv, table

@@ -21,7 +21,7 @@ from flashgen.plan import PlanError, csr_to_block_table
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import pack_custom_mask, reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
-from graph_replay import REPLAN_BATCHES, replay_after_replanning
+from graph_replay import REPLAN_BATCHES, fill_pools, replay_after_replanning
 
 pytestmark = pytest.mark.cuda
 
@@ -177,12 +177,8 @@ def test_cuda_graph_replay_after_replanning():
 
     def load(qo_lens, kv_lens):
         q, kv, table, qo_indptr, _ = make_batch(spec, qo_lens, kv_lens, heads, group)
-        pages = kv[0].shape[0]
-        assert pages <= pool_pages
-        for pool, part in zip(pool_kv, kv):
-            pool[:pages].copy_(part)
+        fill_pools(pool_q, pool_kv, q, kv)
         indices_buf[: table["kv_indices"].numel()].copy_(table["kv_indices"])
-        pool_q[: q.shape[0]].copy_(q)
         wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=heads * group, num_kv_heads=heads, kv_indptr=table["kv_indptr"],
                      kv_indices=indices_buf, kv_last_page_len=table["kv_last_page_len"])
         return q, kv, table, qo_indptr

@@ -16,7 +16,7 @@ from flashgen.plan import PlanError
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
-from graph_replay import REPLAN_BATCHES, replay_after_replanning
+from graph_replay import REPLAN_BATCHES, fill_pools, replay_after_replanning
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 on_hopper = [pytest.mark.cuda, pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90a)")]
@@ -197,9 +197,7 @@ def test_cuda_graph_replay_after_replanning():
 
     def load(qo_lens, kv_lens, seed):
         q, kv, qo_indptr, kv_indptr = make_batch(spec, qo_lens, kv_lens, heads, group, seed)
-        for pool, part in zip(pool_kv, kv):
-            pool[: part.shape[0]].copy_(part)
-        pool_q[: q.shape[0]].copy_(q)
+        fill_pools(pool_q, pool_kv, q, kv)
         wrapper.plan(qo_indptr=qo_indptr, kv_indptr=kv_indptr, num_qo_heads=heads * group, num_kv_heads=heads)
         return q, kv, qo_indptr, kv_indptr
 

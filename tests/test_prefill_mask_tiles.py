@@ -21,7 +21,7 @@ from flashgen.testing.layouts import random_batch
 from flashgen.testing.masks import as_form, doc_mask, make_masks
 from flashgen.testing.reference import pack_custom_mask, reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
-from graph_replay import replay_after_replanning
+from graph_replay import fill_pools, replay_after_replanning
 
 pytestmark = pytest.mark.cuda
 
@@ -209,12 +209,8 @@ def test_cuda_graph_replay_after_replanning(form):
         gen = torch.Generator().manual_seed(seed)
         q, kv, table = random_batch(spec, qo_lens, kv_lens, heads, group, generator=gen)
         masks = make_masks(kind, qo_lens, kv_lens, gen)
-        pages = kv[0].shape[0]
-        assert pages <= pool_pages
-        for pool, part in zip(pool_kv, kv):
-            pool[:pages].copy_(part)
+        fill_pools(pool_q, pool_kv, q, kv)
         indices_buf[: table["kv_indices"].numel()].copy_(table["kv_indices"])
-        pool_q[: q.shape[0]].copy_(q)
         packed = pack_custom_mask(masks)
         if form == "device":
             mask_buf[: packed.numel()].copy_(packed)

@@ -18,7 +18,7 @@ from flashgen.testing.layouts import random_batch
 from flashgen.testing.masks import as_form, doc_mask, make_masks
 from flashgen.testing.reference import reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
-from graph_replay import replay_after_replanning
+from graph_replay import fill_pools, replay_after_replanning
 
 pytestmark = [pytest.mark.cuda, pytest.mark.hopper]
 
@@ -166,9 +166,7 @@ def test_cuda_graph_replay_after_replanning():
         gen = torch.Generator().manual_seed(seed)
         q, kv, table = random_batch(spec, qo_lens, kv_lens, heads, group, generator=gen)
         masks = make_masks(kind, qo_lens, kv_lens, gen)
-        for pool, part in zip(pool_kv, kv):
-            pool[: part.shape[0]].copy_(part)
-        pool_q[: q.shape[0]].copy_(q)
+        fill_pools(pool_q, pool_kv, q, kv)
         qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
         wrapper.plan(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"].numpy(), num_qo_heads=heads * group,
                      num_kv_heads=heads, custom_mask=masks)

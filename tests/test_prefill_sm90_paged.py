@@ -15,7 +15,7 @@ from flashgen import AttentionSpec, Causal, NoMask, Paged
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
-from graph_replay import REPLAN_BATCHES, replay_after_replanning
+from graph_replay import REPLAN_BATCHES, fill_pools, replay_after_replanning
 
 pytestmark = [pytest.mark.cuda, pytest.mark.hopper]
 
@@ -227,10 +227,7 @@ def test_gathered_cuda_graph_replay_after_replanning(page_size):
     def load(qo_lens, kv_lens, seed):
         gen = torch.Generator().manual_seed(seed)
         q, kv, table = random_batch(spec, qo_lens, kv_lens, heads, group, generator=gen)
-        for pool, part in zip(pool_kv, kv):
-            pool.fill_(float("nan"))
-            pool[: part.shape[0]].copy_(part)
-        pool_q[: q.shape[0]].copy_(q)
+        fill_pools(pool_q, pool_kv, q, kv, nan_rest=True)
         qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
         wrapper.plan(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"].numpy(), kv_indices=table["kv_indices"],
                      kv_last_page_len=table["kv_last_page_len"].numpy(), num_qo_heads=heads * group,
