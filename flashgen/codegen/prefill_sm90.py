@@ -27,6 +27,8 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 x 40 + 256 x 232 = 64512 <= 65536 
 # 56 registers, the consumers keep 224 (128 x 56 + 256 x 224); at head_dim 256 the consumers spill at 224, so 4
 # addresses ahead in the plain split (8 spilled 8-24 bytes in 40 producer registers)
 GATHER_PRODUCER_REGS, GATHER_CONSUMER_REGS = 56, 224
+THREADS = 384
+SMEM_LIMIT = 227 * 1024
 
 
 def sm90_registers(head_dim: int, gathered: bool) -> tuple[int, int, int]:
@@ -35,8 +37,6 @@ def sm90_registers(head_dim: int, gathered: bool) -> tuple[int, int, int]:
     if gathered and head_dim <= 128:
         return GATHER_PRODUCER_REGS, GATHER_CONSUMER_REGS, 8
     return PRODUCER_REGS, CONSUMER_REGS, 4
-THREADS = 384
-SMEM_LIMIT = 227 * 1024
 
 
 def sm90_tile_kv(head_dim: int) -> int:
