@@ -85,27 +85,43 @@ __device__ __forceinline__ void store_row(T* dst, const float (&x)[N]) {
   *reinterpret_cast<uint4*>(dst) = packed;
 }
 
+// An item's place among its request's split-KV partials, read at the kernel's start (its loads overlap the
+// start chain rather than sitting between the stream's end and the partial's write)
+struct SplitInfo {
+  int chunk;       // the item's chunk (-1: the request is not split)
+  int first;       // the request's first partial row (merge_indptr)
+  int num_chunks;  // the request's partials
+};
+
+__device__ __forceinline__ int atomic_add_acq_rel(int* address, int value) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(address), "r"(value) : "memory");
+  return old;
+}
+
 // Split-KV finish without a second launch: every item of a (token, head group) publishes its partial, then
 // counts itself in; the last to arrive merges all partials into the output and resets the counter (so
 // the next run, or a CUDA-graph replay, starts from zero).
 template <class C, class Params>
-__device__ __forceinline__ void merge_if_last(const Params& p, int token, int request, int q_head0, int rows_valid) {
+__device__ __forceinline__ void merge_if_last(const Params& p, const SplitInfo& si, int token, int q_head0,
+                                              int rows_valid) {
   __shared__ int is_last;
   using DTypeO = typename C::DTypeO;
   constexpr int DV = C::HEAD_DIM_VO;
-  __threadfence();  // make this CTA's partial visible device-wide before counting in
+  // the CTA's partial, ordered before thread 0's release by the barrier (release is cumulative), so no thread
+  // fences on its own; thread 0's acquire, ordered before the other threads' loads by the second barrier,
+  // makes every other item's partial visible to the merge (the pattern of CUTLASS's split-K semaphore)
   __syncthreads();
   int* counter = p.counters + int64_t(token) * p.num_qo_heads + q_head0;
-  const int num_chunks = p.num_chunks[request];
-  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == num_chunks - 1;
+  const int num_chunks = si.num_chunks;
+  if (threadIdx.x == 0) is_last = atomic_add_acq_rel(counter, 1) == num_chunks - 1;
   __syncthreads();
   if (!is_last) return;
-  __threadfence();
   // one warp per row: lanes share the partials' lse (loaded 32 at a time, reduced with shuffles), then
   // each lane accumulates 4 columns over all partials with independent loads (no data-dependent branch:
   // an empty partial was written as zeros with lse -inf, so its weight 0 multiplies a 0)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t stride = p.num_qo_heads, first = p.merge_indptr[token];
+  const int64_t stride = p.num_qo_heads, first = si.first;
   for (int r = warp; r < rows_valid; r += C::NUM_WARPS) {
     const int64_t head = q_head0 + r;
     const float* lse_col = p.tmp_lse + first * stride + head;
@@ -236,7 +252,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[2][4], float (&m)[2], 
 // the warps' (m, l, O) merged through shared memory (the pipeline's, free now) and written: to out and lse,
 // or for an item of a split request to its partial row, the last item of the request merging them all
 template <class C, class Params>
-__device__ __forceinline__ void write_states(const Params& p, uint8_t* smem, int item, int token, int request,
+__device__ __forceinline__ void write_states(const Params& p, uint8_t* smem, const SplitInfo& si, int token,
                                              int q_head0, int rows_valid, float (&o)[C::HEAD_DIM_VO / 8][4],
                                              float (&m)[2], float (&l)[2]) {
   using L = Layout<C>;
@@ -261,8 +277,8 @@ __device__ __forceinline__ void write_states(const Params& p, uint8_t* smem, int
   }
   __syncthreads();
 
-  const bool split = p.chunk_idx[item] >= 0;
-  const int64_t out_row = split ? int64_t(p.merge_indptr[token] + p.chunk_idx[item]) : int64_t(token);
+  const bool split = si.chunk >= 0;
+  const int64_t out_row = split ? int64_t(si.first + si.chunk) : int64_t(token);
   constexpr int COLS = 8;  // output columns per thread job
   for (int job = tid; job < 16 * DV / COLS; job += L::THREADS) {
     const int r = job / (DV / COLS), col = (job % (DV / COLS)) * COLS;
@@ -295,7 +311,7 @@ __device__ __forceinline__ void write_states(const Params& p, uint8_t* smem, int
       if (col == 0 && p.lse != nullptr) p.lse[out_row * p.num_qo_heads + head] = lse;
     }
   }
-  if (split) merge_if_last<C>(p, token, request, q_head0, rows_valid);
+  if (split) merge_if_last<C>(p, si, token, q_head0, rows_valid);
 }
 
 template <class C, class Params>
@@ -317,6 +333,8 @@ __device__ __forceinline__ void run(const Params& p) {
   const int kv_end = p.kv_end[item];
   if constexpr (C::WINDOW) kv_start = max(kv_start, q_pos - p.window_left);
   const int token = p.qo_indptr[request];
+  const int chunk = p.chunk_idx[item];
+  const SplitInfo si{chunk, chunk >= 0 ? p.merge_indptr[token] : 0, chunk >= 0 ? p.num_chunks[request] : 1};
   const int row0 = p.qo_tile_idx[item] * 16;               // first packed row (q head within the group)
   const int rows_valid = min(16, p.group_size - row0);
 
@@ -498,7 +516,7 @@ __device__ __forceinline__ void run(const Params& p) {
   cp_async_wait<0>();
   __syncthreads();  // the pipeline's shared memory is reused below
 
-  write_states<C>(p, smem, item, token, request, q_head0, rows_valid, o, m, l);
+  write_states<C>(p, smem, si, token, q_head0, rows_valid, o, m, l);
 }
 
 }  // namespace flashgen::decode
