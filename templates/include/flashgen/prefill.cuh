@@ -71,6 +71,19 @@ __device__ __forceinline__ int opaque(int v) {
   return v;
 }
 
+// A lane's ldmatrix row in a swizzled tile: chunk c (even, compile-time) of the row sits at chunk c ^ x (x < 8,
+// per lane). Rows are whole 128-byte lines, so with the row's start 128-byte aligned the byte address is
+// (start | x * 16) ^ (c & 7) * 16 + (c & ~7) * 16: one LOP3 with one of four constants, and an immediate offset
+// (where a chain of IMAD / LEA a ldmatrix was computed before).
+struct SwizzledRow {
+  uint32_t base;  // shared-memory byte address of the row's start, | x * 16
+  __device__ __forceinline__ SwizzledRow(const void* row, int x) : base(smem_addr(row) | uint32_t(x) << 4) {}
+  // the address of chunk c of the row, plus `bytes` (a compile-time offset: other rows of the tile)
+  __device__ __forceinline__ uint32_t at(int c, int bytes = 0) const {
+    return (base ^ uint32_t(c & 7) << 4) + uint32_t((c & ~7) * 16 + bytes);
+  }
+};
+
 // the custom-mask bit of (row, key 0), or -1 for a row past the request's queries
 __device__ __forceinline__ int64_t row_bit(const MaskInfo& mi, int q_pos) {
   const int token = q_pos - mi.q_base;
@@ -106,8 +119,8 @@ __device__ __forceinline__ void scores(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
   // every ldmatrix row of a lane is lane % 8 modulo 8, so its swizzle is (2j + b) ^ (lane % 8) = 2j ^ x with a
   // per-lane x: the addresses are a per-lane base plus compile-time offsets
   const int mat = lane / 8, mrow = opaque(lane % 8);
-  const int q_row = (warp * L::WARP_ROWS + lane % 16) * L::Q_CHUNKS * 8, qx = (lane / 16) ^ mrow;
-  const int k_row = (8 * (mat / 2) + mrow) * L::K_CHUNKS * 8, kx = (mat % 2) ^ mrow;
+  const SwizzledRow q_at(q_smem + (warp * L::WARP_ROWS + lane % 16) * L::Q_CHUNKS * 8, (lane / 16) ^ mrow);
+  const SwizzledRow k_at(ks + (8 * (mat / 2) + mrow) * L::K_CHUNKS * 8, (mat % 2) ^ mrow);
 #pragma unroll
   for (int mq = 0; mq < C::MMA_Q; ++mq)
 #pragma unroll
@@ -123,13 +136,13 @@ __device__ __forceinline__ void scores(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
 #pragma unroll
         for (int i = 0; i < 4; ++i) qa[mq][i] = q_regs[mq][j][i];
       } else {
-        ldmatrix_x4(qa[mq], q_smem + q_row + mq * 16 * L::Q_CHUNKS * 8 + ((2 * j) ^ qx) * 8);
+        ldmatrix_x4(qa[mq], q_at.at(2 * j, mq * 16 * L::Q_CHUNKS * 16));
       }
     }
 #pragma unroll
     for (int nn = 0; nn < L::TILE_KV / 16; ++nn) {
       uint32_t kf[4];
-      ldmatrix_x4(kf, ks + k_row + 16 * nn * L::K_CHUNKS * 8 + ((2 * j) ^ kx) * 8);
+      ldmatrix_x4(kf, k_at.at(2 * j, 16 * nn * L::K_CHUNKS * 16));
 #pragma unroll
       for (int mq = 0; mq < C::MMA_Q; ++mq) {
         mma_16816<typename C::DTypeKV>(s[mq][2 * nn], qa[mq], kf[0], kf[1]);
@@ -253,7 +266,7 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[C::MMA_Q][C::HEAD_DIM_V
   using L = Layout<C>;
   using T = typename C::DTypeKV;
   const int mat = lane / 8, mrow = opaque(lane % 8);
-  const int v_row = (8 * (mat % 2) + mrow) * L::V_CHUNKS * 8, vx = (mat / 2) ^ mrow;  // as in scores()
+  const SwizzledRow v_at(vs + (8 * (mat % 2) + mrow) * L::V_CHUNKS * 8, (mat / 2) ^ mrow);  // as in scores()
 #pragma unroll
   for (int kk = 0; kk < L::TILE_KV / 16; ++kk) {
     uint32_t pa[C::MMA_Q][4];
@@ -267,7 +280,7 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[C::MMA_Q][C::HEAD_DIM_V
 #pragma unroll
     for (int c = 0; c < L::DV / 16; ++c) {
       uint32_t vf[4];
-      ldmatrix_x4_trans(vf, vs + v_row + 16 * kk * L::V_CHUNKS * 8 + ((2 * c) ^ vx) * 8);
+      ldmatrix_x4_trans(vf, v_at.at(2 * c, 16 * kk * L::V_CHUNKS * 16));
 #pragma unroll
       for (int mq = 0; mq < C::MMA_Q; ++mq) {
         mma_16816<T>(o[mq][2 * c], pa[mq], vf[0], vf[1]);
