@@ -298,7 +298,7 @@ class _PortablePrefill:
                                                         "chunk_idx", "kv_start", "kv_end", "merge_indptr",
                                                         "num_chunks"))
         counters = self._counter_buffer(info.max_total_q * num_qo_heads).data_ptr()
-        self._grid = (info.capacity, num_kv_heads, 1)
+        self._grid = (info.capacity * num_kv_heads, 1, 1)  # block x: item capacity - 1 - x / H, kv head x % H
         # the params struct between (q, k, v, o, lse) and the KV strides, then the scalars after them
         self._args = (tmp_o.data_ptr(), tmp_lse.data_ptr(), *tables, *plan_ptrs, counters,
                       *self._custom_mask(plan, custom_mask, qo, table.kv_lens))

@@ -204,7 +204,8 @@ def split_plan_mask_tiles(plan, packed: np.ndarray | None, bit_offsets: np.ndarr
                           tile_kv: int) -> tuple[np.ndarray, np.ndarray]:
     """The tile lists of a (possibly split) prefill ``plan``'s items, each cut to its KV chunk, under a host
     mask ``packed`` (None: a device mask, every tile PARTIAL): ``(indptr int32 [capacity + 1], entries int32)``.
-    Items keep their order (the portable kernel runs item ``gridDim.x - 1 - blockIdx.x``; padding items get no tiles).
+    Items keep their order (the portable kernel's block x runs item ``capacity - 1 - x / H``; padding items get no
+    tiles).
 
     Example: a 16k-token request of 8 causal documents, 32-token q tiles (128 packed rows, group 4) and 64-key
     tiles: an item visits the 1 .. 32 tiles of its own document, one of them PARTIAL (the diagonal).

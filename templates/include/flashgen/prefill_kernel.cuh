@@ -11,9 +11,11 @@ __device__ __forceinline__ void run(const Params& p) {
   using DTypeKV = typename C::DTypeKV;
   constexpr int S = C::STAGES, MQ = C::MMA_Q, QR = C::Q_IN_REGS ? L::D / 16 : 1;
 
-  // items are listed by request, q tiles ascending: the blocks take them from the end, so that under a causal mask
-  // a head's longest q tiles start first and its shortest fill the last wave (CTAs start in blockIdx.x order)
-  const int item = gridDim.x - 1 - blockIdx.x, kv_head = blockIdx.y;
+  // items are listed by request, q tiles ascending: block x takes item capacity - 1 - x / H of kv head x % H, so
+  // that under a causal mask the longest q tiles of every head start first and the shortest fill the last wave
+  // (CTAs start in blockIdx.x order)
+  const unsigned num_kv_heads = unsigned(p.num_qo_heads / p.group_size), step = blockIdx.x / num_kv_heads;
+  const int item = int(gridDim.x / num_kv_heads - 1 - step), kv_head = int(blockIdx.x - step * num_kv_heads);
   const int request = p.request_idx[item];
   if (request < 0) return;  // padding item of a fixed-capacity plan
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -50,7 +52,7 @@ __device__ __forceinline__ void run(const Params& p) {
   __shared__ KVSource<C> src;
   __shared__ RowInfo<C> ri;
   __shared__ TileRows tr_saved;
-  __shared__ int request_saved;
+  __shared__ int request_saved, chunk_saved;
   if (threadIdx.x == 0) {
     src = KVSource<C>{KVRows<C::PAGED, C::PAGE_SIZE>(p, request), p.k + int64_t(kv_head) * p.stride_head,
                       p.v + KVPipeline<C>::v_offset(int64_t(kv_head) * p.stride_head), tiles, kv_lo, kv_hi,
@@ -59,6 +61,7 @@ __device__ __forceinline__ void run(const Params& p) {
                      C::CUSTOM_MASK ? p.mask_offset[request] : 0};
     tr_saved = tr;
     request_saved = request;
+    chunk_saved = p.chunk_idx[item];
   }
   if (lane == 0) {
     ri.full_lo[warp] = full_lo;
@@ -140,7 +143,7 @@ __device__ __forceinline__ void run(const Params& p) {
   ri.load_stats(m, l);
 
   const TileRows tr_out = tr_saved;
-  const int chunk = p.chunk_idx[item];
+  const int chunk = chunk_saved;
   write_rows<C>(p, tr_out, o, m, l, chunk, warp, lane);
   if (chunk >= 0) merge_if_last<C>(p, tr_out, request_saved);
 }
