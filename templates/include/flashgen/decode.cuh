@@ -46,6 +46,13 @@ struct Layout {
   // epilogue, over everything after Q (stages, offsets, widened tile): per warp o [16][HEAD_DIM_VO] fp32
   // and (m, l) [16][2]
   static constexpr int EPILOGUE = C::NUM_WARPS * 16 * (C::HEAD_DIM_VO + 2) * 4;
+  // the split merge's staging (merge_if_last), over the same buffers: per warp MERGE_BATCH chunks x
+  // MERGE_COL_BLOCKS x 32 lanes x 16 bytes; 32 chunks a batch (one L2 round trip for up to 32 partials) where
+  // it fits, fewer where the pipeline is small
+  static constexpr int MERGE_COL_BLOCKS = (C::HEAD_DIM_VO + 127) / 128;
+  static constexpr int MERGE_BATCH_FIT = (TOTAL - K_OFFSET) / (C::NUM_WARPS * MERGE_COL_BLOCKS * 32 * 16);
+  static constexpr int MERGE_BATCH = MERGE_BATCH_FIT < 32 ? MERGE_BATCH_FIT : 32;
+  static_assert(MERGE_BATCH >= 8, "the merge's staging needs room for 8 chunks a warp");
   static_assert(TOTAL == C::SMEM_BYTES, "codegen and the kernel disagree on the shared-memory size");
   static_assert(EPILOGUE <= TOTAL - K_OFFSET, "epilogue does not fit over the pipeline buffers");
   static_assert(K_CHUNKS >= 8 && V_CHUNKS >= 8 && Q_CHUNKS >= 8, "rows of at least 128 bytes (swizzle)");
@@ -103,8 +110,8 @@ __device__ __forceinline__ int atomic_add_acq_rel(int* address, int value) {
 // counts itself in; the last to arrive merges all partials into the output and resets the counter (so
 // the next run, or a CUDA-graph replay, starts from zero).
 template <class C, class Params>
-__device__ __forceinline__ void merge_if_last(const Params& p, const SplitInfo& si, int token, int q_head0,
-                                              int rows_valid) {
+__device__ __forceinline__ void merge_if_last(const Params& p, uint8_t* smem, const SplitInfo& si, int token,
+                                              int q_head0, int rows_valid) {
   __shared__ int is_last;
   using DTypeO = typename C::DTypeO;
   constexpr int DV = C::HEAD_DIM_VO;
@@ -117,44 +124,67 @@ __device__ __forceinline__ void merge_if_last(const Params& p, const SplitInfo& 
   if (threadIdx.x == 0) is_last = atomic_add_acq_rel(counter, 1) == num_chunks - 1;
   __syncthreads();
   if (!is_last) return;
-  // one warp per row: lanes share the partials' lse (loaded 32 at a time, reduced with shuffles), then
-  // each lane accumulates 4 columns over all partials with independent loads (no data-dependent branch:
-  // an empty partial was written as zeros with lse -inf, so its weight 0 multiplies a 0)
+  // One warp per row, each lane 4 columns of every 128. The partials come a batch of MERGE_BATCH chunks at a
+  // time: the lane's 16 bytes of each chunk's row by cp.async into the warp's slice of the (now idle) pipeline
+  // buffers, issued together with the batch's lse loads, so a batch costs one round trip to L2 (the weights need
+  // the lse max, the copies do not) without holding the batch in registers. Each lane reads back only what it
+  // copied, so a wait_group orders it; no barrier. Batches after the first rescale the running sums (online, as
+  // in the kernel). An empty partial was written as zeros with lse -inf: weight 0 times 0.
+  using L = Layout<C>;
+  constexpr int CB = L::MERGE_COL_BLOCKS, KB = L::MERGE_BATCH;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t stride = p.num_qo_heads, first = si.first;
+  float4* stage = reinterpret_cast<float4*>(smem + L::K_OFFSET) + warp * KB * CB * 32 + lane;  // [KB][CB][32 lanes]
   for (int r = warp; r < rows_valid; r += C::NUM_WARPS) {
     const int64_t head = q_head0 + r;
     const float* lse_col = p.tmp_lse + first * stride + head;
-    // the first 32 partials' lse stay in registers (one per lane): one round trip for up to 32 chunks
-    const float lse0 = lane < num_chunks ? __ldcg(lse_col + lane * stride) : -INFINITY;
-    float m = lse0;
-    for (int k = lane + 32; k < num_chunks; k += 32) m = fmaxf(m, __ldcg(lse_col + k * stride));
+    const float* o_col = p.tmp_o + (first * stride + head) * DV + lane * 4;
+    float4 acc[CB];
 #pragma unroll
-    for (int x = 16; x > 0; x /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, x));
-    const float m_use = m == -INFINITY ? 0.f : m;
-    float sum = expf(lse0 - m_use);
-    for (int k = lane + 32; k < num_chunks; k += 32) sum += expf(__ldcg(lse_col + k * stride) - m_use);
+    for (int cb = 0; cb < CB; ++cb) acc[cb] = make_float4(0.f, 0.f, 0.f, 0.f);
+    float m = -INFINITY, sum = 0.f;
+    for (int k0 = 0; k0 < num_chunks; k0 += KB) {
 #pragma unroll
-    for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffff, sum, x);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    for (int c0 = 0; c0 < DV; c0 += 128) {
-      const int col = c0 + lane * 4;
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int k0 = 0; k0 < num_chunks; k0 += 32) {
-        const float lse_k = k0 == 0 ? lse0 : (k0 + lane < num_chunks ? __ldcg(lse_col + (k0 + lane) * stride) : -INFINITY);
-        const float w_lane = expf(lse_k - m_use) * inv;
-        const int n = min(32, num_chunks - k0);
-#pragma unroll 16
-        for (int j = 0; j < n; ++j) {
-          const float w = __shfl_sync(0xffffffff, w_lane, j);
-          if (col < DV) {
-            const float4 x = __ldcg(reinterpret_cast<const float4*>(p.tmp_o + ((first + k0 + j) * stride + head) * DV + col));
-            acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
-          }
+      for (int j = 0; j < KB; ++j)
+#pragma unroll
+        for (int cb = 0; cb < CB; ++cb) {
+          const bool ok = k0 + j < num_chunks && cb * 128 + lane * 4 < DV;
+          cp_async_16(stage + (j * CB + cb) * 32, ok ? o_col + (k0 + j) * stride * DV + cb * 128 : o_col, !ok);
+        }
+      cp_async_commit();
+      const float lse_k = lane < KB && k0 + lane < num_chunks ? __ldcg(lse_col + (k0 + lane) * stride) : -INFINITY;
+      float mb = lse_k;
+#pragma unroll
+      for (int x = 16; x > 0; x /= 2) mb = fmaxf(mb, __shfl_xor_sync(0xffffffff, mb, x));
+      const float m_new = fmaxf(m, mb), m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float corr = expf(m - m_use);  // 0 on the first batch (m = -inf)
+      const float w_lane = expf(lse_k - m_use);
+      float wsum = w_lane;
+#pragma unroll
+      for (int x = 16; x > 0; x /= 2) wsum += __shfl_xor_sync(0xffffffff, wsum, x);
+      sum = sum * corr + wsum;
+      m = m_new;
+#pragma unroll
+      for (int cb = 0; cb < CB; ++cb) {
+        acc[cb].x *= corr; acc[cb].y *= corr; acc[cb].z *= corr; acc[cb].w *= corr;
+      }
+      cp_async_wait<0>();
+#pragma unroll
+      for (int j = 0; j < KB; ++j) {
+        const float w = __shfl_sync(0xffffffff, w_lane, j);
+#pragma unroll
+        for (int cb = 0; cb < CB; ++cb) {
+          const float4 x = stage[(j * CB + cb) * 32];
+          acc[cb].x += w * x.x; acc[cb].y += w * x.y; acc[cb].z += w * x.z; acc[cb].w += w * x.w;
         }
       }
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+    for (int cb = 0; cb < CB; ++cb) {
+      const int col = cb * 128 + lane * 4;
       if (col < DV) {
-        const uint2 packed = make_uint2(pack2<DTypeO>(acc.x, acc.y), pack2<DTypeO>(acc.z, acc.w));
+        const uint2 packed = make_uint2(pack2<DTypeO>(acc[cb].x * inv, acc[cb].y * inv), pack2<DTypeO>(acc[cb].z * inv, acc[cb].w * inv));
         *reinterpret_cast<uint2*>(p.o + (int64_t(token) * stride + head) * DV + col) = packed;
       }
     }
@@ -311,7 +341,7 @@ __device__ __forceinline__ void write_states(const Params& p, uint8_t* smem, con
       if (col == 0 && p.lse != nullptr) p.lse[out_row * p.num_qo_heads + head] = lse;
     }
   }
-  if (split) merge_if_last<C>(p, si, token, q_head0, rows_valid);
+  if (split) merge_if_last<C>(p, smem, si, token, q_head0, rows_valid);
 }
 
 template <class C, class Params>
