@@ -112,7 +112,9 @@ class BatchDecodeWrapper:
             "page_ids": "kv_indices" if table.block_table is None else "block_table",
             "q_shape": torch.Size((rows, num_qo_heads, self.spec.head_dim)),
             "out_shape": torch.Size((rows, num_qo_heads, self.spec.head_dim_vo)),
-            "grid": (info.capacity * num_kv_heads, 1, 1),  # kv head fastest (decode.cuh)
+            # more than one wave: kv head fastest, for DRAM locality; one wave: item fastest (decode.cuh)
+            "grid": ((info.capacity * num_kv_heads, 1, 1) if info.capacity * num_kv_heads > slots
+                     else (info.capacity, num_kv_heads, 1)),
             # the params struct between (q, k, v, o, lse) and the KV strides, then the scalars after them
             "args": (tmp_o.data_ptr(), tmp_lse.data_ptr(), *tables, *plan_ptrs, counters.data_ptr()),
             "scalars": (bt_stride, num_qo_heads, num_qo_heads // num_kv_heads) + self._runtime(
