@@ -110,7 +110,8 @@ struct KVSource {
 
 // K/V tiles of positions [src.start(src.entry(t)), ...) clipped at kv_hi: a row past kv_hi copies row kv_hi - 1
 // (the mask hides it, and its P = 0 multiplies finite V), so every copy reads and none needs a zero fill.
-// Thread tid < TILE_KV owns row tid of every tile's offsets: its page id is loaded two tiles ahead.
+// Thread tid < TILE_KV owns row tid of every tile's offsets: its page id is loaded two tiles ahead. Offsets are
+// in bytes, so a copy's source is one 64-bit add to a per-thread base (no shift a copy).
 template <class C>
 struct KVPipeline {
   using L = Layout<C>;
@@ -126,7 +127,7 @@ struct KVPipeline {
   const KVSource<C>& src;  // in shared memory
   DTypeKV* k_smem;
   DTypeKV* v_smem;
-  int64_t* row_offsets;  // [2][TILE_KV], row r at slot(r)
+  int64_t* row_offsets;  // [2][TILE_KV] byte offsets of K rows, row r at slot(r)
 
   static __device__ __forceinline__ int slot(int r) {
     if constexpr (BY_ROWS) return (r % ROWS) * PASSES + r / ROWS;
@@ -142,12 +143,25 @@ struct KVPipeline {
   }
   __device__ __forceinline__ void store_offset(int tile, int32_t page_id) const {
     if (threadIdx.x >= L::TILE_KV || tile >= src.num_tiles) return;
-    row_offsets[(tile & 1) * L::TILE_KV + slot(threadIdx.x)] = src.rows.offset(row_pos(tile), page_id);
+    row_offsets[(tile & 1) * L::TILE_KV + slot(threadIdx.x)] =
+        src.rows.offset(row_pos(tile), page_id) * int64_t(sizeof(DTypeKV));
   }
-  // V rows: the K row offset scaled by HEAD_DIM_VO / HEAD_DIM (the wrapper checks that V's strides are K's so scaled)
+  // V rows: the K row offset scaled by HEAD_DIM_VO / HEAD_DIM (the wrapper checks that V's strides are K's so
+  // scaled; K offsets are multiples of HEAD_DIM elements, so this holds in elements and in bytes)
   static __device__ __forceinline__ int64_t v_offset(int64_t k_off) {
     if constexpr (L::D == L::DV) return k_off;
     else return k_off / L::D * L::DV;
+  }
+  // the global address of 16-byte chunk `chunk` of row offset 0: a copy adds its row's byte offset to it
+  static __device__ __forceinline__ const char* chunk_base(const DTypeKV* base, int chunk) {
+    return reinterpret_cast<const char*>(base) + chunk * 16;
+  }
+  // element index of the chunk a thread copies on pass i (row r0 + i * ROWS, chunk c): with ROWS a multiple of 8
+  // the swizzle repeats every pass, so it is pass 0's index plus a constant (an immediate of the copy)
+  template <int CHUNKS>
+  static __device__ __forceinline__ int pass_index(int r0, int c, int i) {
+    if constexpr (ROWS % 8 == 0) return tile_index(r0, c, CHUNKS) + i * ROWS * CHUNKS * 8;
+    else return tile_index(r0 + i * ROWS, c, CHUNKS);
   }
   __device__ __forceinline__ DTypeKV* k_tile(int tile) const { return k_smem + (tile % C::STAGES) * L::TILE_KV * L::D; }
   __device__ __forceinline__ DTypeKV* v_tile(int tile) const { return v_smem + (tile % C::STAGES) * L::TILE_KV * L::DV; }
@@ -159,7 +173,7 @@ struct KVPipeline {
     for (int job = threadIdx.x; job < L::TILE_KV * CHUNKS; job += L::THREADS) {
       const int r = job / CHUNKS, c = job % CHUNKS;
       const int64_t off = IS_V ? v_offset(offsets[slot(r)]) : offsets[slot(r)];
-      cp_async_16(dst + tile_index(r, c, CHUNKS), head + off + c * 8);
+      cp_async_16(dst + tile_index(r, c, CHUNKS), reinterpret_cast<const char*>(head) + off + c * 16);
     }
   }
 
@@ -175,16 +189,15 @@ struct KVPipeline {
           const longlong2 two = reinterpret_cast<const longlong2*>(offsets + r0 * PASSES)[i];
           off[2 * i] = two.x, off[2 * i + 1] = two.y;
         }
-        // (with ROWS a multiple of 8 the swizzle repeats every pass: destinations are a base plus constants)
-        const DTypeKV* k = src.k_head + c * 8;
+        const char* k = chunk_base(src.k_head, c);
         DTypeKV* kd = k_tile(tile);
 #pragma unroll
-        for (int i = 0; i < PASSES; ++i) cp_async_16(kd + tile_index(r0 + i * ROWS, c, L::K_CHUNKS), k + off[i]);
+        for (int i = 0; i < PASSES; ++i) cp_async_16(kd + pass_index<L::K_CHUNKS>(r0, c, i), k + off[i]);
         if constexpr (V_SAME) {
-          const DTypeKV* v = src.v_head + c * 8;
+          const char* v = chunk_base(src.v_head, c);
           DTypeKV* vd = v_tile(tile);
 #pragma unroll
-          for (int i = 0; i < PASSES; ++i) cp_async_16(vd + tile_index(r0 + i * ROWS, c, L::V_CHUNKS), v + v_offset(off[i]));
+          for (int i = 0; i < PASSES; ++i) cp_async_16(vd + pass_index<L::V_CHUNKS>(r0, c, i), v + off[i]);
         } else {
           copy_jobs<L::V_CHUNKS, true>(v_tile(tile), src.v_head, offsets);
         }
