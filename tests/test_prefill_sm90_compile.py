@@ -104,6 +104,19 @@ def test_sm90_params_struct_of_a_gathered_cache():
     assert "static constexpr bool GATHER = false;" in jit.render(SM90_SPECS[0], "prefill_sm90")
 
 
+def test_sm90_o_staging_only_where_it_fits():
+    """The staged epilogue (O through shared memory, bulk stores) where its 8 warp areas fit beside two Q buffers
+    and the KV stages within 227 KB: head_dim 64 and 128, not 128 with a gathered cache, not 256."""
+    from flashgen.codegen.prefill_sm90 import SMEM_LIMIT, sm90_o_staged, sm90_smem_bytes
+
+    assert [sm90_o_staged(d, g) for d, g in ((64, False), (64, True), (128, False), (128, True), (256, False))] == [
+        True, True, True, False, False]
+    assert sm90_smem_bytes(128) == 192 * 1024 + 1792 + 8 * (16 * 256 + 112) <= SMEM_LIMIT
+    assert sm90_smem_bytes(128, gather=True) == 192 * 1024 + 1792 + 2048
+    assert "static constexpr bool O_STAGED = true;" in jit.render(SM90_SPECS[0], "prefill_sm90")
+    assert "static constexpr bool O_STAGED = false;" in jit.render(GATHER_SPECS[0], "prefill_sm90")
+
+
 @pytest.mark.nvcc
 @pytest.mark.parametrize("spec", [
     AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE()),
