@@ -168,7 +168,9 @@ class PrefillSM90Family(AttentionFamily):
             (f"const {q}*", "q"), (f"{q}*", "o"), ("float*", "lse"),
             (i32, "qo_indptr"), (i32, "kv_indptr"), (i32, "kv_len"), (i32, "request_idx"), (i32, "qo_tile_idx"),
             (i32, "kv_start"), (i32, "kv_end"), (i32, "kv_indices"), (i32, "block_table"),
-            ("int32_t", "num_qo_heads"), ("int32_t", "group_size"), ("float", "sm_scale"),
+            # the GQA group and its fast divider (FastDiv, api/fastdiv.py): packed row -> (token, q head)
+            ("int32_t", "num_qo_heads"), ("int32_t", "group_size"), ("uint32_t", "group_magic"),
+            ("int32_t", "group_shift"), ("float", "sm_scale"),
             ("int32_t", "num_items"), ("int32_t", "num_kv_heads"), ("int32_t", "block_table_stride"),
             ("int32_t", "window_left"), ("float", "soft_cap"),
             # custom mask: the bits, each request's bit offset into them, each item's tile list (entries

@@ -31,6 +31,7 @@
 // fully masked tiles are never loaded, and the bits are read only for partial tiles. ALiBi and soft-cap
 // transform the logits before the mask (logits.cuh).
 #pragma once
+#include <flashgen/fastdiv.cuh>
 #include <flashgen/logits.cuh>
 #include <flashgen/mma.cuh>
 #include <flashgen/sm90/custom_mask.cuh>
@@ -41,16 +42,25 @@
 namespace flashgen::sm90 {
 
 // A work item: its packed rows and KV range. Packed row prow -> token token0 + prow / group,
-// q head kv_head * group + prow % group, query position q_base + prow / group.
+// q head kv_head * group + prow % group, query position q_base + prow / group (group: group_of).
 struct Work {
-  int token0, row0, rows_total, last_row, kv_head, group, q_base, kv_lo, kv_hi, kv_row0, num_tiles, last_page;
+  int token0, row0, rows_total, last_row, kv_head, q_base, kv_lo, kv_hi, kv_row0, num_tiles, last_page;
   const int32_t* pages;  // paged: the request's page ids (kv_indices + kv_indptr[request], or a block_table row)
   const int32_t* tiles;  // custom mask: the item's tile list (num_tiles entries)
   int64_t mask_bit0;     // custom mask: the bit of the request's (token 0, key 0)
   bool valid;
   // the request's KV length: its queries are its last rows_total / group positions, the first at q_base
-  __device__ __forceinline__ int kv_len() const { return q_base + rows_total / group; }
+  __device__ __forceinline__ int kv_len(const FastDiv& group) const { return q_base + group.div(rows_total); }
 };
+
+// The GQA group (q heads a kv head) as a divider: a packed row's token and q head are its quotient and
+// remainder, by a multiply-high with the plan's magic numbers (fastdiv.cuh) where `/` by the runtime group
+// costs ~20 instructions, about six times an item a consumer thread. Rebuilt from the params at each use,
+// so its fields are constant-bank operands, not registers held across the item.
+template <class Params>
+__device__ __forceinline__ FastDiv group_of(const Params& p) {
+  return {p.group_magic, p.group_shift, p.group_size};
+}
 
 constexpr int Q_LOADERS = 64;  // warps 2-3 of the producer warpgroup (a multiple of a Q row's 16-byte chunks)
 // Work slots: the scheduler publishes item k in slot k % WORK_SLOTS once its previous occupant was read by the
@@ -129,17 +139,17 @@ __device__ __forceinline__ Work work_of(const Params& p, int x) {
   if (!w.valid) return w;
   w.token0 = p.qo_indptr[request];
   const int qo_len = p.qo_indptr[request + 1] - w.token0, kv_len = p.kv_len[request];
-  w.group = p.group_size;
+  const FastDiv group = group_of(p);
   w.kv_head = x / p.num_items;
   w.row0 = p.qo_tile_idx[item] * C::TILE_Q;
-  w.rows_total = qo_len * w.group;
+  w.rows_total = qo_len * group.d;
   w.last_row = min(w.row0 + C::TILE_Q, w.rows_total) - 1;
   w.q_base = kv_len - qo_len;
   w.kv_lo = p.kv_start[item];
   w.kv_hi = p.kv_end[item];
-  if constexpr (C::CAUSAL) w.kv_hi = min(w.kv_hi, w.q_base + w.last_row / w.group + 1);
+  if constexpr (C::CAUSAL) w.kv_hi = min(w.kv_hi, w.q_base + group.div(w.last_row) + 1);
   if constexpr (C::WINDOW) {  // keys before the first row's window: whole tiles skipped, the start tile-aligned
-    const int first = w.q_base + w.row0 / w.group - p.window_left;
+    const int first = w.q_base + group.div(w.row0) - p.window_left;
     if (first > w.kv_lo) w.kv_lo += (first - w.kv_lo) / C::TILE_KV * C::TILE_KV;
   }
   w.num_tiles = w.kv_hi > w.kv_lo ? (w.kv_hi - w.kv_lo + C::TILE_KV - 1) / C::TILE_KV : 0;
@@ -260,7 +270,7 @@ __device__ __forceinline__ void gather_kv(const uint8_t* smem, const Params& p, 
     const Work& w = read_work<C>(smem, bars, j);
     if (!w.valid) break;
     const typename C::DTypeKV* head = cache + w.kv_head * p.stride_head;
-    const int kv_len = w.kv_len();
+    const int kv_len = w.kv_len(group_of(p));
     for (int t = 0; t < w.num_tiles; ++t, ++it) {
       const int s = it % C::STAGES;
       __syncwarp();  // every lane has read the previous tile's rows
@@ -312,12 +322,15 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
     // a thread keeps one 16-byte column chunk c and walks rows tid / CHUNKS, + Q_LOADERS / CHUNKS, ...
     const int c = tid % CHUNKS;
     uint8_t* col = q_dst + (c / 8) * L::Q_BLOCK;
-    const auto* src0 = p.q + (int64_t(w.token0) * p.num_qo_heads + w.kv_head * w.group) * L::D + c * 8;
+    const FastDiv group = group_of(p);
+    const auto* src0 = p.q + (int64_t(w.token0) * p.num_qo_heads + w.kv_head * group.d) * L::D + c * 8;
 #pragma unroll 1
     for (int r = tid / CHUNKS; r < C::TILE_Q; r += Q_LOADERS / CHUNKS) {
       const int prow = w.row0 + r;
       const bool past = prow >= w.rows_total;  // rows past the request: zeros, the source not read
-      const int64_t at = past ? 0 : (int64_t(prow / w.group) * p.num_qo_heads + prow % w.group) * L::D;
+      int token, head;
+      group.divmod(prow, token, head);
+      const int64_t at = past ? 0 : (int64_t(token) * p.num_qo_heads + head) * L::D;
       cp_async_16(col + r * 128 + (swizzle(r, c % 8) * 16), src0 + at, past);
     }
     cp_async_commit();
@@ -477,7 +490,10 @@ __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const
   }
   auto value = [&](int i, int h) { return l[h] > 0.f ? o[i] * inv[h] : 0.f; };  // rows that see no key: 0
   auto o_row = [&](int prow) {  // packed row -> row of o and lse: (token, q head)
-    return int64_t(w.token0 + prow / w.group) * p.num_qo_heads + w.kv_head * w.group + prow % w.group;
+    const FastDiv group = group_of(p);
+    int token, head;
+    group.divmod(prow, token, head);
+    return int64_t(w.token0 + token) * p.num_qo_heads + w.kv_head * group.d + head;
   };
   const int prow0 = w.row0 + wg * 64 + warp * 16 + lane / 4;
   if constexpr (C::O_STAGED) {
@@ -639,8 +655,9 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   using L = Layout<C>;
   const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
   const int wg_first = min(w.row0 + wg * 64, w.last_row), wg_last = min(w.row0 + wg * 64 + 63, w.last_row);
-  const int wq_min = w.q_base + wg_first / w.group, wq_max = w.q_base + wg_last / w.group;
-  const int kv_len = w.kv_len();
+  const FastDiv group = group_of(p);
+  const int wq_min = w.q_base + group.div(wg_first), wq_max = w.q_base + group.div(wg_last);
+  const int kv_len = w.kv_len(group);
   const float pre = C::SOFT_CAP ? 1.f / p.soft_cap : LOG2E;  // soft_cap > 0 with SOFT_CAP (checked at plan time)
   RowState rs;
 #pragma unroll
@@ -648,8 +665,10 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     rs.m[h] = -INFINITY;
     rs.l[h] = 0.f;
     const int prow = w.row0 + wg * 64 + warp * 16 + lane / 4 + 8 * h;
-    rs.q_pos[h] = w.q_base + prow / w.group;
-    rs.slope[h] = C::ALIBI ? alibi_slope(w.kv_head * w.group + prow % w.group, p.num_qo_heads) * pre : 0.f;
+    int token, head;
+    group.divmod(prow, token, head);
+    rs.q_pos[h] = w.q_base + token;
+    rs.slope[h] = C::ALIBI ? alibi_slope(w.kv_head * group.d + head, p.num_qo_heads) * pre : 0.f;
   }
   const LogitsParams lg{p.sm_scale * pre, p.soft_cap * LOG2E, w.kv_hi, p.window_left};
   const uint32_t q_wg = smem_base + (k % C::Q_BUFFERS) * L::Q_BYTES + wg * L::WG_ROWS * 128;
@@ -693,7 +712,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     wgmma_commit();
   }
   sched.pass_turn();
-  bits.load(p.custom_mask, w, t0, kv_len, partial, wg);
+  bits.load(p.custom_mask, w, group, t0, kv_len, partial, wg);
   wgmma_wait<0>();
   fence_operands(sc);
   mbarrier_arrive(bars.empty_k(stage(0)));
@@ -711,7 +730,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     issue_pv<C>(o, pa, v_base + stage(t - 1) * L::KV_STAGE, t == 1);
     wgmma_commit();
     sched.pass_turn();
-    bits.load(p.custom_mask, w, t0, kv_len, partial, wg);
+    bits.load(p.custom_mask, w, group, t0, kv_len, partial, wg);
     wgmma_wait<1>();
     fence_operands(sc);
     mbarrier_arrive(bars.empty_k(stage(t)));
