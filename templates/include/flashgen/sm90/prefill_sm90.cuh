@@ -561,9 +561,12 @@ template <class C>
 __device__ __forceinline__ void zero_v_tail(uint8_t* smem, int v_stage_offset, int valid_rows, int wg) {
   using L = Layout<C>;
   if (valid_rows >= C::TILE_KV) return;  // uniform over the CTA
-  const int tail = C::TILE_KV - valid_rows;
-  for (int job = threadIdx.x % 128; job < L::BLOCKS * tail * 8; job += 128) {
-    const int b = job / (tail * 8), r = valid_rows + job % (tail * 8) / 8, c = job % 8;
+  // 16-byte chunks c of row r of block b, numbered in (r, b, c) order: the tail rows are then one range of jobs
+  // and every index a division by a constant (in (b, r, c) order the block was job / (tail * 8), a runtime
+  // division a chunk); valid_rows >= 0
+  constexpr int ROW_JOBS = L::BLOCKS * 8;
+  for (int job = valid_rows * ROW_JOBS + threadIdx.x % 128; job < C::TILE_KV * ROW_JOBS; job += 128) {
+    const int r = job / ROW_JOBS, b = job / 8 % L::BLOCKS, c = job % 8;
     *reinterpret_cast<uint4*>(smem + v_stage_offset + b * L::KV_BLOCK + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
   }
   fence_proxy_async();
