@@ -69,15 +69,22 @@ def test_sm90_unsupported_specs_are_refused(spec):
 
 
 def test_sm90_params_struct_packs_tensor_maps():
-    """The tensor maps first; 12 pointers, 8 scalars, then the custom mask's 4 pointers (the runner's argument
-    tuple in this order); the struct 128-byte aligned (CUtensorMap), rendered alignas(128)."""
+    """The tensor maps first; 12 pointers, 10 scalars (the group size with its fast divider's magic and shift),
+    then the custom mask's 4 pointers (the runner's argument tuple in this order); the struct 128-byte aligned
+    (CUtensorMap), rendered alignas(128)."""
     from flashgen.codegen import family
 
     (entry,) = family("prefill_sm90").entry_points(SM90_SPECS[0])
     layout = entry.params
     assert layout.offsets[:2] == (0, 128) and layout.size % 128 == 0 and layout.align == 128
     assert [f.name for f in layout.fields[-4:]] == ["custom_mask", "mask_offset", "tile_indptr", "tiles"]
-    packed = layout.packer().pack(b"\1" * 128, b"\2" * 128, *([0] * 12), 1, 1, 0.5, 1, 1, 0, 0, 0.0, 7, 8, 9, 10)
+    names = [f.name for f in layout.fields]
+    at = names.index("group_size")
+    assert names[at - 1: at + 3] == ["num_qo_heads", "group_size", "group_magic", "group_shift"]
+    assert layout.fields[at + 1].ctype == "uint32_t"
+    packed = layout.packer().pack(b"\1" * 128, b"\2" * 128, *([0] * 12), 1, 1, 2**31, 0, 0.5, 1, 1, 0, 0, 0.0,
+                                  7, 8, 9, 10)
+    assert packed[layout.offsets[at + 1]: layout.offsets[at + 1] + 4] == (2**31).to_bytes(4, "little")
     assert packed[:128] == b"\1" * 128 and packed[128:256] == b"\2" * 128 and len(packed) == layout.size
     assert packed[layout.offsets[-1]: layout.offsets[-1] + 8] == (10).to_bytes(8, "little")
     assert "struct alignas(128) PrefillSM90Params {" in jit.render(SM90_SPECS[0], "prefill_sm90")
@@ -97,11 +104,24 @@ def test_sm90_params_struct_of_a_gathered_cache():
     assert [f.name for f in layout.fields[:5]] == ["k", "v", "stride_page", "stride_token", "stride_head"]
     assert [f.name for f in layout.fields[5:]] == [f.name for f in tma.fields[2:]]
     assert layout.align == 8 and layout.offsets[:5] == (0, 8, 16, 24, 32)
-    packed = layout.packer().pack(1, 2, 3, 4, 5, *([0] * 12), 1, 1, 0.5, 1, 1, 0, 0, 0.0, 7, 8, 9, 10)
+    packed = layout.packer().pack(1, 2, 3, 4, 5, *([0] * 12), 1, 1, 2**31, 0, 0.5, 1, 1, 0, 0, 0.0, 7, 8, 9, 10)
     assert packed[16:24] == (3).to_bytes(8, "little") and len(packed) == layout.size
     source = jit.render(GATHER_SPECS[0], "prefill_sm90")
     assert "static constexpr bool GATHER = true;" in source and "CUtensorMap tma_k" not in source
     assert "static constexpr bool GATHER = false;" in jit.render(SM90_SPECS[0], "prefill_sm90")
+
+
+def test_sm90_o_staging_only_where_it_fits():
+    """The staged epilogue (O through shared memory, bulk stores) where its 8 warp areas fit beside two Q buffers
+    and the KV stages within 227 KB: head_dim 64 and 128, not 128 with a gathered cache, not 256."""
+    from flashgen.codegen.prefill_sm90 import SMEM_LIMIT, sm90_o_staged, sm90_smem_bytes
+
+    assert [sm90_o_staged(d, g) for d, g in ((64, False), (64, True), (128, False), (128, True), (256, False))] == [
+        True, True, True, False, False]
+    assert sm90_smem_bytes(128) == 192 * 1024 + 1792 + 8 * (16 * 256 + 112) <= SMEM_LIMIT
+    assert sm90_smem_bytes(128, gather=True) == 192 * 1024 + 1792 + 2048
+    assert "static constexpr bool O_STAGED = true;" in jit.render(SM90_SPECS[0], "prefill_sm90")
+    assert "static constexpr bool O_STAGED = false;" in jit.render(GATHER_SPECS[0], "prefill_sm90")
 
 
 @pytest.mark.nvcc

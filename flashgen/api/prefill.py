@@ -234,14 +234,14 @@ class BatchPrefillWrapper:
         if out is None:
             out = torch.empty(planned.out_shape, dtype=q.dtype, device=q.device)
         elif (out.shape != planned.out_shape or out.dtype != q.dtype or not out.is_contiguous()
-              or out.device != q.device):
+              or out.device != q.device or out.data_ptr() % 16):  # rows are stored 16 bytes at a time
             self._bad_tensor("out", out, planned.out_shape, q.dtype)
         lse = torch.empty(planned.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         self._impl.launch(q, kv, out, lse)
         return (out, lse) if return_lse else out
 
     def _bad_tensor(self, name: str, t, shape: torch.Size, dtype: torch.dtype) -> None:
-        check_tensor(name, t, dtypes=(dtype,), ndim=3, device=self.device)
+        check_tensor(name, t, dtypes=(dtype,), ndim=3, device=self.device, align=16)
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
 
     def _kv_args(self, kv_cache, planned: _Planned) -> tuple:

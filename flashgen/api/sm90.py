@@ -23,6 +23,7 @@ from ..plan.mask_tiles import plan_mask_tiles
 from ..spec import AttentionSpec, CustomMask, Paged, RoPE
 from .custom_mask import custom_mask_bits
 from .device import current_stream
+from .fastdiv import fast_div
 from .kv_inputs import TORCH_DTYPES, KVView, PageTable, device_page_ids
 from .prefill import BatchPrefillWrapper, Runtime
 from .staging import DeviceBuffer, HostStaging, extra_offsets
@@ -149,10 +150,11 @@ class SM90Prefill:
             self._mask_held.data_ptr() if self._mask_held is not None else base,
             views["mask_offset"].data_ptr(), views["tile_indptr"].data_ptr(), base)
         # the params struct after (tma_k, tma_v or a gathered cache's k, v and strides; q, o, lse)
+        group = num_qo_heads // num_kv_heads
         self._args = tuple(views[n].data_ptr() for n in ("qo_indptr", "kv_indptr", "kv_len", "request_idx",
                                                          "qo_tile_idx", "kv_start", "kv_end")) + (
             0 if block_table else pages, pages if block_table else 0,
-            num_qo_heads, num_qo_heads // num_kv_heads, runtime.sm_scale, plan.info.capacity, num_kv_heads, bt_stride,
+            num_qo_heads, group, *fast_div(group), runtime.sm_scale, plan.info.capacity, num_kv_heads, bt_stride,
             runtime.window_left, runtime.soft_cap) + mask_args
         self._keep = plan
         return plan.info.max_total_q

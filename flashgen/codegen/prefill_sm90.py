@@ -80,9 +80,28 @@ def sm90_q_buffers(head_dim: int, elem: int = 2) -> int:
     return 2 if _smem(head_dim, 2, elem, gather=True) <= SMEM_LIMIT else 1
 
 
+def sm90_o_stage_bytes(head_dim: int, elem: int = 2) -> int:
+    """Shared memory of the staged epilogue: each consumer warp's 16 O rows, laid out so that stmatrix writes
+    them without bank conflicts and each row stays contiguous for its bulk copy (``o_stage_row`` in the kernel:
+    row pairs 2 * row_bytes + 16 apart), 8 warps. head_dim 128: 8 x (16 x 256 + 112) = 33664 bytes."""
+    return 8 * (16 * head_dim * elem + 112)
+
+
+def sm90_o_staged(head_dim: int, gather: bool, elem: int = 2) -> bool:
+    """Whether the epilogue stages O in shared memory and stores it by bulk copies (else straight from registers):
+    where the staging fits beside the Q buffers and KV stages, never at the cost of a Q buffer.
+
+    head_dim 128: 192 KB + 1.75 KB + 32.9 KB = 226.6 KB <= 227 KB -> staged; a gathered cache's 2 KB of row
+    offsets push it to 228.6 KB -> not; head_dim 256 (64 KB of staging) -> not; head_dim 64 -> staged.
+    """
+    return _smem(head_dim, sm90_q_buffers(head_dim, elem), elem, gather) + sm90_o_stage_bytes(head_dim, elem) <= SMEM_LIMIT
+
+
 def sm90_smem_bytes(head_dim: int, elem: int = 2, gather: bool = False) -> int:
-    """The dynamic shared memory of a CTA (see ``_smem``); ``gather``: a gathered paged cache (``sm90_gather``)."""
-    return _smem(head_dim, sm90_q_buffers(head_dim, elem), elem, gather)
+    """The dynamic shared memory of a CTA (see ``_smem``, plus the O staging where ``sm90_o_staged``); ``gather``:
+    a gathered paged cache (``sm90_gather``)."""
+    stage = sm90_o_stage_bytes(head_dim, elem) if sm90_o_staged(head_dim, gather, elem) else 0
+    return _smem(head_dim, sm90_q_buffers(head_dim, elem), elem, gather) + stage
 
 
 class PrefillSM90Family(AttentionFamily):
@@ -134,6 +153,7 @@ class PrefillSM90Family(AttentionFamily):
             "PAGE_SIZE": spec.kv_layout.page_size if paged else 0,
             "HND": "true" if paged and spec.kv_layout.order == "HND" else "false",
             "GATHER": "true" if _gathered(spec) else "false",
+            "O_STAGED": "true" if sm90_o_staged(d, _gathered(spec)) else "false",
             "PINGPONG": "true" if knobs.sm90_pingpong() else "false",
         }
 
@@ -148,7 +168,9 @@ class PrefillSM90Family(AttentionFamily):
             (f"const {q}*", "q"), (f"{q}*", "o"), ("float*", "lse"),
             (i32, "qo_indptr"), (i32, "kv_indptr"), (i32, "kv_len"), (i32, "request_idx"), (i32, "qo_tile_idx"),
             (i32, "kv_start"), (i32, "kv_end"), (i32, "kv_indices"), (i32, "block_table"),
-            ("int32_t", "num_qo_heads"), ("int32_t", "group_size"), ("float", "sm_scale"),
+            # the GQA group and its fast divider (FastDiv, api/fastdiv.py): packed row -> (token, q head)
+            ("int32_t", "num_qo_heads"), ("int32_t", "group_size"), ("uint32_t", "group_magic"),
+            ("int32_t", "group_shift"), ("float", "sm_scale"),
             ("int32_t", "num_items"), ("int32_t", "num_kv_heads"), ("int32_t", "block_table_stride"),
             ("int32_t", "window_left"), ("float", "soft_cap"),
             # custom mask: the bits, each request's bit offset into them, each item's tile list (entries

@@ -13,6 +13,7 @@
 // funnel-shifted and shifted by 2 q, so that key 8 j + 2 q + e is bit 8 (j % 4) + e of word j / 4.
 #pragma once
 #include <cstdint>
+#include <flashgen/fastdiv.cuh>
 
 namespace flashgen::sm90 {
 
@@ -35,7 +36,7 @@ struct TileList {
 template <class C, bool = C::CUSTOM_MASK>
 struct MaskBits {
   template <class W>
-  __device__ __forceinline__ void load(const uint8_t*, const W&, int, int, bool, int) {}
+  __device__ __forceinline__ void load(const uint8_t*, const W&, const FastDiv&, int, int, bool, int) {}
   __device__ __forceinline__ void select(uint32_t (&)[2][1]) const {}
   __device__ __forceinline__ static bool visible(const uint32_t (&)[2][1], int) { return true; }
   using Words = uint32_t[2][1];
@@ -48,16 +49,17 @@ struct MaskBits<C, true> {
   uint32_t raw[2][WORDS + 1];
   int shift[2];
 
-  // start the loads of the thread's rows h = 0, 1 of warpgroup wg of item w (a Work: row0, rows_total, group,
-  // mask_bit0) for keys [t0, t0 + TILE_KV); a row past the request gets zeros, a tile that is not partial all
-  // ones (only kv_hi can mask it). The rows' bit offsets are recomputed a partial tile rather than held: four
-  // registers over the whole item spilled the ALiBi variant.
+  // start the loads of the thread's rows h = 0, 1 of warpgroup wg of item w (a Work: row0, rows_total,
+  // mask_bit0; group: the GQA group, a row's token is row / group) for keys [t0, t0 + TILE_KV); a row past the
+  // request gets zeros, a tile that is not partial all ones (only kv_hi can mask it). The rows' bit offsets are
+  // recomputed a partial tile rather than held: four registers over the whole item spilled the ALiBi variant.
   template <class W>
-  __device__ __forceinline__ void load(const uint8_t* mask, const W& w, int t0, int kv_len, bool partial, int wg) {
+  __device__ __forceinline__ void load(const uint8_t* mask, const W& w, const FastDiv& group, int t0, int kv_len,
+                                       bool partial, int wg) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int prow = w.row0 + wg * 64 + threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4 + 8 * h;
-      const int64_t bit_row = prow < w.rows_total ? w.mask_bit0 + int64_t(prow / w.group) * kv_len : -1;
+      const int64_t bit_row = prow < w.rows_total ? w.mask_bit0 + int64_t(group.div(prow)) * kv_len : -1;
       const uint32_t fill = partial ? 0u : ~0u;
 #pragma unroll
       for (int i = 0; i <= WORDS; ++i) raw[h][i] = fill;

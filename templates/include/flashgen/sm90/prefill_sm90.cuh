@@ -21,7 +21,8 @@
 //       fragments, O += P V (wgmma RS, V MN-major). The GEMMs of consecutive tiles overlap the softmax, and the
 //       two warpgroups take turns issuing them (ping-pong), continuously across items. An item's last P V is
 //       issued together with the next item's first S (Pending), so an item boundary costs one step, not two.
-//       Epilogue: O / l and lse straight from registers.
+//       Epilogue: O / l by stmatrix into a staging area of each warp, then a bulk copy a row (the TMA engine)
+//       where the staging fits in shared memory (C::O_STAGED), else straight from registers; lse from registers.
 //
 // Masks: causal (aligned to the KV end: q_pos = kv_len - qo_len + token) clips the KV range to what the tile's
 // rows can see, a sliding window (causal, plus keys >= q_pos - window_left) also skips the tiles before the
@@ -30,6 +31,7 @@
 // fully masked tiles are never loaded, and the bits are read only for partial tiles. ALiBi and soft-cap
 // transform the logits before the mask (logits.cuh).
 #pragma once
+#include <flashgen/fastdiv.cuh>
 #include <flashgen/logits.cuh>
 #include <flashgen/mma.cuh>
 #include <flashgen/sm90/custom_mask.cuh>
@@ -40,16 +42,25 @@
 namespace flashgen::sm90 {
 
 // A work item: its packed rows and KV range. Packed row prow -> token token0 + prow / group,
-// q head kv_head * group + prow % group, query position q_base + prow / group.
+// q head kv_head * group + prow % group, query position q_base + prow / group (group: group_of).
 struct Work {
-  int token0, row0, rows_total, last_row, kv_head, group, q_base, kv_lo, kv_hi, kv_row0, num_tiles, last_page;
+  int token0, row0, rows_total, last_row, kv_head, q_base, kv_lo, kv_hi, kv_row0, num_tiles, last_page;
   const int32_t* pages;  // paged: the request's page ids (kv_indices + kv_indptr[request], or a block_table row)
   const int32_t* tiles;  // custom mask: the item's tile list (num_tiles entries)
   int64_t mask_bit0;     // custom mask: the bit of the request's (token 0, key 0)
   bool valid;
   // the request's KV length: its queries are its last rows_total / group positions, the first at q_base
-  __device__ __forceinline__ int kv_len() const { return q_base + rows_total / group; }
+  __device__ __forceinline__ int kv_len(const FastDiv& group) const { return q_base + group.div(rows_total); }
 };
+
+// The GQA group (q heads a kv head) as a divider: a packed row's token and q head are its quotient and
+// remainder, by a multiply-high with the plan's magic numbers (fastdiv.cuh) where `/` by the runtime group
+// costs ~20 instructions, about six times an item a consumer thread. Rebuilt from the params at each use,
+// so its fields are constant-bank operands, not registers held across the item.
+template <class Params>
+__device__ __forceinline__ FastDiv group_of(const Params& p) {
+  return {p.group_magic, p.group_shift, p.group_size};
+}
 
 constexpr int Q_LOADERS = 64;  // warps 2-3 of the producer warpgroup (a multiple of a Q row's 16-byte chunks)
 // Work slots: the scheduler publishes item k in slot k % WORK_SLOTS once its previous occupant was read by the
@@ -69,7 +80,10 @@ struct Layout {
   static constexpr int BAR_BYTES = 256, WORK_OFFSET = BAR_OFFSET + BAR_BYTES, WORK_BYTES = 512, ALIGN_SLACK = 1024;
   // a gathered cache: the K and the V warp's row addresses of the tile they copy (8 bytes each)
   static constexpr int GATHER_OFFSET = WORK_OFFSET + WORK_BYTES, GATHER_BYTES = C::GATHER ? 2 * C::TILE_KV * 8 : 0;
-  static constexpr int TOTAL = GATHER_OFFSET + GATHER_BYTES + ALIGN_SLACK;
+  // the staged epilogue (C::O_STAGED): each consumer warp's 16 O rows (write_rows)
+  static constexpr int O_ROW = D * 2, O_STAGE_WARP = 16 * O_ROW + 112;
+  static constexpr int O_STAGE_OFFSET = GATHER_OFFSET + GATHER_BYTES, O_STAGE_BYTES = C::O_STAGED ? 8 * O_STAGE_WARP : 0;
+  static constexpr int TOTAL = O_STAGE_OFFSET + O_STAGE_BYTES + ALIGN_SLACK;
   static_assert(TOTAL == C::SMEM_BYTES, "codegen and the kernel disagree on the shared-memory size");
   static_assert(C::TILE_Q == 2 * WG_ROWS, "two consumer warpgroups of 64 rows");
   static_assert(D % 64 == 0 && sizeof(typename C::DTypeQ) == 2, "rows of whole 128-byte blocks of 16-bit values");
@@ -125,17 +139,17 @@ __device__ __forceinline__ Work work_of(const Params& p, int x) {
   if (!w.valid) return w;
   w.token0 = p.qo_indptr[request];
   const int qo_len = p.qo_indptr[request + 1] - w.token0, kv_len = p.kv_len[request];
-  w.group = p.group_size;
+  const FastDiv group = group_of(p);
   w.kv_head = x / p.num_items;
   w.row0 = p.qo_tile_idx[item] * C::TILE_Q;
-  w.rows_total = qo_len * w.group;
+  w.rows_total = qo_len * group.d;
   w.last_row = min(w.row0 + C::TILE_Q, w.rows_total) - 1;
   w.q_base = kv_len - qo_len;
   w.kv_lo = p.kv_start[item];
   w.kv_hi = p.kv_end[item];
-  if constexpr (C::CAUSAL) w.kv_hi = min(w.kv_hi, w.q_base + w.last_row / w.group + 1);
+  if constexpr (C::CAUSAL) w.kv_hi = min(w.kv_hi, w.q_base + group.div(w.last_row) + 1);
   if constexpr (C::WINDOW) {  // keys before the first row's window: whole tiles skipped, the start tile-aligned
-    const int first = w.q_base + w.row0 / w.group - p.window_left;
+    const int first = w.q_base + group.div(w.row0) - p.window_left;
     if (first > w.kv_lo) w.kv_lo += (first - w.kv_lo) / C::TILE_KV * C::TILE_KV;
   }
   w.num_tiles = w.kv_hi > w.kv_lo ? (w.kv_hi - w.kv_lo + C::TILE_KV - 1) / C::TILE_KV : 0;
@@ -256,7 +270,7 @@ __device__ __forceinline__ void gather_kv(const uint8_t* smem, const Params& p, 
     const Work& w = read_work<C>(smem, bars, j);
     if (!w.valid) break;
     const typename C::DTypeKV* head = cache + w.kv_head * p.stride_head;
-    const int kv_len = w.kv_len();
+    const int kv_len = w.kv_len(group_of(p));
     for (int t = 0; t < w.num_tiles; ++t, ++it) {
       const int s = it % C::STAGES;
       __syncwarp();  // every lane has read the previous tile's rows
@@ -308,12 +322,15 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
     // a thread keeps one 16-byte column chunk c and walks rows tid / CHUNKS, + Q_LOADERS / CHUNKS, ...
     const int c = tid % CHUNKS;
     uint8_t* col = q_dst + (c / 8) * L::Q_BLOCK;
-    const auto* src0 = p.q + (int64_t(w.token0) * p.num_qo_heads + w.kv_head * w.group) * L::D + c * 8;
+    const FastDiv group = group_of(p);
+    const auto* src0 = p.q + (int64_t(w.token0) * p.num_qo_heads + w.kv_head * group.d) * L::D + c * 8;
 #pragma unroll 1
     for (int r = tid / CHUNKS; r < C::TILE_Q; r += Q_LOADERS / CHUNKS) {
       const int prow = w.row0 + r;
       const bool past = prow >= w.rows_total;  // rows past the request: zeros, the source not read
-      const int64_t at = past ? 0 : (int64_t(prow / w.group) * p.num_qo_heads + prow % w.group) * L::D;
+      int token, head;
+      group.divmod(prow, token, head);
+      const int64_t at = past ? 0 : (int64_t(token) * p.num_qo_heads + head) * L::D;
       cp_async_16(col + r * 128 + (swizzle(r, c % 8) * 16), src0 + at, past);
     }
     cp_async_commit();
@@ -456,26 +473,81 @@ __device__ __forceinline__ void pack_p(uint32_t (&pa)[C::TILE_KV / 16][4], const
     for (int r = 0; r < 4; ++r) pa[kk][r] = pack2<typename C::DTypeKV>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
 }
 
-// O / l and lse (natural log; -inf for a row that sees no key) of the thread's two rows
+// O / l and lse (natural log; -inf for a row that sees no key) of the thread's two rows, h = 0, 1: rows
+// lane / 4 + 8 h of the warp's 16. Stored straight from registers, or (C::O_STAGED) through shared memory.
 template <class C, class Params>
 __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const float (&o)[C::HEAD_DIM / 2],
-                                           const float (&m)[2], const float (&l_part)[2], int wg) {
+                                           const float (&m)[2], const float (&l_part)[2], uint32_t smem_base, int wg) {
+  using L = Layout<C>;
   const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32, q4 = lane % 4;
+  float l[2], inv[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float l = l_part[h];
-    l += __shfl_xor_sync(0xffffffff, l, 1);
-    l += __shfl_xor_sync(0xffffffff, l, 2);
-    const int prow = w.row0 + wg * 64 + warp * 16 + lane / 4 + 8 * h;
-    if (prow >= w.rows_total) continue;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int64_t row = int64_t(w.token0 + prow / w.group) * p.num_qo_heads + w.kv_head * w.group + prow % w.group;
-    typename C::DTypeO* dst = p.o + row * C::HEAD_DIM + 2 * q4;
+    l[h] = l_part[h];
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
+    inv[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
+  }
+  auto value = [&](int i, int h) { return l[h] > 0.f ? o[i] * inv[h] : 0.f; };  // rows that see no key: 0
+  auto o_row = [&](int prow) {  // packed row -> row of o and lse: (token, q head)
+    const FastDiv group = group_of(p);
+    int token, head;
+    group.divmod(prow, token, head);
+    return int64_t(w.token0 + token) * p.num_qo_heads + w.kv_head * group.d + head;
+  };
+  const int prow0 = w.row0 + wg * 64 + warp * 16 + lane / 4;
+  if constexpr (C::O_STAGED) {
+    // The warp's rows go to its staging area by stmatrix, then a lane of each row pair (q4 == 0) copies rows g
+    // and g + 8 to o by bulk stores (TMA engine). A packed tile's rows are (token, head) pairs, contiguous in o
+    // only within one token's heads, so a row is a copy (any group size; rows past the request are not copied).
+    // Row (g, h) of the warp at g * (2 O_ROW + 16) + h * O_ROW: each row contiguous, and the 8 rows of one
+    // stmatrix matrix (g = 0..7, one h) 16 bytes apart modulo 128, so they hit distinct banks.
+    // Ordering, within the warp alone (its lanes write its rows, its lanes copy them): the copying lanes wait
+    // until their previous item's copies have read the area (normally long done), __syncwarp, every lane
+    // writes, fence.proxy.async makes the generic writes visible to the bulk copies (async proxy), __syncwarp,
+    // the copies are issued. run() waits for the last copies before the CTA exits.
+    const uint32_t area = smem_base + L::O_STAGE_OFFSET + (wg * 4 + warp) * L::O_STAGE_WARP;
+    if (q4 == 0) bulk_wait_read<0>();
+    __syncwarp();
+    // stmatrix jj: matrix i (its rows named by lanes 8 i .. 8 i + 7) is columns 8 j .. 8 j + 7, j = 2 jj + i / 2,
+    // of rows h = i % 2
+    const uint32_t at = area + lane % 8 * (2 * L::O_ROW + 16) + lane / 8 % 2 * L::O_ROW + lane / 16 * 16;
 #pragma unroll
-    for (int j = 0; j < C::HEAD_DIM / 8; ++j)
-      *reinterpret_cast<uint32_t*>(dst + 8 * j) =
-          pack2<typename C::DTypeO>(l > 0.f ? o[4 * j + 2 * h] * inv : 0.f, l > 0.f ? o[4 * j + 2 * h + 1] * inv : 0.f);
-    if (q4 == 0 && p.lse != nullptr) p.lse[row] = l > 0.f ? (m[h] + log2f(l)) * LN2 : -INFINITY;
+    for (int jj = 0; jj < C::HEAD_DIM / 16; ++jj) {
+      uint32_t r[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int j = 2 * jj + i / 2, h = i % 2;
+        r[i] = pack2<typename C::DTypeO>(value(4 * j + 2 * h, h), value(4 * j + 2 * h + 1, h));
+      }
+      stmatrix_x4(at + jj * 32, r[0], r[1], r[2], r[3]);
+    }
+    fence_proxy_async();
+    __syncwarp();
+    if (q4 == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int prow = prow0 + 8 * h;
+        if (prow >= w.rows_total) continue;
+        const int64_t row = o_row(prow);
+        bulk_store(p.o + row * C::HEAD_DIM, area + lane / 4 * (2 * L::O_ROW + 16) + h * L::O_ROW, L::O_ROW);
+        if (p.lse != nullptr) p.lse[row] = l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY;
+      }
+      bulk_commit();
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int prow = prow0 + 8 * h;
+      if (prow >= w.rows_total) continue;
+      const int64_t row = o_row(prow);
+      typename C::DTypeO* dst = p.o + row * C::HEAD_DIM + 2 * q4;
+#pragma unroll
+      for (int j = 0; j < C::HEAD_DIM / 8; ++j)
+        *reinterpret_cast<uint32_t*>(dst + 8 * j) =
+            pack2<typename C::DTypeO>(value(4 * j + 2 * h, h), value(4 * j + 2 * h + 1, h));
+      if (q4 == 0 && p.lse != nullptr) p.lse[row] = l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY;
+    }
   }
 }
 
@@ -489,9 +561,12 @@ template <class C>
 __device__ __forceinline__ void zero_v_tail(uint8_t* smem, int v_stage_offset, int valid_rows, int wg) {
   using L = Layout<C>;
   if (valid_rows >= C::TILE_KV) return;  // uniform over the CTA
-  const int tail = C::TILE_KV - valid_rows;
-  for (int job = threadIdx.x % 128; job < L::BLOCKS * tail * 8; job += 128) {
-    const int b = job / (tail * 8), r = valid_rows + job % (tail * 8) / 8, c = job % 8;
+  // 16-byte chunks c of row r of block b, numbered in (r, b, c) order: the tail rows are then one range of jobs
+  // and every index a division by a constant (in (b, r, c) order the block was job / (tail * 8), a runtime
+  // division a chunk); valid_rows >= 0
+  constexpr int ROW_JOBS = L::BLOCKS * 8;
+  for (int job = valid_rows * ROW_JOBS + threadIdx.x % 128; job < C::TILE_KV * ROW_JOBS; job += 128) {
+    const int r = job / ROW_JOBS, b = job / 8 % L::BLOCKS, c = job % 8;
     *reinterpret_cast<uint4*>(smem + v_stage_offset + b * L::KV_BLOCK + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
   }
   fence_proxy_async();
@@ -549,10 +624,10 @@ __device__ __forceinline__ void pending_v_ready(const Pending& pd, uint8_t* smem
 // after the wait for the pending P V: release its V stage and write its rows
 template <class C, class Params>
 __device__ __forceinline__ void pending_done(const Params& p, Pending& pd, float (&o)[C::HEAD_DIM / 2],
-                                             const Barriers<C>& bars, int wg) {
+                                             uint32_t smem_base, const Barriers<C>& bars, int wg) {
   fence_operands(o);
   mbarrier_arrive(bars.empty_v(pd.it_last % C::STAGES));
-  write_rows<C>(p, pd.w, o, pd.m, pd.l, wg);
+  write_rows<C>(p, pd.w, o, pd.m, pd.l, smem_base, wg);
   pd.active = false;
 }
 
@@ -567,7 +642,7 @@ __device__ __forceinline__ void flush(const Params& p, Pending& pd, float (&o)[C
   wgmma_commit();
   sched.pass_turn();
   wgmma_wait<0>();
-  pending_done<C>(p, pd, o, bars, wg);
+  pending_done<C>(p, pd, o, smem_base, bars, wg);
 }
 
 // WG1 / WG2: one item. The GEMMs of consecutive tiles overlap the softmax (FlashAttention-3's intra-warpgroup
@@ -583,8 +658,9 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   using L = Layout<C>;
   const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
   const int wg_first = min(w.row0 + wg * 64, w.last_row), wg_last = min(w.row0 + wg * 64 + 63, w.last_row);
-  const int wq_min = w.q_base + wg_first / w.group, wq_max = w.q_base + wg_last / w.group;
-  const int kv_len = w.kv_len();
+  const FastDiv group = group_of(p);
+  const int wq_min = w.q_base + group.div(wg_first), wq_max = w.q_base + group.div(wg_last);
+  const int kv_len = w.kv_len(group);
   const float pre = C::SOFT_CAP ? 1.f / p.soft_cap : LOG2E;  // soft_cap > 0 with SOFT_CAP (checked at plan time)
   RowState rs;
 #pragma unroll
@@ -592,8 +668,10 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     rs.m[h] = -INFINITY;
     rs.l[h] = 0.f;
     const int prow = w.row0 + wg * 64 + warp * 16 + lane / 4 + 8 * h;
-    rs.q_pos[h] = w.q_base + prow / w.group;
-    rs.slope[h] = C::ALIBI ? alibi_slope(w.kv_head * w.group + prow % w.group, p.num_qo_heads) * pre : 0.f;
+    int token, head;
+    group.divmod(prow, token, head);
+    rs.q_pos[h] = w.q_base + token;
+    rs.slope[h] = C::ALIBI ? alibi_slope(w.kv_head * group.d + head, p.num_qo_heads) * pre : 0.f;
   }
   const LogitsParams lg{p.sm_scale * pre, p.soft_cap * LOG2E, w.kv_hi, p.window_left};
   const uint32_t q_wg = smem_base + (k % C::Q_BUFFERS) * L::Q_BYTES + wg * L::WG_ROWS * 128;
@@ -621,7 +699,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   if (n == 0) {  // no tile: O = 0 and lse = -inf (after the pending item, on its own)
     mbarrier_arrive(bars.q_empty(qb));
     if (pd.active) flush<C>(p, pd, o, pa, smem, smem_base, bars, wg);
-    write_rows<C>(p, w, o, rs.m, rs.l, wg);  // l = 0: zeros, whatever O holds
+    write_rows<C>(p, w, o, rs.m, rs.l, smem_base, wg);  // l = 0: zeros, whatever O holds
     return;
   }
   float sc[C::TILE_KV / 2], o_scale[2];
@@ -637,12 +715,12 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     wgmma_commit();
   }
   sched.pass_turn();
-  bits.load(p.custom_mask, w, t0, kv_len, partial, wg);
+  bits.load(p.custom_mask, w, group, t0, kv_len, partial, wg);
   wgmma_wait<0>();
   fence_operands(sc);
   mbarrier_arrive(bars.empty_k(stage(0)));
   if (n == 1) mbarrier_arrive(bars.q_empty(qb));  // the item's last Q K^T is done: the producer may load the next Q
-  if (pd.active) pending_done<C>(p, pd, o, bars, wg);
+  if (pd.active) pending_done<C>(p, pd, o, smem_base, bars, wg);
   softmax<C>(sc, rs, o_scale, lg, masked(t0, partial), t0, bits);
   pack_p<C>(pa, sc);
   for (int t = 1; t < n; ++t) {
@@ -655,7 +733,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     issue_pv<C>(o, pa, v_base + stage(t - 1) * L::KV_STAGE, t == 1);
     wgmma_commit();
     sched.pass_turn();
-    bits.load(p.custom_mask, w, t0, kv_len, partial, wg);
+    bits.load(p.custom_mask, w, group, t0, kv_len, partial, wg);
     wgmma_wait<1>();
     fence_operands(sc);
     mbarrier_arrive(bars.empty_k(stage(t)));
@@ -727,6 +805,7 @@ __device__ __forceinline__ void run(const Params& p) {
       it += w.num_tiles;
     }
     if (pd.active) flush<C>(p, pd, o, pa, smem, base, bars, wg - 1);
+    if constexpr (C::O_STAGED) bulk_wait<0>();  // the last rows' copies, before the CTA's shared memory goes away
     sched.finish();
   }
 }
