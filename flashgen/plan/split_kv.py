@@ -1,7 +1,8 @@
 """Split-KV planning for decode and prefill: work items that fill the GPU's SMs evenly.
 
-A work item is (request, qo tile, kv chunk); kv heads are the second grid dimension, so the grid is
-``(capacity, num_kv_heads)``. With GQA the ``group_size = num_qo_heads // num_kv_heads`` q heads of one kv
+A work item is (request, qo tile, kv chunk), run once for every kv head: the grid has ``capacity *
+num_kv_heads`` CTAs, as ``(capacity, num_kv_heads)`` or flattened to 1-D with the kv head fastest (the kernel
+chooses how to read its block index: see decode.cuh and prefill_kernel.cuh). With GQA the ``group_size = num_qo_heads // num_kv_heads`` q heads of one kv
 head are packed into the rows of a qo tile: packed row ``p`` of a request is its token ``p // group_size``
 and q head ``kv_head * group_size + p % group_size``; tile ``t`` covers packed rows
 ``[t * tile_rows, min((t + 1) * tile_rows, qo_len * group_size))``.
@@ -43,7 +44,7 @@ SPLIT_KV_SCHEMA = {
 
 
 class SplitKVInfo(NamedTuple):
-    """Host-side sizes of a split-KV plan. ``grid = (capacity, num_kv_heads)``.
+    """Host-side sizes of a split-KV plan, for a grid of ``capacity * num_kv_heads`` CTAs.
 
     ``partial_capacity`` is the number of partial rows the tmp buffers must hold: ``tmp_o [partial_capacity,
     num_qo_heads, head_dim_vo]`` fp32 and ``tmp_lse [partial_capacity, num_qo_heads]`` fp32 (natural log).
@@ -253,7 +254,7 @@ def plan_split_kv(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_
 
     Fixed-capacity mode (CUDA graphs): give ``max_batch_size`` (and for prefill ``max_total_q``, which
     defaults to ``max_batch_size``, i.e. decode) and optionally ``capacity`` (item slots). Every array then
-    has a length that depends only on those maxima, the grid is ``(capacity, num_kv_heads)`` and items
+    has a length that depends only on those maxima, the grid is ``capacity * num_kv_heads`` CTAs and items
     past the batch's own are no-ops (``request_idx = -1``, ``kv_start = kv_end = 0``), so one captured
     graph replays for any smaller batch. ``info.partial_capacity`` is then a batch-independent bound too.
 
