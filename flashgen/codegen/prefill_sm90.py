@@ -82,7 +82,7 @@ def sm90_q_buffers(head_dim: int, elem: int = 2) -> int:
 
 def sm90_o_stage_bytes(head_dim: int, elem: int = 2) -> int:
     """Shared memory of the staged epilogue: each consumer warp's 16 O rows, laid out so that stmatrix writes
-    them without bank conflicts and each row stays contiguous for its bulk copy (``o_stage_row`` in the kernel:
+    them without bank conflicts and each row stays contiguous for its bulk copy (``write_rows`` in the kernel:
     row pairs 2 * row_bytes + 16 apart), 8 warps. head_dim 128: 8 x (16 x 256 + 112) = 33664 bytes."""
     return 8 * (16 * head_dim * elem + 112)
 

@@ -1,10 +1,11 @@
 // Batch prefill / append on tensor cores (FlashAttention-2 recipe, mma.sync m16n8k16, sm_80+).
 //
-// One CTA runs one work item of the split-KV plan: (request, qo tile, kv chunk [kv_start, kv_end)) for the
-// kv head (block x: item capacity - 1 - x / H, kv head x % H). A qo tile is TILE_Q packed rows (packed row = token * group + q head in the group), so
-// the q heads of a GQA group share every K/V load. Each of the NUM_WARPS warps owns 16 * MMA_Q rows: its Q
-// fragments (registers, or shared memory for wide heads), its O accumulators and its online-softmax state,
-// so warps never merge. K/V tiles of TILE_KV tokens flow through a STAGES-deep cp.async pipeline.
+// One CTA runs one work item of the split-KV plan: (request, qo tile, kv chunk [kv_start, kv_end)) for one kv
+// head (block x: item capacity - 1 - x / H, kv head x % H). A qo tile is TILE_Q packed rows (packed row = token *
+// group + q head in the group), so the q heads of a GQA group share every K/V load. Each of the NUM_WARPS warps
+// owns 16 * MMA_Q rows: its Q fragments (registers, or shared memory for wide heads), its O accumulators and its
+// online-softmax state, so warps never merge. K/V tiles of TILE_KV tokens flow through a STAGES-deep cp.async
+// pipeline.
 //
 // Registers: the scores tile is the peak (O and S accumulators, fragments in flight: d=128 with 64-key tiles
 // holds 128 + 64 fp32 a thread), so what the loop needs once a tile or less waits in shared memory (KVSource,

@@ -489,6 +489,7 @@ __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const
     inv[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
   }
   auto value = [&](int i, int h) { return l[h] > 0.f ? o[i] * inv[h] : 0.f; };  // rows that see no key: 0
+  auto lse = [&](int h) { return l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY; };
   auto o_row = [&](int prow) {  // packed row -> row of o and lse: (token, q head)
     const FastDiv group = group_of(p);
     int token, head;
@@ -531,7 +532,7 @@ __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const
         if (prow >= w.rows_total) continue;
         const int64_t row = o_row(prow);
         bulk_store(p.o + row * C::HEAD_DIM, area + lane / 4 * (2 * L::O_ROW + 16) + h * L::O_ROW, L::O_ROW);
-        if (p.lse != nullptr) p.lse[row] = l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY;
+        if (p.lse != nullptr) p.lse[row] = lse(h);
       }
       bulk_commit();
     }
@@ -546,7 +547,7 @@ __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const
       for (int j = 0; j < C::HEAD_DIM / 8; ++j)
         *reinterpret_cast<uint32_t*>(dst + 8 * j) =
             pack2<typename C::DTypeO>(value(4 * j + 2 * h, h), value(4 * j + 2 * h + 1, h));
-      if (q4 == 0 && p.lse != nullptr) p.lse[row] = l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY;
+      if (q4 == 0 && p.lse != nullptr) p.lse[row] = lse(h);
     }
   }
 }
