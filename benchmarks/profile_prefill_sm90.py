@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashgen  # noqa: E402
-from flashgen import AttentionSpec, Causal, NoMask, Paged, Ragged, SlidingWindow  # noqa: E402
+from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -26,7 +26,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seqlen", type=int, default=4096)
-    parser.add_argument("--mask", choices=("none", "causal", "window"), default="causal")
+    parser.add_argument("--mask", choices=("none", "causal", "window", "doc"), default="causal",
+                        help="doc: --docs causal documents a sequence, as a custom bit mask (FlashInfer is then skipped)")
+    parser.add_argument("--docs", type=int, default=8)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--backend", choices=("sm90", "portable"), default="sm90",
                         help="flashgen's kernel: the Hopper one, or the portable mma.sync one (ncu -k regex:prefill)")
@@ -36,7 +38,12 @@ def main() -> None:
     total = args.batch * args.seqlen
     q = torch.randn(total, HQ, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(total, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    mask = {"none": NoMask(), "causal": Causal(), "window": SlidingWindow(args.window)}[args.mask]
+    mask = {"none": NoMask(), "causal": Causal(), "window": SlidingWindow(args.window), "doc": CustomMask()}[args.mask]
+    custom = None
+    if args.mask == "doc":  # as bench_prefill.doc_mask
+        doc = torch.arange(args.seqlen) // (args.seqlen // args.docs)
+        pos = torch.arange(args.seqlen)
+        custom = [(doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])] * args.batch
     indptr = np.arange(args.batch + 1, dtype=np.int32) * args.seqlen
     if args.page_size:
         ps = args.page_size
@@ -52,9 +59,12 @@ def main() -> None:
         torch.cuda.synchronize()
         return
     wrapper = flashgen.BatchPrefillWrapper(AttentionSpec(D, kv_layout=Ragged(), mask=mask), backend=args.backend)
-    wrapper.plan(qo_indptr=indptr, kv_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV)
+    wrapper.plan(qo_indptr=indptr, kv_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV, custom_mask=custom)
     for _ in range(2):
         wrapper.run(q, (k, v))
+    if custom is not None:
+        torch.cuda.synchronize()
+        return
     try:
         import flashinfer
 
