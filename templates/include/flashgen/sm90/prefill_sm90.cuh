@@ -177,7 +177,7 @@ __device__ __forceinline__ Work work_of(const Params& p, int x) {
 // Item j of the CTA's list: its Work slot, once the scheduler published it. The caller releases the slot
 // (work_empty) once it is done reading it.
 template <class C>
-__device__ __forceinline__ const Work& read_work(const uint8_t* smem, const Barriers<C>& bars, int j) {
+__device__ __forceinline__ const Work& read_work(const uint8_t* smem, const Barriers<C>& bars, uint32_t j) {
   mbarrier_wait(bars.work_full(j % WORK_SLOTS), (j / WORK_SLOTS) & 1);
   return reinterpret_cast<const Work*>(smem + Layout<C>::WORK_OFFSET)[j % WORK_SLOTS];
 }
@@ -227,8 +227,8 @@ __device__ __forceinline__ void produce_kv(const uint8_t* smem, const CUtensorMa
   using Boxes = KVBoxes<C>;
   const int lane = threadIdx.x % 32;
   if (lane == 0) prefetch_tensormap(map);
-  int it = 0;
-  for (int j = 0;; ++j) {
+  uint32_t it = 0;  // unsigned: stage and phase are then a mask and a shift
+  for (uint32_t j = 0;; ++j) {
     // read in place (fields are re-read from shared memory after each barrier wait rather than held: the warp
     // has 40 registers) and released once the item's tiles are issued
     const Work& w = read_work<C>(smem, bars, j);
@@ -265,8 +265,8 @@ __device__ __forceinline__ void gather_kv(const uint8_t* smem, const Params& p, 
   const int lane = threadIdx.x % 32;
   const typename C::DTypeKV** rows =
       reinterpret_cast<const typename C::DTypeKV**>(const_cast<uint8_t*>(smem) + L::GATHER_OFFSET) + threadIdx.x / 32 * C::TILE_KV;
-  int it = 0;
-  for (int j = 0;; ++j) {
+  uint32_t it = 0;  // unsigned: stage and phase are then a mask and a shift
+  for (uint32_t j = 0;; ++j) {
     const Work& w = read_work<C>(smem, bars, j);
     if (!w.valid) break;
     const typename C::DTypeKV* head = cache + w.kv_head * p.stride_head;
@@ -353,12 +353,13 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
 template <class C>
 __device__ __forceinline__ void issue_qk(float (&s)[C::TILE_KV / 2], uint32_t q_wg, uint32_t k_stage) {
   using L = Layout<C>;
+  const uint64_t q_desc = desc_k_major(q_wg), k_desc = desc_k_major(k_stage);
   wgmma_fence();
 #pragma unroll
   for (int k = 0; k < L::D / 16; ++k) {
     const uint32_t col = (k / 4), in_row = (k % 4) * 32;
-    Wgmma<C::TILE_KV, typename C::DTypeKV>::ss(s, desc_k_major(q_wg + col * L::Q_BLOCK + in_row),
-                                                desc_k_major(k_stage + col * L::KV_BLOCK + in_row), k > 0);
+    Wgmma<C::TILE_KV, typename C::DTypeKV>::ss(s, desc_advance(q_desc, col * L::Q_BLOCK + in_row),
+                                                desc_advance(k_desc, col * L::KV_BLOCK + in_row), k > 0);
   }
 }
 
@@ -367,12 +368,13 @@ template <class C>
 __device__ __forceinline__ void issue_pv(float (&o)[C::HEAD_DIM / 2], uint32_t (&pa)[C::TILE_KV / 16][4],
                                          uint32_t v_stage, bool fresh = false) {
   using L = Layout<C>;
+  const uint64_t v_desc = desc_mn_major(v_stage, L::KV_BLOCK);
   fence_operands(o);
   fence_operands(pa);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < C::TILE_KV / 16; ++kk)
-    Wgmma<C::HEAD_DIM, typename C::DTypeKV>::rs(o, pa[kk], desc_mn_major(v_stage + kk * 16 * 128, L::KV_BLOCK),
+    Wgmma<C::HEAD_DIM, typename C::DTypeKV>::rs(o, pa[kk], desc_advance(v_desc, kk * 16 * 128),
                                                 kk > 0 || !fresh);  // an item's first P V overwrites O (scale-d 0)
 }
 
@@ -425,14 +427,22 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
   if (masked) {
     typename MaskBits<C>::Words words;
     bits.select(words);
+    if (C::CUSTOM_MASK && !C::CAUSAL && t0 + C::TILE_KV <= lg.kv_hi) {
+      // a partial tile inside the KV range: the bits alone (a bit test and a select a key, where the bound
+      // check below doubles that; short documents have one such tile an item)
 #pragma unroll
-    for (int i = 0; i < C::TILE_KV / 2; ++i) {
-      const int pos = t0 + 8 * (i / 4) + 2 * q4 + i % 2, q_pos = rs.q_pos[(i / 2) % 2];
-      bool ok = pos < lg.kv_hi;
-      if constexpr (C::CAUSAL) ok = ok && pos <= q_pos;
-      if constexpr (C::WINDOW) ok = ok && pos >= q_pos - lg.window_left;
-      if constexpr (C::CUSTOM_MASK) ok = ok && MaskBits<C>::visible(words, i);
-      if (!ok) s[i] = -INFINITY;
+      for (int i = 0; i < C::TILE_KV / 2; ++i)
+        if (!MaskBits<C>::visible(words, i)) s[i] = -INFINITY;
+    } else {
+#pragma unroll
+      for (int i = 0; i < C::TILE_KV / 2; ++i) {
+        const int pos = t0 + 8 * (i / 4) + 2 * q4 + i % 2, q_pos = rs.q_pos[(i / 2) % 2];
+        bool ok = pos < lg.kv_hi;
+        if constexpr (C::CAUSAL) ok = ok && pos <= q_pos;
+        if constexpr (C::WINDOW) ok = ok && pos >= q_pos - lg.window_left;
+        if constexpr (C::CUSTOM_MASK) ok = ok && MaskBits<C>::visible(words, i);
+        if (!ok) s[i] = -INFINITY;
+      }
     }
   }
   const float mul = RAW ? lg.mul : 1.f;
@@ -610,7 +620,7 @@ __device__ __forceinline__ void wait_kv(uint32_t bar, uint32_t parity) {
 struct Pending {
   Work w;            // the item (its rows, for write_rows)
   float m[2], l[2];  // its rows' softmax state
-  int it_last;       // the CTA's running tile count of its last tile (V stage and phase)
+  uint32_t it_last;  // the CTA's running tile count of its last tile (V stage and phase)
   int tail_rows;     // valid V rows of that tile (kv_len - its start): zero_v_tail
   bool fresh;        // its only P V (one tile): overwrites O
   bool active;
@@ -654,7 +664,7 @@ __device__ __forceinline__ void flush(const Params& p, Pending& pd, float (&o)[C
 // (pd) is issued with this item's first S; this item's own last P V is left pending in o, pa and pd.
 template <class C, class Params>
 __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem, uint32_t smem_base,
-                                        const Barriers<C>& bars, int wg, int it, int k, Pending& pd,
+                                        const Barriers<C>& bars, int wg, uint32_t it, uint32_t k, Pending& pd,
                                         float (&o)[C::HEAD_DIM / 2], uint32_t (&pa)[C::TILE_KV / 16][4]) {
   using L = Layout<C>;
   const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
@@ -717,12 +727,17 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   }
   sched.pass_turn();
   bits.load(p.custom_mask, w, group, t0, kv_len, partial, wg);
-  wgmma_wait<0>();
+  // as in the loop below: the first softmax runs under the pending P V, which is waited for after it
+  if (pd.active) wgmma_wait<1>();
+  else wgmma_wait<0>();
   fence_operands(sc);
   mbarrier_arrive(bars.empty_k(stage(0)));
   if (n == 1) mbarrier_arrive(bars.q_empty(qb));  // the item's last Q K^T is done: the producer may load the next Q
-  if (pd.active) pending_done<C>(p, pd, o, smem_base, bars, wg);
   softmax<C>(sc, rs, o_scale, lg, masked(t0, partial), t0, bits);
+  if (pd.active) {
+    wgmma_wait<0>();
+    pending_done<C>(p, pd, o, smem_base, bars, wg);
+  }
   pack_p<C>(pa, sc);
   for (int t = 1; t < n; ++t) {
     next_tile(t);
@@ -772,7 +787,9 @@ __device__ __forceinline__ void run(const Params& p) {
   if (threadIdx.x == 0) bars.init();
   __syncthreads();
 
-  const int wg = threadIdx.x / 128;
+  // the warpgroup through a shuffle from lane 0: the compiler then knows it is warp-uniform and keeps the
+  // addresses and wgmma descriptors derived from it in uniform registers
+  const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
   if (wg == 0) {
     setmaxnreg_dec<C::PRODUCER_REGS>();
     if constexpr (C::GATHER) {
@@ -797,7 +814,7 @@ __device__ __forceinline__ void run(const Params& p) {
     uint32_t pa[C::TILE_KV / 16][4];
     Pending pd;
     pd.active = false;
-    for (int it = 0, k = 0;; ++k) {  // the published items, until an invalid one (its slot read after q_full)
+    for (uint32_t it = 0, k = 0;; ++k) {  // the published items, until an invalid one (its slot read after q_full)
       mbarrier_wait(bars.q_full(k % C::Q_BUFFERS), (k / C::Q_BUFFERS) & 1);
       const Work w = slots[k % WORK_SLOTS];
       if (!w.valid) break;

@@ -38,6 +38,13 @@ __device__ __forceinline__ uint64_t desc_k_major(uint32_t smem_address) { return
 __device__ __forceinline__ uint64_t desc_mn_major(uint32_t smem_address, uint32_t block_bytes) {
   return smem_desc(smem_address, block_bytes, 1024);
 }
+// The descriptor of the operand `bytes` further on: the start address field (bits 0-13) plus bytes >> 4, as one
+// 32-bit add to the low word. Shared-memory addresses stay below 2^18 (228 KB), so the field never carries into
+// bit 14; the compiler cannot know that, and rebuilding each k-step's descriptor from its address cost ~10
+// uniform-datapath instructions a wgmma (~180 of the ~200 instructions that issue a tile's 16).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(desc) + (bytes >> 4));
+}
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
