@@ -727,17 +727,12 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   }
   sched.pass_turn();
   bits.load(p.custom_mask, w, group, t0, kv_len, partial, wg);
-  // as in the loop below: the first softmax runs under the pending P V, which is waited for after it
-  if (pd.active) wgmma_wait<1>();
-  else wgmma_wait<0>();
+  wgmma_wait<0>();
   fence_operands(sc);
   mbarrier_arrive(bars.empty_k(stage(0)));
   if (n == 1) mbarrier_arrive(bars.q_empty(qb));  // the item's last Q K^T is done: the producer may load the next Q
+  if (pd.active) pending_done<C>(p, pd, o, smem_base, bars, wg);
   softmax<C>(sc, rs, o_scale, lg, masked(t0, partial), t0, bits);
-  if (pd.active) {
-    wgmma_wait<0>();
-    pending_done<C>(p, pd, o, smem_base, bars, wg);
-  }
   pack_p<C>(pa, sc);
   for (int t = 1; t < n; ++t) {
     next_tile(t);
