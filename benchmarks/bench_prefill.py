@@ -1,4 +1,5 @@
-"""Batch prefill benchmark: flashgen against torch SDPA (flash, cuDNN), FlexAttention and FlashInfer FA2, in one run.
+"""Batch prefill benchmark: flashgen against torch SDPA (flash, cuDNN), FlexAttention and FlashInfer (FA2, and FA3 on
+Hopper), in one run.
 
 flashgen runs once per backend of ``--backends`` (default: portable, and on a Hopper GPU also sm90, for the
 specs the sm90 kernel supports), each its own labelled row: ``flashgen-portable``, ``flashgen-sm90``.
@@ -134,14 +135,14 @@ def bench_flex(q, k, v, batch, seqlen, d, mask, reps) -> tuple[float, float]:
     return timed(lambda: _flex(q4, k4, v4, block_mask=block_mask, enable_gqa=True), reps), compile_s
 
 
-def bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, reps):
+def bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, reps, backend="fa2"):
     import flashinfer
 
     ws = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     indptr = torch.arange(batch + 1, dtype=torch.int32) * seqlen
     causal, window = mask in ("causal", "window"), (WINDOW if mask == "window" else -1)
     if layout == "ragged":
-        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa2")
+        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
         w.plan(indptr.cuda(), indptr.cuda(), HQ, HKV, d, causal=causal, window_left=window,
                q_data_type=torch.bfloat16)
         return timed(lambda: w.run(q, k, v), reps)
@@ -151,7 +152,7 @@ def bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, reps):
     kv = torch.empty(pages, 2, page, HKV, d, dtype=k.dtype, device="cuda")
     kv[perm.cuda(), 0] = k.view(pages, page, HKV, d)
     kv[perm.cuda(), 1] = v.view(pages, page, HKV, d)
-    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
     w.plan(indptr.cuda(), (torch.arange(batch + 1, dtype=torch.int32) * (seqlen // page)).cuda(),
            perm.to(torch.int32).cuda(), torch.full((batch,), page, dtype=torch.int32).cuda(), HQ, HKV, d, page,
            causal=causal, window_left=window, q_data_type=torch.bfloat16)
@@ -172,7 +173,9 @@ def parse_args():
     parser.add_argument("--head-dims", default="64,128,256")
     parser.add_argument("--shapes", default="1x16384,4x4096,16x1024")
     parser.add_argument("--layouts", default="ragged,paged16,paged1")
-    parser.add_argument("--peers", default="sdpa,flex,flashinfer")
+    parser.add_argument("--peers", default="sdpa,flex,flashinfer",
+                        help="some of sdpa, flex, flashinfer (its FA2 backend), flashinfer-fa3 (Hopper; its first "
+                             "call JIT-builds the module: minutes)")
     parser.add_argument("--backends", default=None,
                         help="flashgen backends, one row each (default: portable,sm90 on Hopper, else portable)")
     parser.add_argument("--commit", default="", help="the commit measured (the device copy has no .git)")
@@ -191,6 +194,7 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
+    hopper = torch.cuda.get_device_capability() == (9, 0)
     gen = torch.Generator().manual_seed(0)
     specs = {spec_for(d, layout, mask) for d, _, _, mask in grid(args) for layout in args.layouts}
     jobs = [(s, OPS[b]) for s in specs for b in args.backends if runs(s, b)]
@@ -204,7 +208,7 @@ def main() -> None:
         import flashinfer  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any import failure means "not importable here"
         print(f"flashinfer not importable: {exc!r}")
-        args.peers.discard("flashinfer")
+        args.peers -= {"flashinfer", "flashinfer-fa3"}
     rows = []
     for d, batch, seqlen, mask in grid(args):
         q = torch.randn(batch * seqlen, HQ, d, device="cuda", dtype=torch.bfloat16)
@@ -234,6 +238,9 @@ def main() -> None:
             if "flashinfer" in args.peers and mask != "doc":
                 attempt("flashinfer", layout,
                         lambda: bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, args.reps))
+            if "flashinfer-fa3" in args.peers and mask != "doc" and hopper:
+                attempt("flashinfer-fa3", layout,
+                        lambda: bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, args.reps, "fa3"))
         if "sdpa" in args.peers and mask in ("none", "causal"):
             for backend in ("flash", "cudnn"):
                 attempt(f"sdpa-{backend}", "contig",
