@@ -135,8 +135,10 @@ __device__ __forceinline__ void run(const Params& p) {
     float m[MQ][2], l[MQ][2];
     ri.load_stats(m, l);
     online_softmax<C>(s, o, m, l, C::ALIBI || C::SOFT_CAP ? 1.f : scale_log2);
-    ri.store_stats(m, l);
     accumulate_pv<C>(o, s, pipe.v_tile(tile), lane);
+    // after P V: ptxas keeps shared loads behind an earlier shared store, so a store before accumulate_pv held
+    // every V ldmatrix (and P V mma) behind the whole softmax; each thread's own slot, read after the next barrier
+    ri.store_stats(m, l);
   }
   cp_async_wait<0>();
   float m[MQ][2], l[MQ][2];
