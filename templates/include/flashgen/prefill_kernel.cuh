@@ -120,9 +120,6 @@ __device__ __forceinline__ void run(const Params& p) {
   for (int tile = 0; tile < src.num_tiles; ++tile) {
     cp_async_wait<S - 2>();
     __syncthreads();
-    pipe.issue(tile + S - 1);
-    pipe.store_offset(tile + S, next_page);
-    next_page = pipe.page_of(tile + S + 1);
     if constexpr (C::ROPE) {
       pipe.rope_k(p, tile);
       __syncthreads();
@@ -130,6 +127,9 @@ __device__ __forceinline__ void run(const Params& p) {
     const int e = src.entry(tile), t0 = src.start(e);
     float s[MQ][L::TILE_KV / 8][4];
     scores<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
+    // the next tile's copies after this tile's K ldmatrix, not at the loop top: there they were a chain of shared
+    // loads, branches and 16 cp.async between the barrier and the first mma of every warp
+    pipe.issue(tile + S - 1);
     if constexpr (C::ALIBI || C::SOFT_CAP) logits<C>(s, ri, transform, t0, warp, lane);
     if (ri.boundary(warp, tile, e, t0)) apply_mask<C>(s, ri, t0, warp, lane);
     float m[MQ][2], l[MQ][2];
@@ -139,6 +139,10 @@ __device__ __forceinline__ void run(const Params& p) {
     // after P V: ptxas keeps shared loads behind an earlier shared store, so a store before accumulate_pv held
     // every V ldmatrix (and P V mma) behind the whole softmax; each thread's own slot, read after the next barrier
     ri.store_stats(m, l);
+    // the row offsets of tile + S into the ring slot issue(tile) read; issue(tile + S) reads them after the next
+    // barrier, and every warp is past issue(tile) (it ran before this iteration's barrier)
+    pipe.store_offset(tile + S, next_page);
+    next_page = pipe.page_of(tile + S + 1);
   }
   cp_async_wait<0>();
   float m[MQ][2], l[MQ][2];
