@@ -135,10 +135,13 @@ __device__ __forceinline__ void run(const Params& p) {
     float m[MQ][2], l[MQ][2];
     ri.load_stats(m, l);
     online_softmax<C>(s, o, m, l, C::ALIBI || C::SOFT_CAP ? 1.f : scale_log2);
-    accumulate_pv<C>(o, s, pipe.v_tile(tile), lane);
     // after P V: ptxas keeps shared loads behind an earlier shared store, so a store before accumulate_pv held
-    // every V ldmatrix (and P V mma) behind the whole softmax; each thread's own slot, read after the next barrier
-    ri.store_stats(m, l);
+    // every V ldmatrix (and P V mma) behind the whole softmax; each thread's own slot, read after the next
+    // barrier. With RoPE (its sincos frame) m and l held across P V spill (paged5 window + soft-cap: 8 bytes):
+    // stored before it there.
+    if constexpr (C::ROPE) ri.store_stats(m, l);
+    accumulate_pv<C>(o, s, pipe.v_tile(tile), lane);
+    if constexpr (!C::ROPE) ri.store_stats(m, l);
     // the row offsets of tile + S into the ring slot issue(tile) read; issue(tile + S) reads them after the next
     // barrier, and every warp is past issue(tile) (it ran before this iteration's barrier)
     pipe.store_offset(tile + S, next_page);
