@@ -97,6 +97,13 @@ def sm90_o_staged(head_dim: int, gather: bool, elem: int = 2) -> bool:
     return _smem(head_dim, sm90_q_buffers(head_dim, elem), elem, gather) + sm90_o_stage_bytes(head_dim, elem) <= SMEM_LIMIT
 
 
+def sm90_uniform_wg(head_dim: int) -> bool:
+    """Whether the kernel takes its warpgroup index through a shuffle from lane 0, so that the compiler keeps it
+    and the wgmma descriptors derived from it in uniform registers (~100 fewer SASS a KV tile). At head_dim 256
+    the consumers' O takes 128 registers and the uniform copies spilled 16 bytes (custom mask), so not there."""
+    return head_dim <= 128
+
+
 def sm90_smem_bytes(head_dim: int, elem: int = 2, gather: bool = False) -> int:
     """The dynamic shared memory of a CTA (see ``_smem``, plus the O staging where ``sm90_o_staged``); ``gather``:
     a gathered paged cache (``sm90_gather``)."""
@@ -154,6 +161,7 @@ class PrefillSM90Family(AttentionFamily):
             "HND": "true" if paged and spec.kv_layout.order == "HND" else "false",
             "GATHER": "true" if _gathered(spec) else "false",
             "O_STAGED": "true" if sm90_o_staged(d, _gathered(spec)) else "false",
+            "UNIFORM_WG": "true" if sm90_uniform_wg(d) else "false",
             "PINGPONG": "true" if knobs.sm90_pingpong() else "false",
         }
 

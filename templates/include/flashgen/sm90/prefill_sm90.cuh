@@ -782,9 +782,9 @@ __device__ __forceinline__ void run(const Params& p) {
   if (threadIdx.x == 0) bars.init();
   __syncthreads();
 
-  // the warpgroup through a shuffle from lane 0: the compiler then knows it is warp-uniform and keeps the
-  // addresses and wgmma descriptors derived from it in uniform registers
-  const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
+  // the warpgroup through a shuffle from lane 0 (C::UNIFORM_WG): the compiler then knows it is warp-uniform and
+  // keeps the addresses and wgmma descriptors derived from it in uniform registers
+  const int wg = C::UNIFORM_WG ? __shfl_sync(0xffffffff, threadIdx.x / 128, 0) : int(threadIdx.x / 128);
   if (wg == 0) {
     setmaxnreg_dec<C::PRODUCER_REGS>();
     if constexpr (C::GATHER) {
