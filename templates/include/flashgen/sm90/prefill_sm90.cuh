@@ -515,7 +515,7 @@ __device__ __forceinline__ void pack_p(uint32_t (&pa)[C::TILE_KV / 16][4], const
 
 // O / l and lse (natural log; -inf for a row that sees no key) of the thread's two rows, h = 0, 1: rows
 // lane / 4 + 8 h of the warp's 16. A row that sees no key (l = 0) is stored as O * 0, no select: its O is zero on
-// every path (its P is 0 against finite V rows, zero_v_tail; an item without tiles zeroes O itself). The warp's
+// every path (its P is 0 against finite V rows, zero_v_tail; an item without tiles passes zeros). The warp's
 // 16 rows go by TMA stores where they are whole tokens inside the request (C::O_STAGED and p.o_tma: the group
 // divides 16), else straight from registers (rows past the request are not written).
 template <class C, class Params>
