@@ -56,11 +56,41 @@ def test_lengths_and_masks(spec):
     run_and_check(spec, QO, KV, 2, 4)
 
 
-@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("group", [1, 2, 4, 7, 8, 16, 32])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gqa_groups(group, causal):
+    """Q by TMA boxes where the group divides 128 (all but 7: cp.async), O by TMA stores where it divides 16 (1 ...
+    16; 7 and 32 from registers). 33 and 97 tokens are no whole number of a warp's 16 / group tokens (groups 1
+    ... 8): a warp straddles the request's end and stores from registers, the item's rows past it are the next
+    request's tokens."""
     spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal() if causal else NoMask())
     run_and_check(spec, [33, 0, 200, 1, 97], [90, 4, 200, 1, 97], 2, group)
+
+
+@pytest.mark.parametrize("group", [2, 7])
+def test_q_rows_past_the_batch_hold_nan(group):
+    """With CUDA-graph capacity q has max_total_q rows: the last items' Q boxes (TMA) read rows past the batch,
+    here NaN. A row's softmax and P V are its own and rows past a request are never written: out and lse
+    match."""
+    spec = AttentionSpec(64, kv_layout=Ragged(), mask=Causal())
+    qo_lens, kv_lens, heads, max_q = [33, 70], [40, 100], 2, 300
+    q, kv, table = random_batch(spec, qo_lens, kv_lens, heads, group, generator=torch.Generator().manual_seed(3))
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    wrapper = flashgen.BatchPrefillWrapper(spec, use_cuda_graph=True, max_batch_size=4, max_total_q=max_q)
+    assert wrapper.backend == "sm90"
+    wrapper.plan(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"].numpy(), num_qo_heads=heads * group,
+                 num_kv_heads=heads)
+    pool_q = torch.full((max_q, heads * group, 64), float("nan"), dtype=q.dtype, device="cuda")
+    pool_q[: q.shape[0]] = q.cuda()
+    out = torch.full_like(pool_q, float("nan"))
+    out, lse = wrapper.run(pool_q, tuple(x.cuda() for x in kv), out=out, return_lse=True)
+    torch.cuda.synchronize()
+    kw = dict(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"])
+    ref, ref_lse = reference_attention(spec, q, kv, **kw)
+    low, low_lse = same_dtype_reference(spec, q, kv, **kw)
+    n = q.shape[0]
+    assert_attention_close(out[:n].cpu(), ref, low)
+    assert_attention_close(lse[:n].cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -85,3 +115,25 @@ def test_unsupported_specs_are_refused():
     with pytest.raises(SpecError, match="RoPE on the sm90 backend is not CUDA-graph safe"):  # the pre-pass: not yet
         PrefillSM90(AttentionSpec(128, kv_layout=Ragged(), pos_encoding=RoPE()), use_cuda_graph=True, max_batch_size=4,
                     max_total_q=64)
+
+
+def test_q_and_out_tensor_maps_are_memoised():
+    """run() encodes the q and out tensor maps once per (address, shape, strides, group), and refuses a q that is
+    not 16-byte aligned (a TMA map's address)."""
+    spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal())
+    q, kv, table = random_batch(spec, [40], [40], 2, 4, generator=torch.Generator().manual_seed(4))
+    runner = PrefillSM90(spec)
+    runner.plan(qo_indptr=[0, 40], kv_indptr=table["kv_indptr"].numpy(), num_qo_heads=8, num_kv_heads=2)
+    q, kv = q.cuda(), tuple(x.cuda() for x in kv)
+    out = torch.empty_like(q)
+    first = runner.run(q, kv, out=out).clone()
+    maps = runner._impl._maps
+    assert len(maps) == 2  # q (box of 32 tokens) and out (4 tokens)
+    again = runner.run(q, kv, out=out)
+    assert len(maps) == 2 and torch.equal(first, again)
+    runner.run(q, kv, out=torch.empty_like(q))
+    assert len(maps) == 3
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape)
+    shifted.copy_(q)
+    with pytest.raises(ValueError, match="aligned"):
+        runner.run(shifted, kv)

@@ -69,30 +69,32 @@ def test_sm90_unsupported_specs_are_refused(spec):
 
 
 def test_sm90_params_struct_packs_tensor_maps():
-    """The tensor maps first; 12 pointers, 10 scalars (the group size with its fast divider's magic and shift),
-    then the custom mask's 4 pointers (the runner's argument tuple in this order); the struct 128-byte aligned
-    (CUtensorMap), rendered alignas(128)."""
+    """The tensor maps first (q, o, k, v); 12 pointers, 12 scalars (the group size with its fast divider's magic
+    and shift, then the q / o TMA flags), then the custom mask's 4 pointers (the runner's argument tuple in this
+    order); the struct 128-byte aligned (CUtensorMap), rendered alignas(128)."""
     from flashgen.codegen import family
 
     (entry,) = family("prefill_sm90").entry_points(SM90_SPECS[0])
     layout = entry.params
-    assert layout.offsets[:2] == (0, 128) and layout.size % 128 == 0 and layout.align == 128
+    assert [f.name for f in layout.fields[:4]] == ["tma_q", "tma_o", "tma_k", "tma_v"]
+    assert layout.offsets[:4] == (0, 128, 256, 384) and layout.size % 128 == 0 and layout.align == 128
     assert [f.name for f in layout.fields[-4:]] == ["custom_mask", "mask_offset", "tile_indptr", "tiles"]
     names = [f.name for f in layout.fields]
     at = names.index("group_size")
-    assert names[at - 1: at + 3] == ["num_qo_heads", "group_size", "group_magic", "group_shift"]
+    assert names[at - 1: at + 5] == ["num_qo_heads", "group_size", "group_magic", "group_shift", "q_tma", "o_tma"]
     assert layout.fields[at + 1].ctype == "uint32_t"
-    packed = layout.packer().pack(b"\1" * 128, b"\2" * 128, *([0] * 12), 1, 1, 2**31, 0, 0.5, 1, 1, 0, 0, 0.0,
-                                  7, 8, 9, 10)
+    maps = [bytes([i]) * 128 for i in (1, 2, 3, 4)]
+    packed = layout.packer().pack(*maps, *([0] * 12), 1, 1, 2**31, 0, 1, 1, 0.5, 1, 1, 0, 0, 0.0, 7, 8, 9, 10)
     assert packed[layout.offsets[at + 1]: layout.offsets[at + 1] + 4] == (2**31).to_bytes(4, "little")
-    assert packed[:128] == b"\1" * 128 and packed[128:256] == b"\2" * 128 and len(packed) == layout.size
+    assert packed[:512] == b"".join(maps) and len(packed) == layout.size
     assert packed[layout.offsets[-1]: layout.offsets[-1] + 8] == (10).to_bytes(8, "little")
     assert "struct alignas(128) PrefillSM90Params {" in jit.render(SM90_SPECS[0], "prefill_sm90")
 
 
 def test_sm90_params_struct_of_a_gathered_cache():
     """A gathered page size (sm90_gather) takes the cache's k, v and element strides (the runner's kv_args)
-    where the tensor maps were; the rest of the struct is the same fields in the same order."""
+    where the K and V tensor maps were, after the q map (and the o map where the variant stages O, as at head_dim
+    64 but not 128); the rest of the struct is the same fields in the same order."""
     from flashgen.codegen import family
     from flashgen.codegen.prefill_sm90 import sm90_gather
 
@@ -101,27 +103,37 @@ def test_sm90_params_struct_of_a_gathered_cache():
     tma = family("prefill_sm90").entry_points(SM90_SPECS[0])[0].params
     (entry,) = family("prefill_sm90").entry_points(GATHER_SPECS[0])
     layout = entry.params
-    assert [f.name for f in layout.fields[:5]] == ["k", "v", "stride_page", "stride_token", "stride_head"]
-    assert [f.name for f in layout.fields[5:]] == [f.name for f in tma.fields[2:]]
-    assert layout.align == 8 and layout.offsets[:5] == (0, 8, 16, 24, 32)
-    packed = layout.packer().pack(1, 2, 3, 4, 5, *([0] * 12), 1, 1, 2**31, 0, 0.5, 1, 1, 0, 0, 0.0, 7, 8, 9, 10)
-    assert packed[16:24] == (3).to_bytes(8, "little") and len(packed) == layout.size
+    assert [f.name for f in layout.fields[:6]] == ["tma_q", "k", "v", "stride_page", "stride_token", "stride_head"]
+    assert [f.name for f in layout.fields[6:]] == [f.name for f in tma.fields[4:]]
+    assert layout.align == 128 and layout.offsets[:6] == (0, 128, 136, 144, 152, 160)
+    packed = layout.packer().pack(b"\1" * 128, 1, 2, 3, 4, 5, *([0] * 12), 1, 1, 2**31, 0, 1, 0, 0.5, 1, 1, 0, 0, 0.0,
+                                  7, 8, 9, 10)
+    assert packed[144:152] == (3).to_bytes(8, "little") and len(packed) == layout.size
     source = jit.render(GATHER_SPECS[0], "prefill_sm90")
     assert "static constexpr bool GATHER = true;" in source and "CUtensorMap tma_k" not in source
+    assert "CUtensorMap tma_o" not in source  # head_dim 128 gathered: O from registers
+    (staged,) = family("prefill_sm90").entry_points(AttentionSpec(64, kv_layout=Paged(3), mask=Causal()))
+    assert [f.name for f in staged.params.fields[:3]] == ["tma_q", "tma_o", "k"]
     assert "static constexpr bool GATHER = false;" in jit.render(SM90_SPECS[0], "prefill_sm90")
 
 
 def test_sm90_o_staging_only_where_it_fits():
-    """The staged epilogue (O through shared memory, bulk stores) where its 8 warp areas fit beside two Q buffers
-    and the KV stages within 227 KB: head_dim 64 and 128, not 128 with a gathered cache, not 256."""
-    from flashgen.codegen.prefill_sm90 import SMEM_LIMIT, sm90_o_staged, sm90_smem_bytes
+    """The staged epilogue (O through shared memory, TMA stores) where its 8 warp areas fit beside two Q buffers
+    and the KV stages within 227 KB: head_dim 64 and 128, not 128 with a gathered cache, not 256. The plan then
+    picks the TMA paths by the GQA group (sm90_qo_tma)."""
+    from flashgen.codegen.prefill_sm90 import SMEM_LIMIT, sm90_o_staged, sm90_qo_tma, sm90_smem_bytes
 
     assert [sm90_o_staged(d, g) for d, g in ((64, False), (64, True), (128, False), (128, True), (256, False))] == [
         True, True, True, False, False]
-    assert sm90_smem_bytes(128) == 192 * 1024 + 1792 + 8 * (16 * 256 + 112) <= SMEM_LIMIT
+    assert sm90_smem_bytes(128) == 192 * 1024 + 1792 + 8 * 16 * 256 <= SMEM_LIMIT
     assert sm90_smem_bytes(128, gather=True) == 192 * 1024 + 1792 + 2048
     assert "static constexpr bool O_STAGED = true;" in jit.render(SM90_SPECS[0], "prefill_sm90")
     assert "static constexpr bool O_STAGED = false;" in jit.render(GATHER_SPECS[0], "prefill_sm90")
+    groups = (1, 2, 3, 4, 7, 8, 16, 32, 64, 128, 256)
+    assert [sm90_qo_tma(g, True) for g in groups] == [
+        (True, True), (True, True), (False, False), (True, True), (False, False), (True, True), (True, True),
+        (True, False), (True, False), (True, False), (False, False)]
+    assert all(not sm90_qo_tma(g, False)[1] for g in groups)
 
 
 @pytest.mark.nvcc

@@ -228,7 +228,8 @@ class BatchPrefillWrapper:
         planned = self._planned
         if planned is None:
             raise RuntimeError("run: call plan() first")
-        if q.shape != planned.q_shape or q.dtype != self._dtype or not q.is_contiguous() or q.device != self.device:
+        if (q.shape != planned.q_shape or q.dtype != self._dtype or not q.is_contiguous() or q.device != self.device
+                or q.data_ptr() % 16):  # rows are loaded 16 bytes at a time (sm90: a TMA map's address)
             self._bad_tensor("q", q, planned.q_shape, self._dtype)
         kv = self._kv_args(kv_cache, planned)
         if out is None:

@@ -16,7 +16,8 @@ import ctypes
 import numpy as np
 import torch
 
-from ..codegen.prefill_sm90 import THREADS, TILE_Q, sm90_gather, sm90_kernels, sm90_smem_bytes, sm90_tile_kv
+from ..codegen.prefill_sm90 import (THREADS, TILE_Q, sm90_gather, sm90_kernels, sm90_o_staged, sm90_qo_tma,
+                                     sm90_smem_bytes, sm90_tile_kv)
 from ..codegen.rope_gather import BLOCK_THREADS as ROPE_THREADS
 from ..plan import PlanError, plan_prefill
 from ..plan.mask_tiles import plan_mask_tiles
@@ -30,6 +31,9 @@ from .staging import DeviceBuffer, HostStaging, extra_offsets
 
 _TMA_DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", torch.float16: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"}
 TMA_BOX_COLS = 64  # 64 16-bit values = the 128-byte swizzle span; a head_dim of 128 is two boxes
+O_WARP_ROWS = 16  # packed rows of a consumer warp: one TMA store box of O
+NO_MAP = bytes(128)  # a CUtensorMap param the kernel does not read (q_tma / o_tma off)
+MAPS_HELD = 64  # q / out tensor maps memoised (by address, shape, strides, group) before the memo starts over
 
 
 def kv_tensor_map(spec: AttentionSpec, kv: KVView, t: torch.Tensor) -> bytes:
@@ -71,6 +75,38 @@ def kv_tensor_map(spec: AttentionSpec, kv: KVView, t: torch.Tensor) -> bytes:
     return ctypes.string_at(tensor_map.getPtr(), 128)
 
 
+def qo_tensor_map(t: torch.Tensor, group: int, tokens: int) -> bytes:
+    """The 128-byte TMA descriptor of q or out ``t [rows, num_qo_heads, head_dim]`` (fp16/bf16) as a 3-D tensor,
+    innermost first ``{head_dim, num_qo_heads, rows}`` with ``t``'s own strides; boxes ``{64, group, tokens}``
+    (a kv head's ``group`` q heads for ``tokens`` tokens: the kernel's packed rows, row-major), 128B-swizzled.
+    Bounded by the tensor: box rows past its end load zeros and are not stored. An empty ``t`` has no map (no
+    item reads it): zeros.
+
+    >>> desc = qo_tensor_map(q, 4, 128 // 4)   # q [total_q, 32, 128], 8 kv heads: an item's 128 packed rows
+    """
+    if t.numel() == 0:
+        return NO_MAP
+    elem = t.element_size()
+    strides = (t.stride(1) * elem, t.stride(0) * elem)
+    if t.stride(2) != 1 or t.data_ptr() % 16 or any(x % 16 for x in strides):
+        raise ValueError(f"q / out: TMA needs 16-byte aligned data and row strides with contiguous rows, got address "
+                         f"{t.data_ptr():#x}, strides {tuple(t.stride())} of {elem}-byte elements")
+    from cuda.bindings import driver as cu
+
+    from ..runtime.driver import check, ensure_context
+
+    ensure_context(t.device.index)
+    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+    dims = (t.shape[2], t.shape[1], t.shape[0])
+    tensor_map = check(cu.cuTensorMapEncodeTiled(
+        getattr(cu.CUtensorMapDataType, _TMA_DTYPES[t.dtype]), 3, t.data_ptr(), [u64(x) for x in dims],
+        [u64(x) for x in strides], [u32(TMA_BOX_COLS), u32(group), u32(tokens)], [u32(1)] * 3,
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    return ctypes.string_at(tensor_map.getPtr(), 128)
+
+
 class SM90Prefill:
     """The ``prefill_sm90`` kernel behind ``BatchPrefillWrapper(backend="sm90")``: plan buffers, tensor maps,
     launch. ``graph``: ``(max_batch_size, max_total_q)`` of a CUDA-graph wrapper (the plan buffer is sized at
@@ -92,6 +128,8 @@ class SM90Prefill:
         # pages TMA cannot take: the kernel gathers them from the cache's addresses and strides, no tensor maps
         layout = self.kernel_spec.kv_layout
         self.gather = isinstance(layout, Paged) and sm90_gather(layout.page_size, spec.head_dim)
+        self._o_staged = sm90_o_staged(spec.head_dim, self.gather)  # the kernel takes an O tensor map
+        self._maps: dict[tuple, bytes] = {}  # q / out tensor maps (_qo_map)
         self._kernel = None
         self._mask_held: torch.Tensor | None = None  # a device custom mask, read in place
         self._empty: dict[tuple, torch.Tensor] = {}  # one-row stand-ins for an empty K / V (a map needs an address)
@@ -149,12 +187,15 @@ class SM90Prefill:
         mask_args = (0, 0, 0, 0) if not custom else (
             self._mask_held.data_ptr() if self._mask_held is not None else base,
             views["mask_offset"].data_ptr(), views["tile_indptr"].data_ptr(), base)
-        # the params struct after (tma_k, tma_v or a gathered cache's k, v and strides; q, o, lse)
+        # the params struct after (tma_q[, tma_o], tma_k, tma_v or a gathered cache's k, v and strides; q, o, lse)
         group = num_qo_heads // num_kv_heads
+        self._group = group
+        self._q_tma, self._o_tma = sm90_qo_tma(group, self._o_staged)
         self._args = tuple(views[n].data_ptr() for n in ("qo_indptr", "kv_indptr", "kv_len", "request_idx",
                                                          "qo_tile_idx", "kv_start", "kv_end")) + (
             0 if block_table else pages, pages if block_table else 0,
-            num_qo_heads, group, *fast_div(group), runtime.sm_scale, plan.info.capacity, num_kv_heads, bt_stride,
+            num_qo_heads, group, *fast_div(group), int(self._q_tma), int(self._o_tma), runtime.sm_scale,
+            plan.info.capacity, num_kv_heads, bt_stride,
             runtime.window_left, runtime.soft_cap) + mask_args
         self._keep = plan
         return plan.info.max_total_q
@@ -195,7 +236,7 @@ class SM90Prefill:
         align = 128 // flat.element_size()
         k_at = -(-q_n // align) * align
         v_at = k_at + -(-kv_n // align) * align
-        self._q_out = flat[:q_n]
+        self._q_out = flat[:q_n].view(total_q, num_qo_heads, d)
         k_out = flat[k_at: k_at + kv_n].view(max(total_kv, 1), num_kv_heads, d)
         v_out = flat[v_at: v_at + kv_n].view(max(total_kv, 1), num_kv_heads, d)
         view = KVView(k_out, v_out, 0, num_kv_heads * d, d, k_out.shape[0])
@@ -233,15 +274,28 @@ class SM90Prefill:
             return kv_tensor_map(self.spec, kv, stand_in), kv_tensor_map(self.spec, kv, stand_in)
         return kv_tensor_map(self.spec, kv, kv.k), kv_tensor_map(self.spec, kv, kv.v)
 
+    def _qo_map(self, t: torch.Tensor, tokens: int) -> bytes:
+        """``qo_tensor_map`` of q or out for the planned group, memoised by what it depends on, so that run() of
+        tensors seen before does not encode again."""
+        key = (t.data_ptr(), t.shape, t.stride(), self._group, tokens)
+        hit = self._maps.get(key)
+        if hit is None:
+            if len(self._maps) >= MAPS_HELD:  # bounded: a caller allocating out afresh each run() keeps missing
+                self._maps.clear()
+            hit = self._maps[key] = qo_tensor_map(t, self._group, tokens)
+        return hit
+
     def launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         stream = current_stream(self.device.index)
-        q_ptr = q.data_ptr()
-        if self.rope:
-            self._rope_fn.launch(self._rope_grid, (ROPE_THREADS, 1, 1), 0, stream, q_ptr, kv[0], kv[1],
+        if self.rope:  # the kernel reads the rotated q in the scratch
+            self._rope_fn.launch(self._rope_grid, (ROPE_THREADS, 1, 1), 0, stream, q.data_ptr(), kv[0], kv[1],
                                  *self._rope_outs, *self._rope_tables, *kv[2:], *self._rope_scalars)
-            kv, q_ptr = self._scratch_maps, self._rope_outs[0]
-        self._fn.launch(self._grid, (THREADS, 1, 1), self._smem, stream, *kv,
-                        q_ptr, out.data_ptr(), lse.data_ptr() if lse is not None else 0, *self._args)
+            kv, q = self._scratch_maps, self._q_out
+        maps = (self._qo_map(q, TILE_Q // self._group) if self._q_tma else NO_MAP,)
+        if self._o_staged:
+            maps += (self._qo_map(out, O_WARP_ROWS // self._group) if self._o_tma else NO_MAP,)
+        self._fn.launch(self._grid, (THREADS, 1, 1), self._smem, stream, *maps, *kv,
+                        q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0, *self._args)
 
 
 class PrefillSM90(BatchPrefillWrapper):

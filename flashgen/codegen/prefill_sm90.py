@@ -81,18 +81,20 @@ def sm90_q_buffers(head_dim: int, elem: int = 2) -> int:
 
 
 def sm90_o_stage_bytes(head_dim: int, elem: int = 2) -> int:
-    """Shared memory of the staged epilogue: each consumer warp's 16 O rows, laid out so that stmatrix writes
-    them without bank conflicts and each row stays contiguous for its bulk copy (``write_rows`` in the kernel:
-    row pairs 2 * row_bytes + 16 apart), 8 warps. head_dim 128: 8 x (16 x 256 + 112) = 33664 bytes."""
-    return 8 * (16 * head_dim * elem + 112)
+    """Shared memory of the staged epilogue: each consumer warp's 16 O rows as the box of its TMA stores lies in
+    shared memory (``write_rows`` in the kernel: per 64-column block 16 rows of 128 bytes, 128B-swizzled, which
+    stmatrix writes without bank conflicts), 8 warps. head_dim 128: 8 x 16 x 256 = 32768 bytes."""
+    return 8 * 16 * head_dim * elem
 
 
 def sm90_o_staged(head_dim: int, gather: bool, elem: int = 2) -> bool:
-    """Whether the epilogue stages O in shared memory and stores it by bulk copies (else straight from registers):
-    where the staging fits beside the Q buffers and KV stages, never at the cost of a Q buffer.
+    """Whether the epilogue may stage O in shared memory and store it by TMA (the kernel then does so for a
+    warp's rows inside the request where the GQA group divides 16; else, and where this is False, it stores
+    straight from registers): where the staging fits beside the Q buffers and KV stages, never at the cost of a
+    Q buffer.
 
-    head_dim 128: 192 KB + 1.75 KB + 32.9 KB = 226.6 KB <= 227 KB -> staged; a gathered cache's 2 KB of row
-    offsets push it to 228.6 KB -> not; head_dim 256 (64 KB of staging) -> not; head_dim 64 -> staged.
+    head_dim 128: 192 KB + 1.75 KB + 32 KB = 225.75 KB <= 227 KB -> staged; a gathered cache's 2 KB of row
+    offsets push it to 227.75 KB -> not; head_dim 256 (64 KB of staging) -> not; head_dim 64 -> staged.
     """
     return _smem(head_dim, sm90_q_buffers(head_dim, elem), elem, gather) + sm90_o_stage_bytes(head_dim, elem) <= SMEM_LIMIT
 
@@ -102,6 +104,18 @@ def sm90_uniform_wg(head_dim: int) -> bool:
     and the wgmma descriptors derived from it in uniform registers (~100 fewer SASS a KV tile). At head_dim 256
     the consumers' O takes 128 registers and the uniform copies spilled 16 bytes (custom mask), so not there."""
     return head_dim <= 128
+
+
+def sm90_qo_tma(group: int, o_staged: bool) -> tuple[bool, bool]:
+    """``(q_tma, o_tma)`` of a plan (the kernel's params of those names): Q by 3-D TMA boxes where an item's
+    TILE_Q packed rows are whole tokens times the GQA group's heads (the group divides TILE_Q), else by cp.async;
+    O by TMA stores where a consumer warp's 16 rows are (the group divides 16) in a variant that stages O
+    (``sm90_o_staged``), else from registers.
+
+    >>> [sm90_qo_tma(g, True) for g in (1, 4, 7, 32)]
+    [(True, True), (True, True), (False, False), (True, False)]
+    """
+    return TILE_Q % group == 0, o_staged and 16 % group == 0
 
 
 def sm90_smem_bytes(head_dim: int, elem: int = 2, gather: bool = False) -> int:
@@ -168,17 +182,24 @@ class PrefillSM90Family(AttentionFamily):
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
         q = CPP_TYPES[spec.dtype]
         i32 = "const int32_t*"
-        # K and V: two TMA descriptors, or for a gathered cache its base pointers and element strides (KVView)
+        # q and o as 3-D TMA descriptors (qo_tensor_map; o only where the epilogue stages O), first: 128-byte
+        # aligned, as the K and V descriptors after them, or for a gathered cache its base pointers and element
+        # strides (KVView)
+        staged = sm90_o_staged(spec.head_dim, _gathered(spec))
+        maps = (("CUtensorMap", "tma_q"),) + ((("CUtensorMap", "tma_o"),) if staged else ())
         kv = ((f"const {q}*", "k"), (f"const {q}*", "v"), ("int64_t", "stride_page"), ("int64_t", "stride_token"),
               ("int64_t", "stride_head")) if _gathered(spec) else (("CUtensorMap", "tma_k"), ("CUtensorMap", "tma_v"))
         params = struct(
-            "PrefillSM90Params", *kv,
+            "PrefillSM90Params", *maps, *kv,
             (f"const {q}*", "q"), (f"{q}*", "o"), ("float*", "lse"),
             (i32, "qo_indptr"), (i32, "kv_indptr"), (i32, "kv_len"), (i32, "request_idx"), (i32, "qo_tile_idx"),
             (i32, "kv_start"), (i32, "kv_end"), (i32, "kv_indices"), (i32, "block_table"),
             # the GQA group and its fast divider (FastDiv, api/fastdiv.py): packed row -> (token, q head)
             ("int32_t", "num_qo_heads"), ("int32_t", "group_size"), ("uint32_t", "group_magic"),
-            ("int32_t", "group_shift"), ("float", "sm_scale"),
+            ("int32_t", "group_shift"),
+            # Q by tma_q where the group divides TILE_Q, O by tma_o where it divides 16 (sm90_qo_tma), else by
+            # cp.async and from registers
+            ("int32_t", "q_tma"), ("int32_t", "o_tma"), ("float", "sm_scale"),
             ("int32_t", "num_items"), ("int32_t", "num_kv_heads"), ("int32_t", "block_table_stride"),
             ("int32_t", "window_left"), ("float", "soft_cap"),
             # custom mask: the bits, each request's bit offset into them, each item's tile list (entries

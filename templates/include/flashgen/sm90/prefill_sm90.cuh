@@ -13,16 +13,18 @@
 //       (cp.async.mbarrier.arrive.noinc), and consumers fence the async proxy after it.
 //       Warps 2-3, the scheduler: each item's plan entries are read once, into a Work published in a ring of
 //       WORK_SLOTS shared-memory slots (work_full; every reader releases it by work_empty), so the K and V
-//       warps start an item's loads without the plan's dependent global loads; then its 128 packed Q rows by
-//       cp.async into the 128B-swizzled Q tile, once the consumers released that Q buffer (q_empty), then
-//       fence.proxy.async and q_full. An invalid Work ends the list.
+//       warps start an item's loads without the plan's dependent global loads; then its 128 packed Q rows into
+//       the 128B-swizzled Q tile, once the consumers released that Q buffer (q_empty): where the GQA group
+//       divides 128, a 3-D TMA box a 64-column block issued by one thread (q_full takes its bytes), else by
+//       cp.async, fence.proxy.async and q_full. An invalid Work ends the list.
 //   WG1, WG2 consumers (setmaxnreg.inc): 64 packed q rows each (packed row = token * group + q head in the
 //       group). Per KV tile: S = Q K^T (wgmma SS, fp32), online softmax in registers (base 2), P -> 16-bit A
 //       fragments, O += P V (wgmma RS, V MN-major). The GEMMs of consecutive tiles overlap the softmax, and the
 //       two warpgroups take turns issuing them (ping-pong), continuously across items. An item's last P V is
 //       issued together with the next item's first S (Pending), so an item boundary costs one step, not two.
-//       Epilogue: O / l by stmatrix into a staging area of each warp, then a bulk copy a row (the TMA engine)
-//       where the staging fits in shared memory (C::O_STAGED), else straight from registers; lse from registers.
+//       Epilogue: where the staging fits in shared memory (C::O_STAGED) and the group divides 16, a warp's 16
+//       rows inside the request by stmatrix into a staging area of the warp, then a 3-D TMA store a 64-column
+//       block; other rows straight from registers; lse from registers.
 //
 // Masks: causal (aligned to the KV end: q_pos = kv_len - qo_len + token) clips the KV range to what the tile's
 // rows can see, a sliding window (causal, plus keys >= q_pos - window_left) also skips the tiles before the
@@ -75,17 +77,19 @@ struct Layout {
   static constexpr int Q_BYTES = BLOCKS * Q_BLOCK, KV_STAGE = BLOCKS * KV_BLOCK;
   static constexpr int K_OFFSET = C::Q_BUFFERS * Q_BYTES;  // Q buffers: the next item's Q loads during this one
   static constexpr int V_OFFSET = K_OFFSET + C::STAGES * KV_STAGE;
-  static constexpr int BAR_OFFSET = V_OFFSET + C::STAGES * KV_STAGE;
+  // the staged epilogue (C::O_STAGED): each consumer warp's 16 O rows as its TMA store's box (write_rows), a
+  // 128B-swizzled block of 16 rows a 64-column block; 1024-aligned, as all above
+  static constexpr int O_STAGE_BLOCK = 16 * 128, O_STAGE_WARP = BLOCKS * O_STAGE_BLOCK;
+  static constexpr int O_STAGE_OFFSET = V_OFFSET + C::STAGES * KV_STAGE, O_STAGE_BYTES = C::O_STAGED ? 8 * O_STAGE_WARP : 0;
+  static constexpr int BAR_OFFSET = O_STAGE_OFFSET + O_STAGE_BYTES;
   // barriers, then the Work slots; the dynamic base is aligned up to 1024 at run time
   static constexpr int BAR_BYTES = 256, WORK_OFFSET = BAR_OFFSET + BAR_BYTES, WORK_BYTES = 512, ALIGN_SLACK = 1024;
   // a gathered cache: the K and the V warp's row addresses of the tile they copy (8 bytes each)
   static constexpr int GATHER_OFFSET = WORK_OFFSET + WORK_BYTES, GATHER_BYTES = C::GATHER ? 2 * C::TILE_KV * 8 : 0;
-  // the staged epilogue (C::O_STAGED): each consumer warp's 16 O rows (write_rows)
-  static constexpr int O_ROW = D * 2, O_STAGE_WARP = 16 * O_ROW + 112;
-  static constexpr int O_STAGE_OFFSET = GATHER_OFFSET + GATHER_BYTES, O_STAGE_BYTES = C::O_STAGED ? 8 * O_STAGE_WARP : 0;
-  static constexpr int TOTAL = O_STAGE_OFFSET + O_STAGE_BYTES + ALIGN_SLACK;
+  static constexpr int TOTAL = GATHER_OFFSET + GATHER_BYTES + ALIGN_SLACK;
   static_assert(TOTAL == C::SMEM_BYTES, "codegen and the kernel disagree on the shared-memory size");
   static_assert(C::TILE_Q == 2 * WG_ROWS, "two consumer warpgroups of 64 rows");
+  static_assert(O_STAGE_OFFSET % 1024 == 0, "the O staging lies on 128B swizzle atoms");
   static_assert(D % 64 == 0 && sizeof(typename C::DTypeQ) == 2, "rows of whole 128-byte blocks of 16-bit values");
   static_assert(C::TILE_KV % 16 == 0 && C::TILE_KV <= 256 && (C::TILE_KV == 64 || C::TILE_KV == 128 || C::TILE_KV == 256),
                 "wgmma N of S");
@@ -112,9 +116,10 @@ struct Barriers {
   __device__ __forceinline__ uint32_t work_empty(int j) const {
     return base + 8 * (4 * C::STAGES + 2 * C::Q_BUFFERS + WORK_SLOTS + j);
   }
-  __device__ __forceinline__ void init() const {
+  // q_tma: Q by TMA (one arrival + the tile's bytes), else by the Q_LOADERS threads' cp.async (each arrives)
+  __device__ __forceinline__ void init(bool q_tma) const {
     for (int b = 0; b < C::Q_BUFFERS; ++b) {
-      mbarrier_init(q_full(b), Q_LOADERS);
+      mbarrier_init(q_full(b), q_tma ? 1 : Q_LOADERS);
       mbarrier_init(q_empty(b), 256);
     }
     for (int j = 0; j < WORK_SLOTS; ++j) {
@@ -286,14 +291,25 @@ __device__ __forceinline__ void gather_kv(const uint8_t* smem, const Params& p, 
 }
 
 // WG0 warps 2-3, the scheduler: each item's Work into its slot (work_full), then its 128 packed Q rows into the
-// swizzled Q tile (rows past the request are zeros) once the consumers released that Q buffer, made visible to
-// wgmma by fence.proxy.async before q_full. Padding items (request_idx < 0) are not published.
-template <class C, class Params>
+// swizzled Q tile once the consumers released that Q buffer (q_empty), announced by q_full (an arrival of each
+// thread here). Padding items (request_idx < 0) are not published.
+// TMA (where the group divides TILE_Q: p.q_tma, decided at plan time; produce_q_warps then starts one thread of
+// the two warps here): an item's rows are the tokens [row0 / group, + TILE_Q / group) of the request times the kv
+// head's group of q heads, in q [tokens, q heads, dim] a 3-D box {64 columns, group heads, TILE_Q / group
+// tokens} (the map tma_q), which lands row-major, packed row = token * group + head, in the swizzle the tile
+// has. The thread expects the tile's bytes on q_full and issues a box a 64-column block. Rows past the request
+// are the next request's tokens (rows are independent: they are masked and never written) or, past the tensor,
+// zeros. Else the 64 threads copy the rows by cp.async (rows past the request zeros), each making its copies
+// visible to wgmma by fence.proxy.async before it arrives. Two instantiations, not a branch in the loop: one
+// loop holding both paths spilled in the 40 producer registers, as did a named barrier of the 64 threads
+// before a single arrival (the arrival count is the path's instead, Barriers::init).
+template <class C, bool TMA, class Params>
 __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, const Barriers<C>& bars) {
   using L = Layout<C>;
   constexpr int CHUNKS = L::D / 8;  // 16-byte chunks of a row
   const int tid = threadIdx.x - 64;
   Work* slots = reinterpret_cast<Work*>(q_smem + L::WORK_OFFSET);
+  if constexpr (TMA) prefetch_tensormap(&p.tma_q);
   int k = 0;
   // item k goes into slot k % WORK_SLOTS once every reader released the slot's previous item (a fresh barrier
   // passes the first wait); waited for before the Work is computed, so that it is not live across the wait
@@ -316,27 +332,34 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
     const int buf = k % C::Q_BUFFERS;
     wait_q_buffer();
     ++k;
-    uint8_t* q_dst = q_smem + buf * L::Q_BYTES;
-    // every chunk in flight at once (cp.async, no registers held): one memory round trip, where loads through
-    // registers (40 of them) kept two in flight and took ~16 round trips for the tile
-    // a thread keeps one 16-byte column chunk c and walks rows tid / CHUNKS, + Q_LOADERS / CHUNKS, ...
-    const int c = tid % CHUNKS;
-    uint8_t* col = q_dst + (c / 8) * L::Q_BLOCK;
     const FastDiv group = group_of(p);
-    const auto* src0 = p.q + (int64_t(w.token0) * p.num_qo_heads + w.kv_head * group.d) * L::D + c * 8;
+    uint8_t* q_dst = q_smem + buf * L::Q_BYTES;
+    if constexpr (TMA) {
+      mbarrier_arrive_expect_tx(bars.q_full(buf), L::Q_BYTES);
+#pragma unroll
+      for (int b = 0; b < L::BLOCKS; ++b)
+        tma_load_3d(smem_u32(q_dst + b * L::Q_BLOCK), &p.tma_q, bars.q_full(buf), 64 * b, w.kv_head * group.d,
+                    w.token0 + group.div(w.row0));
+    } else {
+      // every chunk in flight at once (cp.async, no registers held): one memory round trip, where loads through
+      // registers (40 of them) kept two in flight and took ~16 round trips for the tile. Chunk c of row r is job
+      // r * CHUNKS + c, a thread's jobs tid, + Q_LOADERS, ... (everything but tid recomputed a job: column
+      // invariants held across the items' work_of spilled in 40 registers)
+      const auto* src0 = p.q + (int64_t(w.token0) * p.num_qo_heads + w.kv_head * group.d) * L::D;
 #pragma unroll 1
-    for (int r = tid / CHUNKS; r < C::TILE_Q; r += Q_LOADERS / CHUNKS) {
-      const int prow = w.row0 + r;
-      const bool past = prow >= w.rows_total;  // rows past the request: zeros, the source not read
-      int token, head;
-      group.divmod(prow, token, head);
-      const int64_t at = past ? 0 : (int64_t(token) * p.num_qo_heads + head) * L::D;
-      cp_async_16(col + r * 128 + (swizzle(r, c % 8) * 16), src0 + at, past);
+      for (int job = tid; job < C::TILE_Q * CHUNKS; job += Q_LOADERS) {
+        const int r = job / CHUNKS, c = job % CHUNKS, prow = w.row0 + r;
+        const bool past = prow >= w.rows_total;  // rows past the request: zeros, the source not read
+        int token, head;
+        group.divmod(prow, token, head);
+        const int64_t at = past ? 0 : (int64_t(token) * p.num_qo_heads + head) * L::D + c * 8;
+        cp_async_16(q_dst + c / 8 * L::Q_BLOCK + r * 128 + swizzle(r, c % 8) * 16, src0 + at, past);
+      }
+      cp_async_commit();
+      cp_async_wait<0>();   // this thread's copies have landed (generic proxy) ...
+      fence_proxy_async();  // ... and are made visible to wgmma (async proxy) before the release by q_full
+      mbarrier_arrive(bars.q_full(buf));
     }
-    cp_async_commit();
-    cp_async_wait<0>();   // this thread's copies have landed (generic proxy) ...
-    fence_proxy_async();  // ... and are made visible to wgmma (async proxy) before the release by q_full
-    mbarrier_arrive(bars.q_full(buf));
   }
   // the end of the CTA's list: an invalid Work, and for the consumers (who read a slot after q_full) the next Q
   // buffer's q_full
@@ -346,6 +369,13 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
   publish(end);
   wait_q_buffer();
   mbarrier_arrive(bars.q_full(k % C::Q_BUFFERS));
+}
+
+// WG0 warps 2-3: Q by TMA from one thread (the rest are done), or by cp.async from all 64
+template <class C, class Params>
+__device__ __forceinline__ void produce_q_warps(const Params& p, uint8_t* smem, const Barriers<C>& bars) {
+  if (!p.q_tma) produce_q<C, false>(p, smem, bars);
+  else if (threadIdx.x == 64) produce_q<C, true>(p, smem, bars);
 }
 
 // Issue S = Q K^T over head_dim in k16 steps (asynchronous: the caller commits and waits). Q rows of this
@@ -484,7 +514,10 @@ __device__ __forceinline__ void pack_p(uint32_t (&pa)[C::TILE_KV / 16][4], const
 }
 
 // O / l and lse (natural log; -inf for a row that sees no key) of the thread's two rows, h = 0, 1: rows
-// lane / 4 + 8 h of the warp's 16. Stored straight from registers, or (C::O_STAGED) through shared memory.
+// lane / 4 + 8 h of the warp's 16. A row that sees no key (l = 0) is stored as O * 0, no select: its O is zero on
+// every path (its P is 0 against finite V rows, zero_v_tail; an item without tiles passes zeros). The warp's
+// 16 rows go by TMA stores where they are whole tokens inside the request (C::O_STAGED and p.o_tma: the group
+// divides 16), else straight from registers (rows past the request are not written).
 template <class C, class Params>
 __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const float (&o)[C::HEAD_DIM / 2],
                                            const float (&m)[2], const float (&l_part)[2], uint32_t smem_base, int wg) {
@@ -498,7 +531,7 @@ __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const
     l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
     inv[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
   }
-  auto value = [&](int i, int h) { return l[h] > 0.f ? o[i] * inv[h] : 0.f; };  // rows that see no key: 0
+  auto value = [&](int i, int h) { return o[i] * inv[h]; };
   auto lse = [&](int h) { return l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY; };
   auto o_row = [&](int prow) {  // packed row -> row of o and lse: (token, q head)
     const FastDiv group = group_of(p);
@@ -506,59 +539,65 @@ __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const
     group.divmod(prow, token, head);
     return int64_t(w.token0 + token) * p.num_qo_heads + w.kv_head * group.d + head;
   };
-  const int prow0 = w.row0 + wg * 64 + warp * 16 + lane / 4;
+  const int prow_w = w.row0 + wg * 64 + warp * 16, prow0 = prow_w + lane / 4;
   if constexpr (C::O_STAGED) {
-    // The warp's rows go to its staging area by stmatrix, then a lane of each row pair (q4 == 0) copies rows g
-    // and g + 8 to o by bulk stores (TMA engine). A packed tile's rows are (token, head) pairs, contiguous in o
-    // only within one token's heads, so a row is a copy (any group size; rows past the request are not copied).
-    // Row (g, h) of the warp at g * (2 O_ROW + 16) + h * O_ROW: each row contiguous, and the 8 rows of one
-    // stmatrix matrix (g = 0..7, one h) 16 bytes apart modulo 128, so they hit distinct banks.
-    // Ordering, within the warp alone (its lanes write its rows, its lanes copy them): the copying lanes wait
-    // until their previous item's copies have read the area (normally long done), __syncwarp, every lane
-    // writes, fence.proxy.async makes the generic writes visible to the bulk copies (async proxy), __syncwarp,
-    // the copies are issued. run() waits for the last copies before the CTA exits.
-    const uint32_t area = smem_base + L::O_STAGE_OFFSET + (wg * 4 + warp) * L::O_STAGE_WARP;
-    if (q4 == 0) bulk_wait_read<0>();
-    __syncwarp();
-    // stmatrix jj: matrix i (its rows named by lanes 8 i .. 8 i + 7) is columns 8 j .. 8 j + 7, j = 2 jj + i / 2,
-    // of rows h = i % 2
-    const uint32_t at = area + lane % 8 * (2 * L::O_ROW + 16) + lane / 8 % 2 * L::O_ROW + lane / 16 * 16;
+    // every row of the warp inside the request (the vote, uniform by construction, shares the register
+    // stores' row test; prow_w + 16 <= rows_total spilled in the heaviest variant)
+    if (p.o_tma && __all_sync(0xffffffff, prow0 + 8 < w.rows_total)) {
+      // The warp's 16 rows are 16 / group tokens times the group's q heads: in o [tokens, q heads, dim] a 3-D box
+      // {64 columns, group heads, 16 / group tokens} (the map tma_o), row-major as the packed rows. stmatrix
+      // writes them into the warp's staging area as the box lies in shared memory, 128B-swizzled: block b of
+      // 16 rows x 128 bytes, 16-byte chunk c of row r at (c ^ r % 8) * 16, so the 8 rows of a matrix hit
+      // distinct banks; then one lane issues a store a block. Ordering, within the warp alone: lane 0 waits
+      // until its previous stores have read the area (normally long done), __syncwarp, every lane writes,
+      // fence.proxy.async makes the generic writes visible to the stores (async proxy), __syncwarp, lane 0
+      // stores. run() waits for the last stores before the CTA exits.
+      const uint32_t area = smem_base + L::O_STAGE_OFFSET + (wg * 4 + warp) * L::O_STAGE_WARP;
+      // stmatrix jj: matrix i (its rows named by lanes 8 i .. 8 i + 7: row lane % 16 of the warp's) is columns
+      // 8 j .. 8 j + 7, j = 2 jj + i / 2, of rows 8 h .. 8 h + 7, h = i % 2: the lane's chunk is j % 8 =
+      // 2 (jj % 4) + lane / 16 of block jj / 4, swizzled by its row's lane % 8
+      const int swz = lane / 16 ^ lane % 8;
+      if (lane == 0) bulk_wait_read<0>();
+      __syncwarp();
 #pragma unroll
-    for (int jj = 0; jj < C::HEAD_DIM / 16; ++jj) {
-      uint32_t r[4];
+      for (int jj = 0; jj < C::HEAD_DIM / 16; ++jj) {
+        uint32_t r[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int j = 2 * jj + i / 2, h = i % 2;
-        r[i] = pack2<typename C::DTypeO>(value(4 * j + 2 * h, h), value(4 * j + 2 * h + 1, h));
+        for (int i = 0; i < 4; ++i) {
+          const int j = 2 * jj + i / 2, h = i % 2;
+          r[i] = pack2<typename C::DTypeO>(value(4 * j + 2 * h, h), value(4 * j + 2 * h + 1, h));
+        }
+        stmatrix_x4(area + lane % 16 * 128 + jj / 4 * L::O_STAGE_BLOCK + (2 * (jj % 4) ^ swz) * 16, r[0], r[1], r[2],
+                    r[3]);
       }
-      stmatrix_x4(at + jj * 32, r[0], r[1], r[2], r[3]);
-    }
-    fence_proxy_async();
-    __syncwarp();
-    if (q4 == 0) {
+      fence_proxy_async();
+      __syncwarp();
+      if (lane == 0) {
+        const FastDiv group = group_of(p);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int prow = prow0 + 8 * h;
-        if (prow >= w.rows_total) continue;
-        const int64_t row = o_row(prow);
-        bulk_store(p.o + row * C::HEAD_DIM, area + lane / 4 * (2 * L::O_ROW + 16) + h * L::O_ROW, L::O_ROW);
-        if (p.lse != nullptr) p.lse[row] = lse(h);
+        for (int b = 0; b < L::BLOCKS; ++b)
+          tma_store_3d(&p.tma_o, area + b * L::O_STAGE_BLOCK, 64 * b, w.kv_head * group.d,
+                       w.token0 + group.div(prow_w));
+        bulk_commit();
       }
-      bulk_commit();
-    }
-  } else {
+      if (q4 == 0 && p.lse != nullptr) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int prow = prow0 + 8 * h;
-      if (prow >= w.rows_total) continue;
-      const int64_t row = o_row(prow);
-      typename C::DTypeO* dst = p.o + row * C::HEAD_DIM + 2 * q4;
-#pragma unroll
-      for (int j = 0; j < C::HEAD_DIM / 8; ++j)
-        *reinterpret_cast<uint32_t*>(dst + 8 * j) =
-            pack2<typename C::DTypeO>(value(4 * j + 2 * h, h), value(4 * j + 2 * h + 1, h));
-      if (q4 == 0 && p.lse != nullptr) p.lse[row] = lse(h);
+        for (int h = 0; h < 2; ++h) p.lse[o_row(prow0 + 8 * h)] = lse(h);
+      }
+      return;
     }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int prow = prow0 + 8 * h;
+    if (prow >= w.rows_total) continue;
+    const int64_t row = o_row(prow);
+    typename C::DTypeO* dst = p.o + row * C::HEAD_DIM + 2 * q4;
+#pragma unroll
+    for (int j = 0; j < C::HEAD_DIM / 8; ++j)
+      *reinterpret_cast<uint32_t*>(dst + 8 * j) =
+          pack2<typename C::DTypeO>(value(4 * j + 2 * h, h), value(4 * j + 2 * h + 1, h));
+    if (q4 == 0 && p.lse != nullptr) p.lse[row] = lse(h);
   }
 }
 
@@ -710,7 +749,10 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   if (n == 0) {  // no tile: O = 0 and lse = -inf (after the pending item, on its own)
     mbarrier_arrive(bars.q_empty(qb));
     if (pd.active) flush<C>(p, pd, o, pa, smem, smem_base, bars, wg);
-    write_rows<C>(p, w, o, rs.m, rs.l, smem_base, wg);  // l = 0: zeros, whatever O holds
+    // O = 0, l = 0. Not o zeroed: it holds the last item's rows (or nothing yet), and ordinary writes to the
+    // accumulator made ptxas serialize the wgmmas (C7515)
+    const float zeros[C::HEAD_DIM / 2] = {};
+    write_rows<C>(p, w, zeros, rs.m, rs.l, smem_base, wg);
     return;
   }
   float sc[C::TILE_KV / 2], o_scale[2];
@@ -779,7 +821,7 @@ __device__ __forceinline__ void run(const Params& p) {
   const uint32_t raw = smem_u32(smem_raw), base = (raw + 1023) & ~1023u;  // swizzle atoms need 1024 alignment
   uint8_t* smem = smem_raw + (base - raw);
   const Barriers<C> bars{base + L::BAR_OFFSET};
-  if (threadIdx.x == 0) bars.init();
+  if (threadIdx.x == 0) bars.init(p.q_tma);
   __syncthreads();
 
   // the warpgroup through a shuffle from lane 0 (C::UNIFORM_WG): the compiler then knows it is warp-uniform and
@@ -793,13 +835,13 @@ __device__ __forceinline__ void run(const Params& p) {
       else if (threadIdx.x < 64)
         gather_kv<C>(smem, p, p.v, base + L::V_OFFSET, &Barriers<C>::full_v, &Barriers<C>::empty_v, bars);
       else
-        produce_q<C>(p, smem, bars);
+        produce_q_warps<C>(p, smem, bars);
     } else if (threadIdx.x < 32)
       produce_kv<C>(smem, &p.tma_k, base + L::K_OFFSET, &Barriers<C>::full_k, &Barriers<C>::empty_k, bars);
     else if (threadIdx.x < 64)
       produce_kv<C>(smem, &p.tma_v, base + L::V_OFFSET, &Barriers<C>::full_v, &Barriers<C>::empty_v, bars);
     else
-      produce_q<C>(p, smem, bars);
+      produce_q_warps<C>(p, smem, bars);
   } else {
     setmaxnreg_inc<C::CONSUMER_REGS>();
     const Work* slots = reinterpret_cast<const Work*>(smem + L::WORK_OFFSET);
@@ -818,7 +860,7 @@ __device__ __forceinline__ void run(const Params& p) {
       it += w.num_tiles;
     }
     if (pd.active) flush<C>(p, pd, o, pa, smem, base, bars, wg - 1);
-    if constexpr (C::O_STAGED) bulk_wait<0>();  // the last rows' copies, before the CTA's shared memory goes away
+    if constexpr (C::O_STAGED) bulk_wait<0>();  // the last rows' TMA stores, before the CTA's shared memory goes away
     sched.finish();
   }
 }

@@ -74,12 +74,24 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-// Bulk stores (the TMA engine, no tensor map): `bytes` (a multiple of 16; both addresses 16-byte aligned) from
-// shared to global memory, in the issuing thread's bulk async-group. commit closes the group; wait_read<N>
-// returns once at most N of the thread's groups still read shared memory (their source may then be rewritten),
-// wait<N> once at most N are incomplete (the writes done: before the CTA exits).
-__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+// box at (c0, c1, c2) (innermost first) of a 3-D map into shared memory, completing on `bar`
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// Bulk tensor stores (the TMA engine): the box at (c0, c1, c2) (innermost first) of a 3-D map from shared memory,
+// laid out as the map's swizzle says (1024-byte aligned for 128B), in the issuing thread's bulk async-group; box
+// elements outside the tensor are not written. commit closes the group; wait_read<N> returns once at most N of
+// the thread's groups still read shared memory (their source may then be rewritten), wait<N> once at most N are
+// incomplete (the writes done: before the CTA exits).
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>
