@@ -21,9 +21,11 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool fil
   const int src_bytes = fill_zero ? 0 : 16;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
 }
-// 16-byte global->shared copy of a source that is always read
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+// 16-byte global->shared copy issued only where `issue` holds: a guard predicate on the instruction, no branch;
+// where it fails neither the source nor the destination is touched (the address may be anything)
+__device__ __forceinline__ void cp_async_16_if(void* dst, const void* src, bool issue) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(int(issue)));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

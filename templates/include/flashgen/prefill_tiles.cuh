@@ -168,43 +168,44 @@ struct KVPipeline {
 
   // one chunk at a time: jobs dealt out over the CTA (rows that do not split evenly over the threads)
   template <int CHUNKS, bool IS_V>
-  __device__ __forceinline__ void copy_jobs(DTypeKV* dst, const DTypeKV* head, const int64_t* offsets) const {
+  __device__ __forceinline__ void copy_jobs(DTypeKV* dst, const DTypeKV* head, const int64_t* offsets, bool live) const {
 #pragma unroll 4
     for (int job = threadIdx.x; job < L::TILE_KV * CHUNKS; job += L::THREADS) {
       const int r = job / CHUNKS, c = job % CHUNKS;
       const int64_t off = IS_V ? v_offset(offsets[slot(r)]) : offsets[slot(r)];
-      cp_async_16(dst + tile_index(r, c, CHUNKS), reinterpret_cast<const char*>(head) + off + c * 16);
+      cp_async_16_if(dst + tile_index(r, c, CHUNKS), reinterpret_cast<const char*>(head) + off + c * 16, live);
     }
   }
 
-  // cp.async of one tile's K and V (one commit group; an empty group past the end keeps the counting uniform)
+  // cp.async of one tile's K and V, one commit group. Past the end (tile >= num_tiles) every copy is predicated
+  // off rather than branched around: the group is committed empty, so the wait_group counts stay uniform, and
+  // the ring slot read is stale (tile - 2's offsets) or never written, so those addresses are formed but not used
   __device__ __forceinline__ void issue(int tile) const {
-    if (tile < src.num_tiles) {
-      const int64_t* offsets = row_offsets + (tile & 1) * L::TILE_KV;
-      if constexpr (BY_ROWS) {
-        const int r0 = threadIdx.x / L::K_CHUNKS, c = threadIdx.x % L::K_CHUNKS;
-        int64_t off[PASSES];
+    const bool live = tile < src.num_tiles;
+    const int64_t* offsets = row_offsets + (tile & 1) * L::TILE_KV;
+    if constexpr (BY_ROWS) {
+      const int r0 = threadIdx.x / L::K_CHUNKS, c = threadIdx.x % L::K_CHUNKS;
+      int64_t off[PASSES];
 #pragma unroll
-        for (int i = 0; i < PASSES / 2; ++i) {
-          const longlong2 two = reinterpret_cast<const longlong2*>(offsets + r0 * PASSES)[i];
-          off[2 * i] = two.x, off[2 * i + 1] = two.y;
-        }
-        const char* k = chunk_base(src.k_head, c);
-        DTypeKV* kd = k_tile(tile);
-#pragma unroll
-        for (int i = 0; i < PASSES; ++i) cp_async_16(kd + pass_index<L::K_CHUNKS>(r0, c, i), k + off[i]);
-        if constexpr (V_SAME) {
-          const char* v = chunk_base(src.v_head, c);
-          DTypeKV* vd = v_tile(tile);
-#pragma unroll
-          for (int i = 0; i < PASSES; ++i) cp_async_16(vd + pass_index<L::V_CHUNKS>(r0, c, i), v + off[i]);
-        } else {
-          copy_jobs<L::V_CHUNKS, true>(v_tile(tile), src.v_head, offsets);
-        }
-      } else {
-        copy_jobs<L::K_CHUNKS, false>(k_tile(tile), src.k_head, offsets);
-        copy_jobs<L::V_CHUNKS, true>(v_tile(tile), src.v_head, offsets);
+      for (int i = 0; i < PASSES / 2; ++i) {
+        const longlong2 two = reinterpret_cast<const longlong2*>(offsets + r0 * PASSES)[i];
+        off[2 * i] = two.x, off[2 * i + 1] = two.y;
       }
+      const char* k = chunk_base(src.k_head, c);
+      DTypeKV* kd = k_tile(tile);
+#pragma unroll
+      for (int i = 0; i < PASSES; ++i) cp_async_16_if(kd + pass_index<L::K_CHUNKS>(r0, c, i), k + off[i], live);
+      if constexpr (V_SAME) {
+        const char* v = chunk_base(src.v_head, c);
+        DTypeKV* vd = v_tile(tile);
+#pragma unroll
+        for (int i = 0; i < PASSES; ++i) cp_async_16_if(vd + pass_index<L::V_CHUNKS>(r0, c, i), v + off[i], live);
+      } else {
+        copy_jobs<L::V_CHUNKS, true>(v_tile(tile), src.v_head, offsets, live);
+      }
+    } else {
+      copy_jobs<L::K_CHUNKS, false>(k_tile(tile), src.k_head, offsets, live);
+      copy_jobs<L::V_CHUNKS, true>(v_tile(tile), src.v_head, offsets, live);
     }
     cp_async_commit();
   }
