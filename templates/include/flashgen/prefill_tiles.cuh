@@ -212,11 +212,19 @@ struct KVPipeline {
     }
   }
 
-  // cp.async of one tile's K and V, one commit group. Past the end (tile >= num_tiles) every copy is predicated
-  // off rather than branched around: the group is committed empty, so the wait_group counts stay uniform, and
-  // the addresses (paged: the ring slot holds tile - 2's offsets or was never written) are formed but not used
+  // cp.async of one tile's K and V, one commit group. Past the end (tile >= num_tiles) the group is committed
+  // empty, so the wait_group counts stay uniform. Ragged: every copy is predicated off rather than branched around
+  // (the addresses are formed but not used). Paged: a branch, as its copies wait on the ring's loads anyway;
+  // predicated, the live flag and the 8 offsets held together spilled the custom mask + ALiBi kernel (paged 64,
+  // fp16: 8 bytes on sm_90a)
   __device__ __forceinline__ void issue(int tile) const {
     const bool live = tile < src.num_tiles;
+    if constexpr (C::PAGED) {
+      if (!live) {
+        cp_async_commit();
+        return;
+      }
+    }
     if constexpr (BY_ROWS) {
       const int r0 = threadIdx.x / L::K_CHUNKS, c = threadIdx.x % L::K_CHUNKS;
       int64_t off[PASSES];
