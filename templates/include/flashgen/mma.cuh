@@ -21,9 +21,22 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool fil
   const int src_bytes = fill_zero ? 0 : 16;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
 }
-// 16-byte global->shared copy of a source that is always read
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+// 16-byte global->shared copy to OFFSET bytes past shared address dst (an immediate of the instruction), issued
+// only where `issue` holds: a guard predicate on the instruction, no branch; where it fails neither the source
+// nor the destination is touched (the address may be anything). L2::128B: the L2 fetches the whole 128-byte
+// line (a K/V row's chunks are copied by neighbouring threads, so the line is wanted whole)
+template <int OFFSET>
+__device__ __forceinline__ void cp_async_16_if(uint32_t dst, const void* src, bool issue) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global.L2::128B [%0+%3], [%1], 16;\n}\n"
+               ::"r"(dst), "l"(src), "r"(int(issue)), "n"(OFFSET));
+}
+// ... and with fill_zero the destination is zeroed and the source ignored (not read: the address may be past the
+// end of the tensor)
+template <int OFFSET>
+__device__ __forceinline__ void cp_async_16_if(uint32_t dst, const void* src, bool issue, bool fill_zero) {
+  asm volatile("{\n .reg .pred p, z;\n setp.ne.b32 p, %2, 0;\n setp.ne.b32 z, %3, 0;\n"
+               " @p cp.async.cg.shared.global.L2::128B [%0+%4], [%1], 16, z;\n}\n"
+               ::"r"(dst), "l"(src), "r"(int(issue)), "r"(int(fill_zero)), "n"(OFFSET));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

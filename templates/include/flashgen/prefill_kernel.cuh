@@ -54,8 +54,9 @@ __device__ __forceinline__ void run(const Params& p) {
   __shared__ TileRows tr_saved;
   __shared__ int request_saved, chunk_saved;
   if (threadIdx.x == 0) {
-    src = KVSource<C>{KVRows<C::PAGED, C::PAGE_SIZE>(p, request), p.k + int64_t(kv_head) * p.stride_head,
-                      p.v + KVPipeline<C>::v_offset(int64_t(kv_head) * p.stride_head), tiles, kv_lo, kv_hi,
+    const KVRows<C::PAGED, C::PAGE_SIZE> rows(p, request);
+    const int64_t head_row0 = int64_t(kv_head) * p.stride_head + rows.offset(0, 0);  // ragged: + first row
+    src = KVSource<C>{rows, p.k + head_row0, p.v + KVPipeline<C>::v_offset(head_row0), tiles, kv_lo, kv_hi,
                       num_tiles};
     ri.mi = MaskInfo{kv_hi, q_base, qo_len, kv_len, p.window_left, p.custom_mask,
                      C::CUSTOM_MASK ? p.mask_offset[request] : 0};
@@ -79,16 +80,21 @@ __device__ __forceinline__ void run(const Params& p) {
   const KVPipeline<C> pipe{src, reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET),
                            reinterpret_cast<DTypeKV*>(smem + L::V_OFFSET),
                            reinterpret_cast<int64_t*>(smem + L::ROW_OFFSETS)};
-  // prologue: tiles 0 .. S-2 in flight, offsets of tile S-1 stored, page ids of tile S in registers
-  for (int tile = 0; tile < S - 1; ++tile) {
-    pipe.store_offset(tile, pipe.page_of(tile));
-    __syncthreads();
-    pipe.issue(tile);
+  // prologue: tiles 0 .. S-2 in flight; paged: offsets of tile S-1 stored, page ids of tile S in registers
+  int32_t next_page = 0;
+  if constexpr (C::PAGED) {
+    for (int tile = 0; tile < S - 1; ++tile) {
+      pipe.store_offset(tile, pipe.page_of(tile));
+      __syncthreads();
+      pipe.issue(tile);
+    }
+    pipe.store_offset(S - 1, pipe.page_of(S - 1));
+    next_page = pipe.page_of(S);
+  } else {
+    for (int tile = 0; tile < S - 1; ++tile) pipe.issue(tile);
   }
-  pipe.store_offset(S - 1, pipe.page_of(S - 1));
-  int32_t next_page = pipe.page_of(S);
 
-  // Q fragments (RoPE: the prologue's barrier made the Q tile visible; else Q landed with the first KV tile)
+  // Q fragments (RoPE: the barrier after load_q made the Q tile visible; else Q landed with the first KV tile)
   uint32_t q_regs[MQ][QR][4];
   if constexpr (C::Q_IN_REGS) {
     if constexpr (!C::ROPE) {
@@ -142,10 +148,12 @@ __device__ __forceinline__ void run(const Params& p) {
     if constexpr (C::ROPE) ri.store_stats(m, l);
     accumulate_pv<C>(o, s, pipe.v_tile(tile), lane);
     if constexpr (!C::ROPE) ri.store_stats(m, l);
-    // the row offsets of tile + S into the ring slot issue(tile) read; issue(tile + S) reads them after the next
-    // barrier, and every warp is past issue(tile) (it ran before this iteration's barrier)
-    pipe.store_offset(tile + S, next_page);
-    next_page = pipe.page_of(tile + S + 1);
+    // paged: the row offsets of tile + S into the ring slot issue(tile) read; issue(tile + S) reads them after
+    // the next barrier, and every warp is past issue(tile) (it ran before this iteration's barrier)
+    if constexpr (C::PAGED) {
+      pipe.store_offset(tile + S, next_page);
+      next_page = pipe.page_of(tile + S + 1);
+    }
   }
   cp_async_wait<0>();
   float m[MQ][2], l[MQ][2];

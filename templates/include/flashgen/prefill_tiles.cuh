@@ -26,7 +26,7 @@ struct Layout {
   static constexpr int V_STAGE = TILE_KV * DV * int(sizeof(DTypeKV));
   static constexpr int K_OFFSET = Q_BYTES;
   static constexpr int V_OFFSET = K_OFFSET + C::STAGES * K_STAGE;
-  static constexpr int ROW_OFFSETS = V_OFFSET + C::STAGES * V_STAGE;
+  static constexpr int ROW_OFFSETS = V_OFFSET + C::STAGES * V_STAGE;  // the paged ring (ragged: unused)
   static constexpr int TOTAL = ROW_OFFSETS + 2 * TILE_KV * 8;
   static_assert(TOTAL == C::SMEM_BYTES, "codegen and the kernel disagree on the shared-memory size");
   static_assert(Q_CHUNKS % 8 == 0 && K_CHUNKS % 8 == 0 && V_CHUNKS % 8 == 0, "rows of whole 128-byte lines (swizzle)");
@@ -95,7 +95,7 @@ __device__ __forceinline__ void load_q(const Params& p, typename C::DTypeQ* q_sm
 template <class C>
 struct KVSource {
   KVRows<C::PAGED, C::PAGE_SIZE> rows;
-  const typename C::DTypeKV* k_head;
+  const typename C::DTypeKV* k_head;  // the kv head's row 0 (ragged: the request's first row, rows.offset(0, 0))
   const typename C::DTypeKV* v_head;
   const int32_t* tiles;  // custom mask: the item's tile list
   int kv_lo, kv_hi, num_tiles;
@@ -108,18 +108,20 @@ struct KVSource {
   __device__ __forceinline__ int start(int e) const { return kv_lo + (e >> 1) * C::TILE_KV; }
 };
 
-// K/V tiles of positions [src.start(src.entry(t)), ...) clipped at kv_hi: a row past kv_hi copies row kv_hi - 1
-// (the mask hides it, and its P = 0 multiplies finite V), so every copy reads and none needs a zero fill.
-// Thread tid < TILE_KV owns row tid of every tile's offsets: its page id is loaded two tiles ahead. Offsets are
-// in bytes, so a copy's source is one 64-bit add to a per-thread base (no shift a copy).
+// K/V tiles of positions [src.start(src.entry(t)), ...) clipped at kv_hi. Paged: thread tid < TILE_KV owns row
+// tid of every tile's offsets in a two-slot ring in shared memory: its page id is loaded two tiles ahead, a row
+// past kv_hi copies row kv_hi - 1 (the mask hides it, and its P = 0 multiplies finite V). Ragged: no ring, the
+// copying thread computes its rows' offsets, pos * stride_token past the request's first row (k_head points
+// there), and rows past kv_hi are zero filled (source ignored; masked, and P = 0 times V = 0). Offsets are in bytes, so a copy's source is one 64-bit
+// add to a per-thread base (no shift a copy).
 template <class C>
 struct KVPipeline {
   using L = Layout<C>;
   using DTypeKV = typename C::DTypeKV;
   static_assert(sizeof(DTypeKV) == 2, "8 elements a 16-byte chunk");
-  // Whole K rows a pass: thread t copies chunk t % K_CHUNKS of rows t / K_CHUNKS + i * ROWS (i < PASSES). Its
-  // rows' offsets sit side by side in the ring (slot), so it reads them with PASSES / 2 16-byte loads, ahead of
-  // its copies; V reuses them when its rows have K's chunks.
+  // Whole K rows a pass: thread t copies chunk t % K_CHUNKS of rows t / K_CHUNKS + i * ROWS (i < PASSES). Paged:
+  // its rows' offsets sit side by side in the ring (slot), so it reads them with PASSES / 2 16-byte loads, ahead
+  // of its copies; V reuses them when its rows have K's chunks.
   static constexpr int ROWS = L::THREADS / L::K_CHUNKS, PASSES = L::TILE_KV / (ROWS > 0 ? ROWS : 1);
   static constexpr bool BY_ROWS = L::THREADS % L::K_CHUNKS == 0 && L::TILE_KV % ROWS == 0 && PASSES % 2 == 0;
   static constexpr bool V_SAME = BY_ROWS && L::V_CHUNKS == L::K_CHUNKS;
@@ -127,7 +129,7 @@ struct KVPipeline {
   const KVSource<C>& src;  // in shared memory
   DTypeKV* k_smem;
   DTypeKV* v_smem;
-  int64_t* row_offsets;  // [2][TILE_KV] byte offsets of K rows, row r at slot(r)
+  int64_t* row_offsets;  // paged: [2][TILE_KV] byte offsets of K rows, row r at slot(r)
 
   static __device__ __forceinline__ int slot(int r) {
     if constexpr (BY_ROWS) return (r % ROWS) * PASSES + r / ROWS;
@@ -138,10 +140,12 @@ struct KVPipeline {
     return min(src.start(src.entry(tile)) + int(threadIdx.x), src.kv_hi - 1);
   }
   __device__ __forceinline__ int32_t page_of(int tile) const {
+    static_assert(C::PAGED, "the ring is the paged layout's");
     if (threadIdx.x >= L::TILE_KV || tile >= src.num_tiles) return 0;
     return src.rows.page(row_pos(tile));
   }
   __device__ __forceinline__ void store_offset(int tile, int32_t page_id) const {
+    static_assert(C::PAGED, "the ring is the paged layout's");
     if (threadIdx.x >= L::TILE_KV || tile >= src.num_tiles) return;
     row_offsets[(tile & 1) * L::TILE_KV + slot(threadIdx.x)] =
         src.rows.offset(row_pos(tile), page_id) * int64_t(sizeof(DTypeKV));
@@ -156,55 +160,102 @@ struct KVPipeline {
   static __device__ __forceinline__ const char* chunk_base(const DTypeKV* base, int chunk) {
     return reinterpret_cast<const char*>(base) + chunk * 16;
   }
-  // element index of the chunk a thread copies on pass i (row r0 + i * ROWS, chunk c): with ROWS a multiple of 8
-  // the swizzle repeats every pass, so it is pass 0's index plus a constant (an immediate of the copy)
-  template <int CHUNKS>
-  static __device__ __forceinline__ int pass_index(int r0, int c, int i) {
-    if constexpr (ROWS % 8 == 0) return tile_index(r0, c, CHUNKS) + i * ROWS * CHUNKS * 8;
-    else return tile_index(r0 + i * ROWS, c, CHUNKS);
-  }
   __device__ __forceinline__ DTypeKV* k_tile(int tile) const { return k_smem + (tile % C::STAGES) * L::TILE_KV * L::D; }
   __device__ __forceinline__ DTypeKV* v_tile(int tile) const { return v_smem + (tile % C::STAGES) * L::TILE_KV * L::DV; }
 
+  // ragged: the tile's first position (a custom mask's list is not read past its end: a dead tile's copies are
+  // predicated off, so any position does) and the byte offset of K row pos
+  __device__ __forceinline__ int ragged_start(int tile, bool live) const { return src.start(live ? src.entry(tile) : 0); }
+  __device__ __forceinline__ int64_t ragged_offset(int pos) const {
+    return int64_t(pos) * (src.rows.stride_token * int64_t(sizeof(DTypeKV)));  // k_head is the request's row 0
+  }
+  // one chunk: predicated on the tile being live; ragged rows past kv_hi zero filled
+  template <int OFFSET = 0>
+  static __device__ __forceinline__ void copy(uint32_t dst, const char* from, bool live, bool past) {
+    if constexpr (C::PAGED) cp_async_16_if<OFFSET>(dst, from, live);
+    else cp_async_16_if<OFFSET>(dst, from, live, past);
+  }
+  // pass I (row r0 + I * ROWS, chunk c) of K (K_PART) and V (V_PART, rows with K's chunks), then the passes after
+  // it. With ROWS a multiple of 8 the swizzle repeats every pass, so a pass's shared address is pass 0's plus a
+  // constant, passed as an immediate of the copy (ptxas, short of registers, had rebuilt it a copy). Ragged copies
+  // K and V row I side by side, so a row's zero-fill predicate lives for two copies, not across 2 PASSES; paged
+  // all of K, then V (the order of the baseline register allocation: interleaved, custom mask + ALiBi spilled)
+  static constexpr int K_PART = 1, V_PART = 2;
+  template <int PARTS, int I = 0>
+  __device__ __forceinline__ void copy_passes(DTypeKV* kt, DTypeKV* vt, int r0, int c, const char* k, const char* v,
+                                              const int64_t (&off)[PASSES], bool live, int left) const {
+    const bool past = I * ROWS >= left;
+    if constexpr (ROWS % 8 != 0) {
+      if constexpr (PARTS & K_PART) copy(smem_addr(kt + tile_index(r0 + I * ROWS, c, L::K_CHUNKS)), k + off[I], live, past);
+      if constexpr (PARTS & V_PART) copy(smem_addr(vt + tile_index(r0 + I * ROWS, c, L::V_CHUNKS)), v + off[I], live, past);
+    } else {
+      if constexpr (PARTS & K_PART)
+        copy<I * ROWS * L::K_CHUNKS * 16>(smem_addr(kt + tile_index(r0, c, L::K_CHUNKS)), k + off[I], live, past);
+      if constexpr (PARTS & V_PART)
+        copy<I * ROWS * L::V_CHUNKS * 16>(smem_addr(vt + tile_index(r0, c, L::V_CHUNKS)), v + off[I], live, past);
+    }
+    if constexpr (I + 1 < PASSES) copy_passes<PARTS, I + 1>(kt, vt, r0, c, k, v, off, live, left);
+  }
+
   // one chunk at a time: jobs dealt out over the CTA (rows that do not split evenly over the threads)
   template <int CHUNKS, bool IS_V>
-  __device__ __forceinline__ void copy_jobs(DTypeKV* dst, const DTypeKV* head, const int64_t* offsets) const {
+  __device__ __forceinline__ void copy_jobs(DTypeKV* dst, const DTypeKV* head, int tile, bool live) const {
+    const int64_t* offsets = row_offsets + (tile & 1) * L::TILE_KV;
+    const int t0 = C::PAGED ? 0 : ragged_start(tile, live);
 #pragma unroll 4
     for (int job = threadIdx.x; job < L::TILE_KV * CHUNKS; job += L::THREADS) {
       const int r = job / CHUNKS, c = job % CHUNKS;
-      const int64_t off = IS_V ? v_offset(offsets[slot(r)]) : offsets[slot(r)];
-      cp_async_16(dst + tile_index(r, c, CHUNKS), reinterpret_cast<const char*>(head) + off + c * 16);
+      const int64_t k_off = C::PAGED ? offsets[slot(r)] : ragged_offset(t0 + r);
+      const int64_t off = IS_V ? v_offset(k_off) : k_off;
+      copy(smem_addr(dst + tile_index(r, c, CHUNKS)), reinterpret_cast<const char*>(head) + off + c * 16, live,
+           t0 + r >= src.kv_hi);
     }
   }
 
-  // cp.async of one tile's K and V (one commit group; an empty group past the end keeps the counting uniform)
+  // cp.async of one tile's K and V, one commit group. Past the end (tile >= num_tiles) the group is committed
+  // empty, so the wait_group counts stay uniform. Ragged: every copy is predicated off rather than branched around
+  // (the addresses are formed but not used). Paged: a branch, as its copies wait on the ring's loads anyway;
+  // predicated, the live flag and the 8 offsets held together spilled the custom mask + ALiBi kernel (paged 64,
+  // fp16: 8 bytes on sm_90a)
   __device__ __forceinline__ void issue(int tile) const {
-    if (tile < src.num_tiles) {
-      const int64_t* offsets = row_offsets + (tile & 1) * L::TILE_KV;
-      if constexpr (BY_ROWS) {
-        const int r0 = threadIdx.x / L::K_CHUNKS, c = threadIdx.x % L::K_CHUNKS;
-        int64_t off[PASSES];
+    const bool live = tile < src.num_tiles;
+    if constexpr (C::PAGED) {
+      if (!live) {
+        cp_async_commit();
+        return;
+      }
+    }
+    if constexpr (BY_ROWS) {
+      const int r0 = threadIdx.x / L::K_CHUNKS, c = threadIdx.x % L::K_CHUNKS;
+      int64_t off[PASSES];
+      int left = L::TILE_KV;  // ragged: pass i's row is past kv_hi when i * ROWS >= left
+      if constexpr (C::PAGED) {
+        const int64_t* offsets = row_offsets + (tile & 1) * L::TILE_KV;
 #pragma unroll
         for (int i = 0; i < PASSES / 2; ++i) {
           const longlong2 two = reinterpret_cast<const longlong2*>(offsets + r0 * PASSES)[i];
           off[2 * i] = two.x, off[2 * i + 1] = two.y;
         }
-        const char* k = chunk_base(src.k_head, c);
-        DTypeKV* kd = k_tile(tile);
-#pragma unroll
-        for (int i = 0; i < PASSES; ++i) cp_async_16(kd + pass_index<L::K_CHUNKS>(r0, c, i), k + off[i]);
-        if constexpr (V_SAME) {
-          const char* v = chunk_base(src.v_head, c);
-          DTypeKV* vd = v_tile(tile);
-#pragma unroll
-          for (int i = 0; i < PASSES; ++i) cp_async_16(vd + pass_index<L::V_CHUNKS>(r0, c, i), v + off[i]);
-        } else {
-          copy_jobs<L::V_CHUNKS, true>(v_tile(tile), src.v_head, offsets);
-        }
       } else {
-        copy_jobs<L::K_CHUNKS, false>(k_tile(tile), src.k_head, offsets);
-        copy_jobs<L::V_CHUNKS, true>(v_tile(tile), src.v_head, offsets);
+        const int pos0 = ragged_start(tile, live) + r0;
+        const int64_t o0 = ragged_offset(pos0), step = ragged_offset(ROWS);
+        left = src.kv_hi - pos0;
+#pragma unroll
+        for (int i = 0; i < PASSES; ++i) off[i] = o0 + i * step;
       }
+      DTypeKV *kt = k_tile(tile), *vt = v_tile(tile);
+      if constexpr (C::PAGED || !V_SAME) {
+        // V's base loaded after K's copies: loaded ahead, it held two registers over them (custom mask spilled)
+        copy_passes<K_PART>(kt, vt, r0, c, chunk_base(src.k_head, c), nullptr, off, live, left);
+        if constexpr (V_SAME) copy_passes<V_PART>(kt, vt, r0, c, nullptr, chunk_base(src.v_head, c), off, live, left);
+      } else {
+        copy_passes<K_PART | V_PART>(kt, vt, r0, c, chunk_base(src.k_head, c), chunk_base(src.v_head, c), off, live,
+                                     left);
+      }
+      if constexpr (!V_SAME) copy_jobs<L::V_CHUNKS, true>(v_tile(tile), src.v_head, tile, live);
+    } else {
+      copy_jobs<L::K_CHUNKS, false>(k_tile(tile), src.k_head, tile, live);
+      copy_jobs<L::V_CHUNKS, true>(v_tile(tile), src.v_head, tile, live);
     }
     cp_async_commit();
   }
