@@ -112,8 +112,8 @@ struct KVSource {
 // tid of every tile's offsets in a two-slot ring in shared memory: its page id is loaded two tiles ahead, a row
 // past kv_hi copies row kv_hi - 1 (the mask hides it, and its P = 0 multiplies finite V). Ragged: no ring, the
 // copying thread computes its rows' offsets, pos * stride_token past the request's first row (k_head points
-// there), and rows past kv_hi are zero filled (source ignored; masked, and P = 0 times V = 0). Offsets are in bytes, so a copy's source is one 64-bit
-// add to a per-thread base (no shift a copy).
+// there), and rows past kv_hi are zero filled (source ignored; masked, and P = 0 times V = 0). Offsets are in
+// bytes, so a copy's source is one 64-bit add to a per-thread base (no shift a copy).
 template <class C>
 struct KVPipeline {
   using L = Layout<C>;
