@@ -776,9 +776,12 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   if (pd.active) pending_done<C>(p, pd, o, smem_base, bars, wg);
   softmax<C>(sc, rs, o_scale, lg, masked(t0, partial), t0, bits);
   pack_p<C>(pa, sc);
+  // K of the next tile is waited for one step early, between the softmax and the wait for P V (below): the wait
+  // loop is a block boundary that ptxas does not hoist the P V wait across. With the K wait at the loop top,
+  // ptxas moved wgmma.wait_group 0 up to the start of the softmax, so no ex2 ran under the warpgroup's own P V.
+  if (n > 1) wait_kv<C>(bars.full_k(stage(1)), phase(1));
   for (int t = 1; t < n; ++t) {
     next_tile(t);
-    wait_kv<C>(bars.full_k(stage(t)), phase(t));
     wait_kv<C>(bars.full_v(stage(t - 1)), phase(t - 1));
     sched.wait_turn();
     issue_qk<C>(sc, q_wg, k_base + stage(t) * L::KV_STAGE);
@@ -792,6 +795,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     mbarrier_arrive(bars.empty_k(stage(t)));
     if (t == n - 1) mbarrier_arrive(bars.q_empty(qb));
     softmax<C>(sc, rs, o_scale, lg, masked(t0, partial), t0, bits);
+    if (t + 1 < n) wait_kv<C>(bars.full_k(stage(t + 1)), phase(t + 1));  // see above the loop
     wgmma_wait<0>();
     fence_operands(o);
     fence_operands(pa);
