@@ -13,6 +13,7 @@ _flush: torch.Tensor | None = None
 # L2 is left full of dirty lines, which the timed call's reads then evict and write back), "read" (sum a 1 GiB
 # buffer: L2 is left full of clean lines) or "none" (no flush).
 FLUSH = "write"
+WARMUP_MS = 30.0  # GPU time spent in untimed calls before the timed ones (at most 500 calls)
 
 
 def timed(fn, reps: int) -> float:
@@ -22,8 +23,16 @@ def timed(fn, reps: int) -> float:
     global _flush
     if _flush is None:
         _flush = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # Warm-up by GPU time, not by count: the first configuration timed after seconds of host work (planning,
+    # building page tables) otherwise ran 2-4 % slow while the clocks came back up (session 8, ab_trees.sh).
+    warm_ms, calls = 0.0, 0
+    while (warm_ms < WARMUP_MS and calls < 500) or calls < 2:
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        warm_ms, calls = warm_ms + start.elapsed_time(end), calls + 1
     times = []
     for _ in range(reps):
         if FLUSH == "write":
