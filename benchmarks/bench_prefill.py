@@ -6,8 +6,10 @@ specs the sm90 kernel supports), each its own labelled row: ``flashgen-portable`
 
 bf16, 32 q heads / 8 kv heads, head_dim 64/128/256, 16k tokens as batch x seqlen (1x16384, 4x4096, 16x1024),
 causal and not, KV ragged or paged (page 16 and 1, pages in random order); for head_dim 128 also a sliding
-window of 1024 and a document mask (8 causal documents per sequence, as a custom bit mask). Every timed call
-follows an L2 flush (256 MB zeroed); the median of --reps calls is reported as TFLOP/s (4·b·h·sq·sk·d, halved
+window of 1024 and a document mask (8 causal documents per sequence, as a custom bit mask). The peers of a row
+(one shape and mask) are set up first, then timed round-robin, so that they meet the same clocks (the H200's
+drift by 5-10 % under sustained load). Every timed call follows an L2 flush (1 GiB zeroed); the median of --reps
+calls is reported as TFLOP/s (4·b·h·sq·sk·d, halved
 for causal; visible pairs for window and document masks) and % of the bf16 matmul rate (8192³) measured in
 the same run. FlexAttention's compile time is reported separately. Output: JSON, markdown table, PNG.
 
@@ -29,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
-from timing import commit, matmul_rate, pyplot, save_results, timed  # noqa: E402
+from timing import commit, matmul_rate, pyplot, save_results, timed_interleaved  # noqa: E402
 from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError  # noqa: E402
 from flashgen.codegen import family  # noqa: E402
 
@@ -71,7 +73,7 @@ def spec_for(d: int, layout: str, mask: str) -> AttentionSpec:
     return AttentionSpec(d, kv_layout=kv_layout, mask=m)
 
 
-def bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, reps, backend):
+def bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, backend):
     spec = spec_for(d, layout, mask)
     wrapper = flashgen.BatchPrefillWrapper(spec, backend=backend)
     indptr = np.arange(batch + 1) * seqlen
@@ -93,10 +95,10 @@ def bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, reps, backend):
         kv = (kp, vp)
     wrapper.plan(qo_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV, custom_mask=custom, **table)
     out = torch.empty_like(q)
-    return timed(lambda: wrapper.run(q, kv, out=out), reps)
+    return lambda: wrapper.run(q, kv, out=out)
 
 
-def bench_sdpa(q, k, v, batch, seqlen, d, causal, backend, reps):
+def bench_sdpa(q, k, v, batch, seqlen, d, causal, backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     kind = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
@@ -105,13 +107,13 @@ def bench_sdpa(q, k, v, batch, seqlen, d, causal, backend, reps):
     def call():
         with sdpa_kernel(kind):
             torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=causal, enable_gqa=True)
-    return timed(call, reps)
+    return call
 
 
 _flex = None
 
 
-def bench_flex(q, k, v, batch, seqlen, d, mask, reps) -> tuple[float, float]:
+def bench_flex(q, k, v, batch, seqlen, d, mask):
     global _flex
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -132,10 +134,10 @@ def bench_flex(q, k, v, batch, seqlen, d, mask, reps) -> tuple[float, float]:
     _flex(q4, k4, v4, block_mask=block_mask, enable_gqa=True)
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - start
-    return timed(lambda: _flex(q4, k4, v4, block_mask=block_mask, enable_gqa=True), reps), compile_s
+    return (lambda: _flex(q4, k4, v4, block_mask=block_mask, enable_gqa=True)), {"compile_s": compile_s}
 
 
-def bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, reps, backend="fa2"):
+def bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, backend="fa2"):
     import flashinfer
 
     ws = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
@@ -145,7 +147,7 @@ def bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, reps, backend
         w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
         w.plan(indptr.cuda(), indptr.cuda(), HQ, HKV, d, causal=causal, window_left=window,
                q_data_type=torch.bfloat16)
-        return timed(lambda: w.run(q, k, v), reps)
+        return lambda: w.run(q, k, v)
     page = int(layout[5:])
     pages = batch * seqlen // page
     perm = torch.randperm(pages, generator=gen)
@@ -156,7 +158,7 @@ def bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, reps, backend
     w.plan(indptr.cuda(), (torch.arange(batch + 1, dtype=torch.int32) * (seqlen // page)).cuda(),
            perm.to(torch.int32).cuda(), torch.full((batch,), page, dtype=torch.int32).cuda(), HQ, HKV, d, page,
            causal=causal, window_left=window, q_data_type=torch.bfloat16)
-    return timed(lambda: w.run(q, kv), reps)
+    return lambda: w.run(q, kv)
 
 
 def grid(args):
@@ -219,14 +221,17 @@ def main() -> None:
             tf = flops / us / 1e6
             rows.append({"peer": peer, "head_dim": d, "batch": batch, "seqlen": seqlen, "mask": mask, "layout": layout,
                          "us": us, "TFLOPs": tf, "pct_matmul": 100 * tf / mm, **extra})
+            mhz = f" {extra['sm_mhz']:5.0f} MHz" if extra.get("sm_mhz") else ""
             print(f"d={d:3} {batch:2}x{seqlen:5} {mask:6} {layout:7} {peer:17} {us:9.1f} us {tf:6.0f} TFLOP/s "
-                  f"{100 * tf / mm:5.1f} %", flush=True)
+                  f"{100 * tf / mm:5.1f} %{mhz}", flush=True)
 
-        def attempt(peer, layout, fn):
+        calls = []  # (peer, layout, fn, extra): every peer of the row set up first, then timed round-robin
+
+        def attempt(peer, layout, setup):
             try:
-                out = fn()
-                us, extra = out if isinstance(out, tuple) else (out, {})
-                record(peer, layout, us, **({"compile_s": extra} if not isinstance(extra, dict) else extra))
+                out = setup()
+                fn, extra = out if isinstance(out, tuple) else (out, {})
+                calls.append((peer, layout, fn, extra))
             except Exception as exc:  # noqa: BLE001 - a peer failing is reported, never fatal
                 print(f"{peer} {layout} failed: {exc!r}"[:300], flush=True)
 
@@ -234,20 +239,32 @@ def main() -> None:
             for backend in args.backends:
                 if runs(spec_for(d, layout, mask), backend):
                     attempt(f"flashgen-{backend}", layout, lambda: bench_flashgen(q, k, v, batch, seqlen, d, layout,
-                                                                                  mask, gen, args.reps, backend))
+                                                                                  mask, gen, backend))
             if "flashinfer" in args.peers and mask != "doc":
                 attempt("flashinfer", layout,
-                        lambda: bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, args.reps))
+                        lambda: bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen))
             # FA3: ragged, none and causal (the Hopper issue's bar); each further variant is another JIT module
             if "flashinfer-fa3" in args.peers and mask in ("none", "causal") and layout == "ragged" and hopper:
                 attempt("flashinfer-fa3", layout,
-                        lambda: bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, args.reps, "fa3"))
+                        lambda: bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, "fa3"))
         if "sdpa" in args.peers and mask in ("none", "causal"):
             for backend in ("flash", "cudnn"):
                 attempt(f"sdpa-{backend}", "contig",
-                        lambda: bench_sdpa(q, k, v, batch, seqlen, d, mask == "causal", backend, args.reps))
+                        lambda: bench_sdpa(q, k, v, batch, seqlen, d, mask == "causal", backend))
         if "flex" in args.peers:
-            attempt("flex", "contig", lambda: bench_flex(q, k, v, batch, seqlen, d, mask, args.reps))
+            attempt("flex", "contig", lambda: bench_flex(q, k, v, batch, seqlen, d, mask))
+        good = []
+        for peer, layout, fn, extra in calls:  # a peer failing in its first call is reported and left out
+            try:
+                fn()
+                torch.cuda.synchronize()
+                good.append((peer, layout, fn, extra))
+            except Exception as exc:  # noqa: BLE001
+                print(f"{peer} {layout} failed: {exc!r}"[:300], flush=True)
+        clocks: list = []
+        times = timed_interleaved([fn for _, _, fn, _ in good], args.reps, clocks)
+        for (peer, layout, _, extra), us, mhz in zip(good, times, clocks):
+            record(peer, layout, us, sm_mhz=mhz, **extra)
         del q, k, v
     commit_id = commit(args.commit)
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit_id,

@@ -48,6 +48,66 @@ def timed(fn, reps: int) -> float:
     return times[len(times) // 2]
 
 
+_nvml = None
+
+
+def sm_clock() -> float | None:
+    """The SM clock now, MHz, through NVML where nvidia-ml-py is importable (else None)."""
+    global _nvml
+    if _nvml is None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            _nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device()))
+        except Exception:  # noqa: BLE001 - no NVML: no clock readings
+            _nvml = False
+    if not _nvml:
+        return None
+    pynvml, handle = _nvml
+    return float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
+
+
+def timed_interleaved(fns: list, reps: int, clocks: list | None = None) -> list[float]:
+    """Median µs of each of ``fns``, timed round-robin: each is warmed up as timed() does, then every rep times
+    each function once, in turn, after an L2 flush. Under sustained tensor-core load the H200's clocks drift
+    by 5-10 % within seconds (session 9: the same kernel 712 then 648 TFLOP/s minutes apart in one process),
+    so peers timed one after another would each meet a different clock; interleaved, they meet the same.
+    ``clocks``, if given, receives each function's median SM clock (MHz, read by NVML right after each timed
+    call; None without NVML)."""
+    global _flush
+    if _flush is None:
+        _flush = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for fn in fns:
+        warm_ms, calls = 0.0, 0
+        while (warm_ms < WARMUP_MS and calls < 500) or calls < 2:
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            warm_ms, calls = warm_ms + start.elapsed_time(end), calls + 1
+    times: list[list[float]] = [[] for _ in fns]
+    mhz: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, t, c in zip(fns, times, mhz):
+            if FLUSH == "write":
+                _flush.zero_()
+            elif FLUSH == "read":
+                _flush.view(torch.int32).sum(dtype=torch.int32)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            t.append(start.elapsed_time(end) * 1e3)
+            clock = sm_clock()
+            if clock is not None:
+                c.append(clock)
+    if clocks is not None:
+        clocks[:] = [sorted(c)[len(c) // 2] if c else None for c in mhz]
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
 def copy_rate() -> float:
     """Device copy rate, GB/s of bytes read plus written, on a 2 GiB buffer."""
     src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
