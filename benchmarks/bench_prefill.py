@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
-from timing import commit, matmul_rate, pyplot, save_results, timed_interleaved  # noqa: E402
+from timing import commit, matmul_rate, page_cache, pyplot, save_results, timed_interleaved  # noqa: E402
 from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError  # noqa: E402
 from flashgen.codegen import family  # noqa: E402
 
@@ -84,15 +84,7 @@ def bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, backend):
         table, kv = {"kv_indptr": indptr}, (k, v)
     else:
         page = spec.kv_layout.page_size
-        pages = batch * seqlen // page
-        perm = torch.randperm(pages, generator=gen)
-        kp = torch.empty(pages, page, HKV, d, dtype=k.dtype, device="cuda")
-        vp = torch.empty_like(kp)
-        kp[perm.cuda()] = k.view(pages, page, HKV, d)
-        vp[perm.cuda()] = v.view(pages, page, HKV, d)
-        table = {"kv_indptr": np.arange(batch + 1) * (seqlen // page), "kv_indices": perm.to(torch.int32).cuda(),
-                 "kv_last_page_len": np.full(batch, page)}
-        kv = (kp, vp)
+        kv, table = page_cache(k, v, batch, seqlen, page, torch.randperm(batch * seqlen // page, generator=gen))
     wrapper.plan(qo_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV, custom_mask=custom, **table)
     out = torch.empty_like(q)
     return lambda: wrapper.run(q, kv, out=out)

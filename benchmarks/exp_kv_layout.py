@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
-from timing import timed  # noqa: E402
+from timing import page_cache, timed  # noqa: E402
 from flashgen import AttentionSpec, Causal, NoMask, Paged, Ragged  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -46,13 +46,8 @@ for B, S in shapes:
             pages = B * S // page
             for order in ("sequential", "random"):
                 perm = torch.arange(pages) if order == "sequential" else torch.randperm(pages, generator=gen)
-                kp = torch.empty(pages, page, HKV, D, dtype=k.dtype, device="cuda")
-                vp = torch.empty_like(kp)
-                kp[perm.cuda()] = k.view(pages, page, HKV, D)
-                vp[perm.cuda()] = v.view(pages, page, HKV, D)
+                cache, table = page_cache(k, v, B, S, page, perm)
                 w2 = flashgen.BatchPrefillWrapper(AttentionSpec(D, kv_layout=Paged(page), mask=mask), backend=backend)
-                w2.plan(qo_indptr=indptr, kv_indptr=np.arange(B + 1) * (S // page),
-                        kv_indices=perm.to(torch.int32).cuda(), kv_last_page_len=np.full(B, page),
-                        num_qo_heads=HQ, num_kv_heads=HKV)
-                report(f"paged{page}-{order}", timed(lambda: w2.run(q, (kp, vp), out=out), 10))
-                del kp, vp
+                w2.plan(qo_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV, **table)
+                report(f"paged{page}-{order}", timed(lambda: w2.run(q, cache, out=out), 10))
+                del cache

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
-from timing import timed  # noqa: E402
+from timing import page_cache, timed  # noqa: E402
 from flashgen import AttentionSpec, Causal, NoMask, Paged, Ragged  # noqa: E402
 
 B, S, HQ, HKV, D, PAGE = 4, 4096, 32, 8, 128, 16
@@ -34,13 +34,9 @@ for causal in (False, True):
     print(f"{backend} {'causal' if causal else 'none':6} ragged          {us:8.1f} us {flops / us / 1e6:6.0f} TFLOP/s", flush=True)
     for order in ("sequential", "random"):
         perm = torch.arange(pages) if order == "sequential" else torch.randperm(pages, generator=gen)
-        kp = torch.empty(pages, PAGE, HKV, D, dtype=k.dtype, device="cuda")
-        vp = torch.empty_like(kp)
-        kp[perm.cuda()] = k.view(pages, PAGE, HKV, D)
-        vp[perm.cuda()] = v.view(pages, PAGE, HKV, D)
+        kv, table = page_cache(k, v, B, S, PAGE, perm)
         w = flashgen.BatchPrefillWrapper(AttentionSpec(D, kv_layout=Paged(PAGE), mask=mask), backend=backend)
-        w.plan(qo_indptr=indptr, kv_indptr=np.arange(B + 1) * (S // PAGE), kv_indices=perm.to(torch.int32).cuda(),
-               kv_last_page_len=np.full(B, PAGE), num_qo_heads=HQ, num_kv_heads=HKV)
-        us = timed(lambda: w.run(q, (kp, vp), out=out), 20)
+        w.plan(qo_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV, **table)
+        us = timed(lambda: w.run(q, kv, out=out), 20)
         print(f"{backend} {'causal' if causal else 'none':6} paged16 {order:10} {us:8.1f} us {flops / us / 1e6:6.0f} TFLOP/s",
               flush=True)

@@ -1,4 +1,5 @@
-"""Timing helpers shared by the GPU benchmarks: L2-flushed median timing, the device's ceilings, the commit."""
+"""Helpers shared by the GPU benchmarks: L2-flushed median timing, the device's ceilings, the commit, a shuffled
+page cache."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import torch
 
 _flush: torch.Tensor | None = None
@@ -19,33 +21,20 @@ WARMUP_MS = 30.0  # GPU time spent in untimed calls before the timed ones (at mo
 def timed(fn, reps: int) -> float:
     """Median µs of ``fn`` over ``reps`` calls, each after an L2 flush (flush not timed; its ~250 µs of GPU
     time also covers the host time of the peers' calls, so a peer with 100+ µs of Python overhead is
-    still measured on the GPU)."""
+    still measured on the GPU). Warmed up first for WARMUP_MS of GPU time (the first configuration timed
+    after seconds of host work, planning or building page tables, otherwise ran 2-4 % slow while the clocks
+    came back up: session 8, ab_trees.sh)."""
+    return timed_interleaved([fn], reps)[0]
+
+
+def _flush_l2() -> None:
     global _flush
     if _flush is None:
         _flush = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    # Warm-up by GPU time, not by count: the first configuration timed after seconds of host work (planning,
-    # building page tables) otherwise ran 2-4 % slow while the clocks came back up (session 8, ab_trees.sh).
-    warm_ms, calls = 0.0, 0
-    while (warm_ms < WARMUP_MS and calls < 500) or calls < 2:
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        warm_ms, calls = warm_ms + start.elapsed_time(end), calls + 1
-    times = []
-    for _ in range(reps):
-        if FLUSH == "write":
-            _flush.zero_()
-        elif FLUSH == "read":
-            _flush.view(torch.int32).sum(dtype=torch.int32)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    if FLUSH == "write":
+        _flush.zero_()
+    elif FLUSH == "read":
+        _flush.view(torch.int32).sum(dtype=torch.int32)
 
 
 _nvml = None
@@ -75,37 +64,46 @@ def timed_interleaved(fns: list, reps: int, clocks: list | None = None) -> list[
     so peers timed one after another would each meet a different clock; interleaved, they meet the same.
     ``clocks``, if given, receives each function's median SM clock (MHz, read by NVML right after each timed
     call; None without NVML)."""
-    global _flush
-    if _flush is None:
-        _flush = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def ms(fn) -> float:
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
     for fn in fns:
         warm_ms, calls = 0.0, 0
         while (warm_ms < WARMUP_MS and calls < 500) or calls < 2:
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            warm_ms, calls = warm_ms + start.elapsed_time(end), calls + 1
+            warm_ms, calls = warm_ms + ms(fn), calls + 1
     times: list[list[float]] = [[] for _ in fns]
     mhz: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
         for fn, t, c in zip(fns, times, mhz):
-            if FLUSH == "write":
-                _flush.zero_()
-            elif FLUSH == "read":
-                _flush.view(torch.int32).sum(dtype=torch.int32)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            t.append(start.elapsed_time(end) * 1e3)
-            clock = sm_clock()
+            _flush_l2()
+            t.append(ms(fn) * 1e3)
+            clock = sm_clock() if clocks is not None else None
             if clock is not None:
                 c.append(clock)
     if clocks is not None:
         clocks[:] = [sorted(c)[len(c) // 2] if c else None for c in mhz]
     return [sorted(t)[len(t) // 2] for t in times]
+
+
+def page_cache(k: torch.Tensor, v: torch.Tensor, batch: int, seqlen: int, page: int, perm: torch.Tensor):
+    """``k`` and ``v`` ``[batch * seqlen, heads, d]`` (seqlen a multiple of ``page``) copied into a page cache
+    ``[pages, page, heads, d]`` with the batch's logical page i at slot ``perm[i]``; returns ``((k_cache,
+    v_cache), table)``, table holding the page-table arguments of ``BatchPrefillWrapper.plan``."""
+    shape = (batch * seqlen // page, page, *k.shape[1:])
+    slots = perm.to(k.device)
+    kp = torch.empty(shape, dtype=k.dtype, device=k.device)
+    vp = torch.empty_like(kp)
+    kp[slots] = k.view(shape)
+    vp[slots] = v.view(shape)
+    table = {"kv_indptr": np.arange(batch + 1) * (seqlen // page), "kv_indices": perm.to(torch.int32).to(k.device),
+             "kv_last_page_len": np.full(batch, page)}
+    return (kp, vp), table
 
 
 def copy_rate() -> float:
