@@ -408,6 +408,12 @@ __device__ __forceinline__ void issue_pv(float (&o)[C::HEAD_DIM / 2], uint32_t (
                                                 kk > 0 || !fresh);  // an item's first P V overwrites O (scale-d 0)
 }
 
+__device__ __forceinline__ float rcp_fast(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // tanh(x) = 1 - 2 / (e^(2x) + 1) by ex2.approx and rcp.approx (relative error ~1e-7 away from 0, absolute ~1e-7
 // near it), with far fewer registers than tanhf; saturates to +-1
 __device__ __forceinline__ float tanh_fast(float x) {
@@ -529,7 +535,7 @@ __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const
     l[h] = l_part[h];
     l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
     l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
-    inv[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    inv[h] = l[h] > 0.f ? rcp_fast(l[h]) : 0.f;  // rcp.approx: a row's O / l to within an ulp, no slow path
   }
   auto value = [&](int i, int h) { return o[i] * inv[h]; };
   auto lse = [&](int h) { return l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY; };
@@ -763,18 +769,24 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   sched.wait_turn();
   issue_qk<C>(sc, q_wg, k_base + stage(0) * L::KV_STAGE);
   wgmma_commit();
-  if (pd.active) {
-    issue_pv<C>(o, pa, v_base + pd.it_last % C::STAGES * L::KV_STAGE, pd.fresh);
-    wgmma_commit();
-  }
+  // The previous item's last P V; without one (the CTA's first item, or after an item without tiles) a dummy
+  // P V over this item's Q buffer that overwrites o (scale-d 0) and is never read: the step's wgmma groups are
+  // then the same on every path, as ptxas needs to keep them asynchronous (a P V issued under a branch, or an
+  // empty group, serialized every wgmma or made the wait below wait for both)
+  issue_pv<C>(o, pa, pd.active ? v_base + pd.it_last % C::STAGES * L::KV_STAGE : smem_base + qb * L::Q_BYTES,
+              pd.active ? pd.fresh : true);
+  wgmma_commit();
   sched.pass_turn();
   bits.load(p.custom_mask, w, group, t0, kv_len, partial, wg);
-  wgmma_wait<0>();
+  // the first S alone: the softmax of the item's first tile runs under the previous item's last P V, as in the
+  // loop below; then that P V is waited for and its rows written (they hold o) before P overwrites pa
+  wgmma_wait<1>();
   fence_operands(sc);
   mbarrier_arrive(bars.empty_k(stage(0)));
   if (n == 1) mbarrier_arrive(bars.q_empty(qb));  // the item's last Q K^T is done: the producer may load the next Q
-  if (pd.active) pending_done<C>(p, pd, o, smem_base, bars, wg);
   softmax<C>(sc, rs, o_scale, lg, masked(t0, partial), t0, bits);
+  wgmma_wait<0>();  // the P V (pending or dummy) read pa, and o holds its rows
+  if (pd.active) pending_done<C>(p, pd, o, smem_base, bars, wg);
   pack_p<C>(pa, sc);
   // K of the next tile is waited for one step early, between the softmax and the wait for P V (below): the wait
   // loop is a block boundary that ptxas does not hoist the P V wait across. With the K wait at the loop top,
