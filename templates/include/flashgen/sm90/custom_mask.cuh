@@ -32,6 +32,22 @@ struct TileList {
   __device__ __forceinline__ static bool partial(int e) { return C::CUSTOM_MASK && (e & 1); }
 };
 
+// Into L2 ahead of use: the mask bits of a partial tile at key t0 for every token of item w's packed rows, one
+// token a lane (TILE_KV bits span at most TILE_KV / 8 + 1 bytes: two 16-byte-apart prefetches cover them within
+// the 32-byte sectors they touch). The K producer warp issues them with the tile's loads, a few steps before
+// the consumers read the bits (MaskBits::load), so that those reads hit L2 instead of waiting on DRAM under
+// the tile's S; prefetches to addresses past the mask are dropped by the hardware, never faulting.
+template <class W>
+__device__ __forceinline__ void prefetch_mask_bits(const uint8_t* mask, const W& w, const FastDiv& group, int t0,
+                                                   int lane) {
+  const int first = group.div(w.row0), last = group.div(w.last_row), kv_len = w.kv_len(group);
+  for (int token = first + lane; token <= last; token += 32) {
+    const uint8_t* at = mask + ((w.mask_bit0 + int64_t(token) * kv_len + t0) >> 3);
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(at));
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(at + 16));
+  }
+}
+
 // the custom-mask bits of a thread's two rows for one KV tile (nothing without a custom mask)
 template <class C, bool = C::CUSTOM_MASK>
 struct MaskBits {

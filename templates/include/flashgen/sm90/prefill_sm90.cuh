@@ -224,8 +224,10 @@ struct KVBoxes {
 // boxes issued by the warp's lanes (a paged tile is up to 32 boxes). Stage s = it % STAGES of the CTA's running tile count it
 // is refilled once every consumer thread released it; a fresh empty barrier passes the first wait (parity 1).
 // The next tile's position (custom mask: its list entry) and page ids are read one tile ahead.
-template <class C>
-__device__ __forceinline__ void produce_kv(const uint8_t* smem, const CUtensorMap* map, uint32_t ring,
+// With a custom mask the K warp (mask != nullptr) also prefetches each partial tile's mask bits into L2.
+template <class C, class Params>
+__device__ __forceinline__ void produce_kv(const Params& p, const uint8_t* mask, const uint8_t* smem,
+                                           const CUtensorMap* map, uint32_t ring,
                                            uint32_t (Barriers<C>::*full)(int) const,
                                            uint32_t (Barriers<C>::*empty)(int) const, const Barriers<C>& bars) {
   using L = Layout<C>;
@@ -239,19 +241,24 @@ __device__ __forceinline__ void produce_kv(const uint8_t* smem, const CUtensorMa
     const Work& w = read_work<C>(smem, bars, j);
     if (!w.valid) break;
     const bool boxer = lane < Boxes::PER_TILE;
-    int next_pos = TileList<C>::pos(w.kv_lo, 0, w.num_tiles > 0 ? TileList<C>::entry(w.tiles, 0) : 0);
+    int next_entry = w.num_tiles > 0 ? TileList<C>::entry(w.tiles, 0) : 0;
+    int next_pos = TileList<C>::pos(w.kv_lo, 0, next_entry);
     int next_page = boxer ? Boxes::page(w, next_pos, lane) : 0;
     for (int t = 0; t < w.num_tiles; ++t, ++it) {
       const int s = it % C::STAGES;
       const int pos0 = next_pos, page = next_page;
+      const bool partial = TileList<C>::partial(next_entry);
       if (t + 1 < w.num_tiles) {
-        next_pos = TileList<C>::pos(w.kv_lo, t + 1, TileList<C>::entry(w.tiles, t + 1));
+        next_entry = TileList<C>::entry(w.tiles, t + 1);
+        next_pos = TileList<C>::pos(w.kv_lo, t + 1, next_entry);
         if (boxer) next_page = Boxes::page(w, next_pos, lane);
       }
       mbarrier_wait((bars.*empty)(s), ((it / C::STAGES) & 1) ^ 1);
       if (lane == 0) mbarrier_arrive_expect_tx((bars.*full)(s), L::KV_STAGE);
       __syncwarp();
       if (boxer) Boxes::load(ring + s * L::KV_STAGE, map, (bars.*full)(s), w, pos0, lane, page);
+      if constexpr (C::CUSTOM_MASK)
+        if (partial && mask != nullptr) prefetch_mask_bits(mask, w, group_of(p), pos0, lane);
     }
     mbarrier_arrive(bars.work_empty(j % WORK_SLOTS));
   }
@@ -853,9 +860,11 @@ __device__ __forceinline__ void run(const Params& p) {
       else
         produce_q_warps<C>(p, smem, bars);
     } else if (threadIdx.x < 32)
-      produce_kv<C>(smem, &p.tma_k, base + L::K_OFFSET, &Barriers<C>::full_k, &Barriers<C>::empty_k, bars);
+      produce_kv<C>(p, p.custom_mask, smem, &p.tma_k, base + L::K_OFFSET, &Barriers<C>::full_k, &Barriers<C>::empty_k,
+                    bars);
     else if (threadIdx.x < 64)
-      produce_kv<C>(smem, &p.tma_v, base + L::V_OFFSET, &Barriers<C>::full_v, &Barriers<C>::empty_v, bars);
+      produce_kv<C>(p, nullptr, smem, &p.tma_v, base + L::V_OFFSET, &Barriers<C>::full_v, &Barriers<C>::empty_v,
+                    bars);
     else
       produce_q_warps<C>(p, smem, bars);
   } else {
