@@ -790,9 +790,10 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   wgmma_wait<1>();
   fence_operands(sc);
   mbarrier_arrive(bars.empty_k(stage(0)));
-  if (n == 1) mbarrier_arrive(bars.q_empty(qb));  // the item's last Q K^T is done: the producer may load the next Q
   softmax<C>(sc, rs, o_scale, lg, masked(t0, partial), t0, bits);
   wgmma_wait<0>();  // the P V (pending or dummy) read pa, and o holds its rows
+  // the item's last Q K^T is done, and the dummy P V has read the Q buffer: the producer may load the next Q
+  if (n == 1) mbarrier_arrive(bars.q_empty(qb));
   if (pd.active) pending_done<C>(p, pd, o, smem_base, bars, wg);
   pack_p<C>(pa, sc);
   // K of the next tile is waited for one step early, between the softmax and the wait for P V (below): the wait
