@@ -52,9 +52,11 @@ def test_sm90_variant_compiles_without_spills(cache_dir, spec):
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
     assert spills and not any(spills), f"{entry.uri} spills registers: {report}"
     assert "0 bytes stack frame" in report, report
-    # C7515: ptxas serialized the wgmmas (an accumulator written by ordinary instructions inside a pipeline stage);
-    # it cost 30 % when it slipped in (465 against 683 TFLOP/s)
-    assert "C7515" not in report, f"{entry.uri}: wgmma serialized: {report}"
+    # C7514 / C7515: ptxas serialized the wgmmas (accumulators read, or written, by ordinary instructions inside a
+    # pipeline stage); each cost 27-30 % when it slipped in (465 against 683 TFLOP/s). C7517 / C7519: ptxas
+    # injected a warpgroup wait or arrive the source does not have (a P V issued under a branch did both).
+    for code in ("C7514", "C7515", "C7517", "C7519"):
+        assert code not in report, f"{entry.uri}: ptxas {code} (wgmma pipeline broken): {report}"
     assert entry.manifest["entry_points"] == ["prefill_sm90"]
     assert seconds < BUILD_SECONDS, f"{entry.uri} took {seconds:.1f} s to build"
 
