@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
-from timing import commit, matmul_rate, page_cache, pyplot, save_results, timed_interleaved  # noqa: E402
+from timing import commit, doc_mask, matmul_rate, page_cache, pyplot, save_results, timed_interleaved  # noqa: E402
 from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError  # noqa: E402
 from flashgen.codegen import family  # noqa: E402
 
@@ -61,12 +61,6 @@ def visible_pairs(mask: str, seqlen: int) -> float:
     return DOCS * doc * (doc + 1) / 2
 
 
-def doc_mask(seqlen: int) -> torch.Tensor:
-    doc = torch.arange(seqlen) // (seqlen // DOCS)
-    pos = torch.arange(seqlen)
-    return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
-
-
 def spec_for(d: int, layout: str, mask: str) -> AttentionSpec:
     kv_layout = Ragged() if layout == "ragged" else Paged(int(layout[5:]))
     m = {"none": NoMask(), "causal": Causal(), "window": SlidingWindow(WINDOW), "doc": CustomMask()}[mask]
@@ -79,7 +73,7 @@ def bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, backend):
     indptr = np.arange(batch + 1) * seqlen
     custom = None
     if mask == "doc":
-        custom = [doc_mask(seqlen)] * batch
+        custom = [doc_mask(seqlen, DOCS)] * batch
     if layout == "ragged":
         table, kv = {"kv_indptr": indptr}, (k, v)
     else:

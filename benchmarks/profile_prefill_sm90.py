@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashgen  # noqa: E402
+from timing import doc_mask  # noqa: E402
 from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -40,10 +41,8 @@ def main() -> None:
     k, v = (torch.randn(total, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     mask = {"none": NoMask(), "causal": Causal(), "window": SlidingWindow(args.window), "doc": CustomMask()}[args.mask]
     custom = None
-    if args.mask == "doc":  # as bench_prefill.doc_mask
-        doc = torch.arange(args.seqlen) // (args.seqlen // args.docs)
-        pos = torch.arange(args.seqlen)
-        custom = [(doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])] * args.batch
+    if args.mask == "doc":
+        custom = [doc_mask(args.seqlen, args.docs)] * args.batch
     indptr = np.arange(args.batch + 1, dtype=np.int32) * args.seqlen
     if args.page_size:
         ps = args.page_size
