@@ -36,7 +36,9 @@ struct TileList {
 // token a lane (TILE_KV bits span at most TILE_KV / 8 + 1 bytes: two 16-byte-apart prefetches cover them within
 // the 32-byte sectors they touch). The K producer warp issues them with the tile's loads, a few steps before
 // the consumers read the bits (MaskBits::load), so that those reads hit L2 instead of waiting on DRAM under
-// the tile's S; prefetches to addresses past the mask are dropped by the hardware, never faulting.
+// the tile's S. The second prefetch can address up to 16 bytes past the row's last byte (for the very last row,
+// past the mask itself); PTX does not say how such a prefetch behaves (memcheck of the mask tests found nothing):
+// wip/s10-prefetch-clamp clamps it to the row, to be run on a GPU before it lands.
 template <class W>
 __device__ __forceinline__ void prefetch_mask_bits(const uint8_t* mask, const W& w, const FastDiv& group, int t0,
                                                    int lane) {
