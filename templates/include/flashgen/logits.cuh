@@ -16,6 +16,13 @@ __device__ __forceinline__ float exp2_fast(float x) {
   return y;
 }
 
+// 1 / x by rcp.approx.ftz (within an ulp; the IEEE division's slow-path branches avoided)
+__device__ __forceinline__ float rcp_fast(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // ALiBi slope of q head `head` out of `num_heads` (Press et al.; also for head counts not a power of two).
 __device__ __forceinline__ float alibi_slope(int head, int num_heads) {
   const int n = 1 << (31 - __clz(num_heads));  // largest power of two <= num_heads

@@ -415,19 +415,9 @@ __device__ __forceinline__ void issue_pv(float (&o)[C::HEAD_DIM / 2], uint32_t (
                                                 kk > 0 || !fresh);  // an item's first P V overwrites O (scale-d 0)
 }
 
-__device__ __forceinline__ float rcp_fast(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
-  return r;
-}
-
 // tanh(x) = 1 - 2 / (e^(2x) + 1) by ex2.approx and rcp.approx (relative error ~1e-7 away from 0, absolute ~1e-7
 // near it), with far fewer registers than tanhf; saturates to +-1
-__device__ __forceinline__ float tanh_fast(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(exp2_fast(x * (2.f * LOG2E)) + 1.f));
-  return 1.f - 2.f * r;
-}
+__device__ __forceinline__ float tanh_fast(float x) { return 1.f - 2.f * rcp_fast(exp2_fast(x * (2.f * LOG2E)) + 1.f); }
 
 // Per-thread row state: rows g and g + 8 of the warp's 16 (h = 0, 1).
 struct RowState {
