@@ -33,20 +33,20 @@ struct TileList {
 };
 
 // Into L2 ahead of use: the mask bits of a partial tile at key t0 for every token of item w's packed rows, one
-// token a lane (TILE_KV bits span at most TILE_KV / 8 + 1 bytes: two 16-byte-apart prefetches cover them within
-// the 32-byte sectors they touch). The K producer warp issues them with the tile's loads, a few steps before
-// the consumers read the bits (MaskBits::load), so that those reads hit L2 instead of waiting on DRAM under
-// the tile's S. The second prefetch can address up to 16 bytes past the row's last byte (for the very last row,
-// past the mask itself); PTX does not say how such a prefetch behaves (memcheck of the mask tests found nothing):
-// wip/s10-prefetch-clamp clamps it to the row, to be run on a GPU before it lands.
+// token a lane (TILE_KV bits span at most TILE_KV / 8 + 1 bytes: two prefetches, at the first byte and 16 bytes
+// on, cover them within the 32-byte sectors they touch; the second is clamped to the row's last byte, so no
+// prefetch leaves the request's own bits). The K producer warp issues them with the tile's loads, a few steps
+// before the consumers read the bits (MaskBits::load), so that those reads hit L2 instead of waiting on DRAM
+// under the tile's S.
 template <class W>
 __device__ __forceinline__ void prefetch_mask_bits(const uint8_t* mask, const W& w, const FastDiv& group, int t0,
                                                    int lane) {
   const int first = group.div(w.row0), last = group.div(w.last_row), kv_len = w.kv_len(group);
   for (int token = first + lane; token <= last; token += 32) {
-    const uint8_t* at = mask + ((w.mask_bit0 + int64_t(token) * kv_len + t0) >> 3);
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(at));
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(at + 16));
+    const int64_t row = w.mask_bit0 + int64_t(token) * kv_len, at = (row + t0) >> 3;
+    const int64_t end = (row + kv_len - 1) >> 3;  // the row's last byte (t0 < kv_len: a partial tile has keys)
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(mask + at));
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(mask + (at + 16 < end ? at + 16 : end)));
   }
 }
 
