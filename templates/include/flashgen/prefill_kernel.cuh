@@ -138,14 +138,16 @@ __device__ __forceinline__ void run(const Params& p) {
     more = tile + 1 < src.num_tiles;
     float s[MQ][L::TILE_KV / 8][4];
     scores<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
-    // the next tile's copies after this tile's K ldmatrix, not at the loop top: there they were a chain of shared
-    // loads, branches and 16 cp.async between the barrier and the first mma of every warp
-    pipe.issue(tile + S - 1);
+    // the next tile's copies after this tile's K ldmatrix (not at the loop top: there they were a chain of shared
+    // loads, branches and 16 cp.async between the barrier and the first mma of every warp), or with LATE_COPIES
+    // after the softmax, where ptxas interleaves them with the exp2 and P V
+    if constexpr (!C::LATE_COPIES) pipe.issue(tile + S - 1);
     if constexpr (C::ALIBI || C::SOFT_CAP) logits<C>(s, ri, transform, t0, warp, lane);
     if (boundary) apply_mask<C>(s, ri, t0, warp, lane);
     float m[MQ][2], l[MQ][2];
     ri.load_stats(m, l);
     online_softmax<C>(s, o, m, l, C::ALIBI || C::SOFT_CAP ? 1.f : scale_log2);
+    if constexpr (C::LATE_COPIES) pipe.issue(tile + S - 1);
     // after P V: ptxas keeps shared loads behind an earlier shared store, so a store before accumulate_pv held
     // every V ldmatrix (and P V mma) behind the whole softmax; each thread's own slot, read after the next
     // barrier. With RoPE (its sincos frame) m and l held across P V spill (paged5 window + soft-cap: 8 bytes):
