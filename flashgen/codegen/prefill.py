@@ -161,11 +161,13 @@ def prefill_q_in_regs(head_dim: int, head_dim_vo: int) -> bool:
 
 def prefill_late_copies(spec: AttentionSpec) -> bool:
     """Whether a tile's cp.async copies of the next tile go after the softmax (in the basic block of the exp2 and
-    P V) rather than after Q K^T. Measured on the H200 at d=128 (session 11, 3 rounds against FlashInfer FA2):
-    after the softmax, the loop-top barrier waits half as long (ncu stall samples), none +1 %, window +0.5-1 %,
-    causal even; a custom mask's element pass (its bit loads) between Q K^T and the softmax lost 1.5-3 %, so it
-    keeps the copies after Q K^T."""
-    return not isinstance(spec.mask, CustomMask)
+    P V) rather than after Q K^T: ragged KV without a custom mask. Measured on the H200 at d=128 against
+    FlashInfer FA2 in the same runs (session 11, ``benchmarks/results/s11/``): ragged none +1 % (0.99 -> 1.00-1.01x
+    FA2), window +0.5-1 %, causal even, and the loop-top barrier waits half as long (ncu stall samples). Paged
+    copies, which read their row offsets from shared memory first, lost 1-8 % there (window and causal most), and
+    a custom mask's element pass (its bit loads) between Q K^T and the softmax lost 1.5-3 %: both keep the copies
+    after Q K^T."""
+    return isinstance(spec.kv_layout, Ragged) and not isinstance(spec.mask, CustomMask)
 
 
 def _tiles_tag(head_dim: int, head_dim_vo: int) -> str:
