@@ -16,7 +16,7 @@ from flashgen.api.custom_mask import custom_mask_bits
 from flashgen.api.staging import extra_offsets
 from flashgen.plan import PlanError, plan_prefill
 from flashgen.plan.mask_tiles import (
-    TILE_FULL, TILE_PARTIAL, clip_to_chunks, dense_tile_lists, mask_bit_offsets, mask_tile_lists, plan_mask_tiles,
+    ENTRY_BITS, ENTRY_CAUSAL, ENTRY_FULL, ENTRY_SHIFT, TILE_CAUSAL, TILE_FULL, TILE_PARTIAL, clip_to_chunks, dense_tile_lists, mask_bit_offsets, mask_tile_lists, plan_mask_tiles,
     reorder_tile_lists, split_plan_mask_tiles,
 )
 
@@ -27,7 +27,8 @@ def pack(masks):
 
 
 def brute_lists(masks, request, qo_tile, group, tile_rows, tile_kv):
-    """Per item: [(tile, class)] of its non-empty tiles, by looking at every bit."""
+    """Per item: [(tile, class)] of its non-empty tiles, by looking at every bit (CAUSAL: a partial tile whose
+    bits are key <= query position, queries aligned to the KV end)."""
     out = []
     for b, t in zip(request, qo_tile):
         if b < 0:
@@ -38,18 +39,25 @@ def brute_lists(masks, request, qo_tile, group, tile_rows, tile_kv):
         row0 = t * tile_rows
         last = min(row0 + tile_rows, qo_len * group) - 1
         rows = m[row0 // group: last // group + 1]
+        causal = causal_bits(qo_len, kv_len)[row0 // group: last // group + 1]
         tiles = []
         for j in range(-(-kv_len // tile_kv)):
             block = rows[:, j * tile_kv: (j + 1) * tile_kv]
             if block.any():
-                tiles.append((j, TILE_FULL if block.all() else TILE_PARTIAL))
+                kind = TILE_FULL if block.all() else TILE_PARTIAL
+                if kind == TILE_PARTIAL and np.array_equal(block, causal[:, j * tile_kv: (j + 1) * tile_kv]):
+                    kind = TILE_CAUSAL
+                tiles.append((j, kind))
         out.append(tiles)
     return out
 
 
+KIND_CLASS = {ENTRY_FULL: TILE_FULL, ENTRY_BITS: TILE_PARTIAL, ENTRY_CAUSAL: TILE_CAUSAL}
+
+
 def decode(indptr, entries):
-    return [[(int(e) >> 1, TILE_PARTIAL if e & 1 else TILE_FULL) for e in entries[indptr[i]: indptr[i + 1]]]
-            for i in range(indptr.size - 1)]
+    return [[(int(e) >> ENTRY_SHIFT, KIND_CLASS[int(e) & ((1 << ENTRY_SHIFT) - 1)])
+             for e in entries[indptr[i]: indptr[i + 1]]] for i in range(indptr.size - 1)]
 
 
 def doc_mask(n, docs):
@@ -72,6 +80,12 @@ def make_masks(kind, qo_lens, kv_lens, rng):
         return [np.ones(s, bool) for s in shapes]
     if kind == "causal":
         return [causal_bits(a, b) for a, b in shapes]
+    if kind == "causal_flip":  # causal but for one bit a 50 rows, next to the diagonal: no tile may pass as CAUSAL
+        masks = [causal_bits(a, b) for a, b in shapes]
+        for (a, b), m in zip(shapes, masks):
+            for r in range(0, a if b else 0, 50):
+                m[r, min(max(b - a + r, 0), b - 1)] ^= True
+        return masks
     if kind == "doc":  # documents over the KV, causal inside each, the queries being the KV's last tokens
         return [doc_mask(b, 3)[b - a:] if b >= a else np.zeros((a, b), bool) for a, b in shapes]
     if kind == "rows":  # random, with whole rows and whole tiles' columns masked
@@ -94,7 +108,8 @@ def items_of(qo_lens, kv_lens, heads, group, tile_kv):
     return plan, plan.numpy("request_idx")[:n].copy(), plan.numpy("qo_tile_idx")[:n].copy()
 
 
-@pytest.mark.parametrize("kind", ["random0.7", "random0.02", "random0.995", "zeros", "ones", "causal", "doc", "rows"])
+@pytest.mark.parametrize("kind", ["random0.7", "random0.02", "random0.995", "zeros", "ones", "causal", "causal_flip",
+                                  "doc", "rows"])
 @pytest.mark.parametrize("group", [1, 4, 7])
 @pytest.mark.parametrize("tile_kv", [64, 128])
 def test_classification_matches_brute_force(kind, group, tile_kv):
@@ -175,8 +190,9 @@ def test_classification_cost_16k():
     indptr, entries = mask_tile_lists(packed, [0], [n], [n], request, qo_tile, group_size=4, tile_rows=128,
                                       tile_kv=128)
     seconds = time.perf_counter() - start
-    # per item of 32 tokens: the diagonal tile partial, the document's earlier tiles full: 1 .. 16 tiles
-    assert entries.size == 512 * 8.5 and int((entries & 1).sum()) == 512
+    # per item of 32 tokens: the diagonal tile causal, the document's earlier tiles full: 1 .. 16 tiles
+    kinds = entries & ((1 << ENTRY_SHIFT) - 1)
+    assert entries.size == 512 * 8.5 and int((kinds == ENTRY_CAUSAL).sum()) == 512 and not (kinds == ENTRY_BITS).any()
     assert seconds < 2.0, seconds
 
 
@@ -188,7 +204,7 @@ def split_plan(qo_lens, kv_lens, heads, group, tile_kv, **options):
                         num_kv_heads=heads, tile_rows=128, kv_granularity=tile_kv, num_sms=264, **options)
 
 
-@pytest.mark.parametrize("kind", ["random0.3", "random0.995", "doc", "rows", "zeros", "ones"])
+@pytest.mark.parametrize("kind", ["random0.3", "random0.995", "doc", "causal", "rows", "zeros", "ones"])
 @pytest.mark.parametrize("group,tile_kv", [(1, 64), (4, 64), (7, 32)])
 def test_split_plan_lists_cover_each_chunk(kind, group, tile_kv):
     """Split-KV items (several chunks of one q tile) visit exactly the non-empty tiles of their own chunk,
@@ -286,16 +302,19 @@ def read_back(plan, image, starts, mem, mem_address, qo_lens, kv_lens, group, ti
             continue
         qo_len, kv_len = int(qo_lens[b]), int(kv_lens[b])
         entries = image[tile_indptr[item]: tile_indptr[item + 1]]
-        assert np.all(np.diff(entries >> 1) > 0) and np.all((entries >> 1) * tile_kv < kv_len)
+        assert np.all(np.diff(entries >> ENTRY_SHIFT) > 0) and np.all((entries >> ENTRY_SHIFT) * tile_kv < kv_len)
         row0 = int(plan.numpy("qo_tile_idx")[item]) * 128
         for prow in range(row0, min(row0 + 128, qo_len * group)):
             token = prow // group
             visible = np.zeros(kv_len, bool)
             for e in entries:
-                t0, keys = (e >> 1) * tile_kv, min(tile_kv, kv_len - (e >> 1) * tile_kv)
-                if e & 1:
+                t0, keys = (e >> ENTRY_SHIFT) * tile_kv, min(tile_kv, kv_len - (e >> ENTRY_SHIFT) * tile_kv)
+                kind = e & ((1 << ENTRY_SHIFT) - 1)
+                if kind == ENTRY_BITS:
                     bits = kernel_window(mem, mem_address, int(mask_offset[b]) + token * kv_len, t0, kv_len, tile_kv)
                     visible[t0: t0 + keys] = bits[:keys]
+                elif kind == ENTRY_CAUSAL:  # the kernels' arithmetic mask: key <= the query's position
+                    visible[t0: t0 + keys] = np.arange(t0, t0 + keys) <= kv_len - qo_len + token
                 else:
                     visible[t0: t0 + keys] = True
             seen[(b, prow)] = visible

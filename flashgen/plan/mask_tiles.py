@@ -6,10 +6,12 @@ little-endian (bit ``i`` of the stream is bit ``i % 8`` of byte ``i // 8``); req
 ``bit_offsets[b]``; a set bit is a visible (query, key) pair. A work item (request, q tile of ``tile_rows``
 packed rows, packed row = token * group + q head) covers tokens ``row0 // group .. last_row // group``; KV
 tile ``j`` covers keys ``[j * tile_kv, min((j + 1) * tile_kv, kv_len))``. Over those tokens and keys a tile
-is EMPTY (no bit set: never loaded), FULL (every bit set: no element mask) or PARTIAL.
+is EMPTY (no bit set: never loaded), FULL (every bit set: no element mask), CAUSAL (its bits are exactly the
+causal pattern of the item's rows: key <= the query's position, queries aligned to the KV end, so the kernels
+mask it arithmetically without reading bits; the diagonal tiles of document masks) or PARTIAL (bits read).
 
 ``mask_tile_lists`` returns each item's non-empty tiles as CSR: ``entries[indptr[i]:indptr[i + 1]]`` are
-``tile * 2 + partial``, tiles ascending. Counting uses one prefix sum of popcounts over 64-bit words of the
+``tile << ENTRY_SHIFT | kind`` (kind ``ENTRY_FULL``, ``ENTRY_BITS`` or ``ENTRY_CAUSAL``), tiles ascending. Counting uses one prefix sum of popcounts over 64-bit words of the
 whole mask and two word lookups per (token, tile) boundary, so it reads the mask once and touches
 ``qo_len * (kv_len / tile_kv + 1)`` boundaries a request: about 0.1 s for a 16k x 16k mask (32 MB) on a
 2-core host (measured in tests/test_mask_tiles.py's docstring).
@@ -22,7 +24,10 @@ import numpy as np
 from .host import PlanError
 from .split_kv import ITEM_FIELDS
 
-TILE_EMPTY, TILE_FULL, TILE_PARTIAL = 0, 1, 2
+TILE_EMPTY, TILE_FULL, TILE_PARTIAL, TILE_CAUSAL = 0, 1, 2, 3
+# a list entry: the tile's index << ENTRY_SHIFT | its kind (how the kernels mask it)
+ENTRY_SHIFT, ENTRY_FULL, ENTRY_BITS, ENTRY_CAUSAL = 2, 0, 1, 2
+_ENTRY_KIND = np.array([0, ENTRY_FULL, ENTRY_BITS, ENTRY_CAUSAL], np.int64)  # by class
 
 
 def mask_bit_offsets(qo_lens: np.ndarray, kv_lens: np.ndarray) -> np.ndarray:
@@ -72,7 +77,32 @@ def _request_classes(counter: _BitCounter, bit0: int, qo_len: int, kv_len: int, 
     np.cumsum(counts, axis=0, out=prefix[1:])
     visible = prefix[tok_hi] - prefix[tok_lo]  # [items, tiles]
     full = (tok_hi - tok_lo)[:, None] * np.diff(bounds)[None, :]
-    return np.where(visible == 0, TILE_EMPTY, np.where(visible == full, TILE_FULL, TILE_PARTIAL)).astype(np.int8)
+    classes = np.where(visible == 0, TILE_EMPTY, np.where(visible == full, TILE_FULL, TILE_PARTIAL)).astype(np.int8)
+    _mark_causal(classes, counter, rows, bounds, kv_len - qo_len, tok_lo, tok_hi)
+    return classes
+
+
+def _mark_causal(classes: np.ndarray, counter: _BitCounter, rows: np.ndarray, bounds: np.ndarray, q_base: int,
+                 tok_lo: np.ndarray, tok_hi: np.ndarray) -> None:
+    """PARTIAL tiles whose bits are the causal pattern of their item's tokens become CAUSAL. Only tiles the
+    item's diagonal crosses can be (elsewhere the pattern is all or nothing: FULL or EMPTY); a candidate's token
+    t (query position q_base + t) must see exactly keys [k0, c) of the tile [k0, k1), c = clip(q_base + t + 1,
+    k0, k1): three prefix lookups a (token, candidate)."""
+    k0, k1 = bounds[:-1], bounds[1:]
+    cand_i, cand_j = np.nonzero((classes == TILE_PARTIAL) & (k0[None, :] < q_base + tok_hi[:, None])
+                                & (q_base + tok_lo[:, None] + 1 < k1[None, :]))
+    if cand_i.size == 0:
+        return
+    ntok = tok_hi[cand_i] - tok_lo[cand_i]
+    pair = np.repeat(np.arange(cand_i.size), ntok)
+    t = np.arange(int(ntok.sum())) - np.repeat(np.cumsum(ntok) - ntok, ntok) + tok_lo[cand_i][pair]
+    lo, hi = k0[cand_j][pair], k1[cand_j][pair]
+    c = np.clip(q_base + t + 1, lo, hi)
+    row = rows[t]
+    at_lo, at_c, at_hi = counter.before(row + lo), counter.before(row + c), counter.before(row + hi)
+    wrong = (at_c - at_lo != c - lo) | (at_hi != at_c)
+    causal = np.bincount(pair, weights=wrong, minlength=cand_i.size) == 0
+    classes[cand_i[causal], cand_j[causal]] = TILE_CAUSAL
 
 
 def _csr(item: np.ndarray, entry: np.ndarray, num_items: int) -> tuple[np.ndarray, np.ndarray]:
@@ -86,13 +116,16 @@ def mask_tile_lists(packed: np.ndarray, bit_offsets: np.ndarray, qo_lens: np.nda
                     request_idx: np.ndarray, qo_tile_idx: np.ndarray, *, group_size: int, tile_rows: int,
                     tile_kv: int) -> tuple[np.ndarray, np.ndarray]:
     """Each item's non-empty KV tiles under a host mask: ``(indptr int64 [items + 1], entries int32)``, entry
-    ``tile * 2 + (1 if PARTIAL else 0)``. Items are ``(request_idx, qo_tile_idx)`` over the whole KV of their
+    ``tile << ENTRY_SHIFT | kind`` (``ENTRY_FULL``, ``ENTRY_BITS`` for PARTIAL, ``ENTRY_CAUSAL``). Items are ``(request_idx, qo_tile_idx)`` over the whole KV of their
     request (unsplit plans); ``request_idx < 0`` is a padding item (no tiles). ``packed``: uint8 bits;
     ``bit_offsets``: int64 ``[batch]`` (``mask_bit_offsets``).
 
     >>> bits = np.packbits(np.tril(np.ones((4, 4), bool)).ravel(), bitorder="little")  # causal as bits
     >>> mask_tile_lists(bits, [0], [4], [4], [0, 0], [0, 1], group_size=2, tile_rows=4, tile_kv=2)
-    (array([0, 1, 3]), array([1, 0, 3], dtype=int32))
+    (array([0, 1, 3]), array([2, 0, 6], dtype=int32))
+    >>> bits = np.packbits((np.tril(np.ones((4, 4), bool)) ^ np.eye(4, k=-1, dtype=bool)).ravel(), bitorder="little")
+    >>> mask_tile_lists(bits, [0], [4], [4], [0, 0], [0, 1], group_size=2, tile_rows=4, tile_kv=2)  # not causal
+    (array([0, 1, 3]), array([1, 1, 5], dtype=int32))
     """
     packed = np.asarray(packed, np.uint8).reshape(-1)
     offsets = np.asarray(bit_offsets, np.int64)
@@ -112,7 +145,7 @@ def mask_tile_lists(packed: np.ndarray, bit_offsets: np.ndarray, qo_lens: np.nda
                                    tile_kv)
         i, j = np.nonzero(classes)
         items.append(idx[i])
-        entries.append(2 * j + (classes[i, j] == TILE_PARTIAL))
+        entries.append(j.astype(np.int64) << ENTRY_SHIFT | _ENTRY_KIND[classes[i, j]])
     if not items:
         return np.zeros(request.size + 1, np.int64), np.zeros(0, np.int32)
     return _csr(np.concatenate(items), np.concatenate(entries), request.size)
@@ -122,7 +155,7 @@ def dense_tile_lists(kv_lens: np.ndarray, request_idx: np.ndarray, *, tile_kv: i
     """Every KV tile of every item, all PARTIAL: the tile lists of a mask the host cannot read (a device mask).
 
     >>> dense_tile_lists(np.array([130, 0]), np.array([0, 1, -1]), tile_kv=128)
-    (array([0, 2, 2, 2]), array([1, 3], dtype=int32))
+    (array([0, 2, 2, 2]), array([1, 5], dtype=int32))
     """
     request = np.asarray(request_idx, np.int64)
     kv = np.asarray(kv_lens, np.int64)
@@ -130,7 +163,7 @@ def dense_tile_lists(kv_lens: np.ndarray, request_idx: np.ndarray, *, tile_kv: i
     indptr = np.zeros(request.size + 1, np.int64)
     np.cumsum(counts, out=indptr[1:])
     local = np.arange(indptr[-1]) - np.repeat(indptr[:-1], counts)
-    return indptr, (2 * local + 1).astype(np.int32)
+    return indptr, (local << ENTRY_SHIFT | ENTRY_BITS).astype(np.int32)
 
 
 def reorder_tile_lists(indptr: np.ndarray, entries: np.ndarray, perm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -184,16 +217,16 @@ def clip_to_chunks(indptr: np.ndarray, entries: np.ndarray, kv_start: np.ndarray
     their q tile's classification; each visits only its chunk). Chunk starts are multiples of ``tile_kv``, so
     a tile lies in one chunk.
 
-    >>> clip_to_chunks(np.array([0, 3, 6]), np.array([0, 3, 4, 0, 3, 4]), np.array([0, 128]), np.array([128, 150]),
+    >>> clip_to_chunks(np.array([0, 3, 6]), np.array([0, 5, 8, 0, 5, 8]), np.array([0, 128]), np.array([128, 150]),
     ...                tile_kv=64)
-    (array([0, 2, 3]), array([0, 3, 4]))
+    (array([0, 2, 3]), array([0, 5, 8]))
     """
     kv_start, kv_end = np.asarray(kv_start, np.int64), np.asarray(kv_end, np.int64)
     if np.any(kv_start % tile_kv):
         raise PlanError(f"kv_start: chunk starts must be multiples of the KV tile ({tile_kv} tokens)")
     counts = np.diff(indptr)
     item = np.repeat(np.arange(counts.size), counts)
-    first = entries.astype(np.int64) >> 1
+    first = entries.astype(np.int64) >> ENTRY_SHIFT
     keep = (first * tile_kv >= kv_start[item]) & (first * tile_kv < kv_end[item])
     new = np.zeros(counts.size + 1, np.int64)
     np.cumsum(np.bincount(item[keep], minlength=counts.size), out=new[1:])

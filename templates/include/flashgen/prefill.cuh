@@ -15,7 +15,8 @@
 // see, so fully masked tiles are never loaded; the per-element mask runs only on a warp's boundary tiles.
 // A custom bit mask comes as a tile list per item (planned on the host, flashgen/plan/mask_tiles.py): fully
 // masked tiles are not listed, so never loaded; fully visible ones run without the element mask (unless they
-// cross kv_hi); a device mask lists every tile as partial. Split requests write fp32 partials; the last CTA
+// cross kv_hi); CAUSAL ones (bits = key <= query position) are masked by position, no bits read; a device mask
+// lists every tile as BITS. Split requests write fp32 partials; the last CTA
 // of a tile merges them (an atomic counter per tile, reset by the merger, so a CUDA-graph replay starts from
 // zero).
 #pragma once
@@ -42,10 +43,10 @@ struct RowInfo {
   float slope[C::ALIBI ? Layout<C>::TILE_Q : 1];
   float4 stats[C::MMA_Q][Layout<C>::THREADS];  // {m[mq][0], m[mq][1], l[mq][0], l[mq][1]} of thread t: private
 
-  // whether tile number t (list entry e, first key t0) needs the element mask: a custom mask's PARTIAL tiles
-  // and a tile crossing kv_hi; else the warp's tiles outside [full_lo, full_hi)
+  // whether tile number t (list entry e, first key t0) needs the element mask: a custom mask's BITS and CAUSAL
+  // tiles and a tile crossing kv_hi; else the warp's tiles outside [full_lo, full_hi)
   __device__ __forceinline__ bool boundary(int warp, int t, int e, int t0) const {
-    if constexpr (C::CUSTOM_MASK) return (e & 1) || t0 + C::TILE_KV > mi.kv_hi;
+    if constexpr (C::CUSTOM_MASK) return (e & 3) != 0 || t0 + C::TILE_KV > mi.kv_hi;
     else return t < full_lo[warp] || t >= full_hi[warp];
   }
   // the CTA-local row of the thread's accumulator row h of mma tile mq
@@ -179,10 +180,11 @@ __device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
 
 // boundary tiles only: logits of (row, key) pairs the mask hides become -inf. A thread's keys of a row are
 // t0 + 2 * (lane % 4) + k for the compile-time k = 8 * nt + e % 2: each row reduces to a range of k (the KV end,
-// causal, window) and, for a custom mask, a window of bits
+// causal, window) and, for a custom mask, a window of bits: the mask's (kind 1) or keys <= the row's query
+// position (kind 2, a CAUSAL tile; kind 0, FULL: all ones)
 template <class C>
 __device__ __forceinline__ void apply_mask(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const RowInfo<C>& ri,
-                                           int tile_start, int warp, int lane) {
+                                           int tile_start, int warp, int lane, int kind) {
   const MaskInfo& mi = ri.mi;
   const int base = tile_start + 2 * (lane % 4);
 #pragma unroll
@@ -194,8 +196,15 @@ __device__ __forceinline__ void apply_mask(float (&s)[C::MMA_Q][C::TILE_KV / 8][
       if constexpr (C::CAUSAL) k_hi = min(k_hi, q_pos - base);
       if constexpr (C::WINDOW) k_lo = q_pos - mi.window_left - base;
       uint64_t bits = 0;
-      if constexpr (C::CUSTOM_MASK)
-        bits = mask_window<C::TILE_KV>(mi, row_bit(mi, q_pos), tile_start) >> (2 * (lane % 4));
+      if constexpr (C::CUSTOM_MASK) {
+        const int64_t bit_row = row_bit(mi, q_pos);
+        const int n = min(max(q_pos - tile_start + 1, 0), C::TILE_KV);  // CAUSAL: keys t0 .. q_pos
+        bits = bit_row < 0 ? 0
+               : kind == 1 ? mask_window<C::TILE_KV>(mi, bit_row, tile_start)
+               : kind == 2 ? (n >= 64 ? ~uint64_t(0) : (uint64_t(1) << n) - 1)
+                           : ~uint64_t(0);
+        bits >>= 2 * (lane % 4);
+      }
 #pragma unroll
       for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
 #pragma unroll

@@ -89,7 +89,7 @@ __device__ __forceinline__ void load_q(const Params& p, typename C::DTypeQ* q_sm
 
 // The CTA's K/V source: where its rows live in global memory and its num_tiles tiles, clipped at kv_hi.
 // Tile t starts at kv_lo + t * TILE_KV, or, with a custom mask, where entry t of the item's tile list says
-// (entry = tile * 2 + partial, planned on the host: fully masked tiles are not listed; kv_lo = 0). Thread 0
+// (entry = tile << 2 | kind, planned on the host: fully masked tiles are not listed; kv_lo = 0). Thread 0
 // writes it to shared memory once; the pipeline reads it there once a tile, so none of it holds a register
 // over the tile's math.
 template <class C>
@@ -100,12 +100,12 @@ struct KVSource {
   const int32_t* tiles;  // custom mask: the item's tile list
   int kv_lo, kv_hi, num_tiles;
 
-  // entry t of the tile list (t < num_tiles), or 2 t without a custom mask
+  // entry t of the tile list (t < num_tiles), or t << 2 (a FULL tile) without a custom mask
   __device__ __forceinline__ int entry(int t) const {
     if constexpr (C::CUSTOM_MASK) return __ldg(tiles + t);
-    else return 2 * t;
+    else return t << 2;
   }
-  __device__ __forceinline__ int start(int e) const { return kv_lo + (e >> 1) * C::TILE_KV; }
+  __device__ __forceinline__ int start(int e) const { return kv_lo + (e >> 2) * C::TILE_KV; }
 };
 
 // K/V tiles of positions [src.start(src.entry(t)), ...) clipped at kv_hi. Paged: thread tid < TILE_KV owns row

@@ -1,9 +1,10 @@
 // Custom bit masks in the Hopper prefill: tile lists and a thread's mask bits.
 //
 // Tile lists (planned on the host, flashgen/plan/mask_tiles.py): an item visits only its KV tiles that some
-// row of its q tile can see, ascending; entry = tile * 2 + partial. A FULL tile (every pair visible) runs
-// without the element mask, a PARTIAL one with it. Without a custom mask an item's tiles are the contiguous
-// range from kv_lo and no entry is read.
+// row of its q tile can see, ascending; entry = tile << 2 | kind. A FULL tile (kind 0: every pair visible) runs
+// without the element mask; a BITS tile (1) with the mask's bits; a CAUSAL tile (2: its bits are key <= the
+// query's position, the diagonal tiles of document masks) with bits made from the query positions, none read.
+// Without a custom mask an item's tiles are the contiguous range from kv_lo and no entry is read.
 //
 // Mask bits: request b's [qo_len, kv_len] bit matrix starts at bit mask_offset[b] of custom_mask (row-major,
 // little-endian bits: bit i is bit i % 8 of byte i / 8; set = visible). A consumer thread holds rows g and
@@ -26,10 +27,11 @@ struct TileList {
   }
   // the first KV position of the item's t-th tile
   __device__ __forceinline__ static int pos(int kv_lo, int t, int e) {
-    if constexpr (C::CUSTOM_MASK) return (e >> 1) * C::TILE_KV;
+    if constexpr (C::CUSTOM_MASK) return (e >> 2) * C::TILE_KV;
     else return kv_lo + t * C::TILE_KV;
   }
-  __device__ __forceinline__ static bool partial(int e) { return C::CUSTOM_MASK && (e & 1); }
+  // the tile's kind: 0 full (no element mask), 1 the mask's bits, 2 causal (key <= the query's position)
+  __device__ __forceinline__ static int kind(int e) { return C::CUSTOM_MASK ? e & 3 : 0; }
 };
 
 // Into L2 ahead of use: the mask bits of a partial tile at key t0 for every token of item w's packed rows, one
@@ -54,7 +56,7 @@ __device__ __forceinline__ void prefetch_mask_bits(const uint8_t* mask, const W&
 template <class C, bool = C::CUSTOM_MASK>
 struct MaskBits {
   template <class W>
-  __device__ __forceinline__ void load(const uint8_t*, const W&, const FastDiv&, int, int, bool, int) {}
+  __device__ __forceinline__ void load(const uint8_t*, const W&, const FastDiv&, int, int, int, int) {}
   __device__ __forceinline__ void select(uint32_t (&)[2][1]) const {}
   __device__ __forceinline__ static bool visible(const uint32_t (&)[2][1], int) { return true; }
   using Words = uint32_t[2][1];
@@ -68,21 +70,30 @@ struct MaskBits<C, true> {
   int shift[2];
 
   // start the loads of the thread's rows h = 0, 1 of warpgroup wg of item w (a Work: row0, rows_total,
-  // mask_bit0; group: the GQA group, a row's token is row / group) for keys [t0, t0 + TILE_KV); a row past the
-  // request gets zeros, a tile that is not partial all ones (only kv_hi can mask it). The rows' bit offsets are
-  // recomputed a partial tile rather than held: four registers over the whole item spilled the ALiBi variant.
+  // mask_bit0, q_base; group: the GQA group, a row's token is row / group) for keys [t0, t0 + TILE_KV) of a
+  // tile of kind `kind` (TileList::kind); a row past the request gets zeros, a FULL tile all ones (only kv_hi
+  // can mask it), a CAUSAL tile the bits of keys <= the row's query position (no read). The rows' bit offsets
+  // are recomputed a tile rather than held: four registers over the whole item spilled the ALiBi variant.
   template <class W>
   __device__ __forceinline__ void load(const uint8_t* mask, const W& w, const FastDiv& group, int t0, int kv_len,
-                                       bool partial, int wg) {
+                                       int kind, int wg) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int prow = w.row0 + wg * 64 + threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4 + 8 * h;
-      const int64_t bit_row = prow < w.rows_total ? w.mask_bit0 + int64_t(group.div(prow)) * kv_len : -1;
-      const uint32_t fill = partial ? 0u : ~0u;
+      const int token = group.div(prow);
+      const int64_t bit_row = prow < w.rows_total ? w.mask_bit0 + int64_t(token) * kv_len : -1;
+      const uint32_t fill = kind != 0 ? 0u : ~0u;
 #pragma unroll
       for (int i = 0; i <= WORDS; ++i) raw[h][i] = fill;
       shift[h] = 0;
-      if (!partial || bit_row < 0) continue;
+      if (kind == 0 || bit_row < 0) continue;
+      if (kind == 2) {  // keys t0 .. q_pos visible: the low q_pos - t0 + 1 bits
+        const int n = min(max(w.q_base + token - t0 + 1, 0), C::TILE_KV);
+#pragma unroll
+        for (int i = 0; i < WORDS; ++i)
+          raw[h][i] = n >= 32 * (i + 1) ? ~0u : n <= 32 * i ? 0u : (1u << (n - 32 * i)) - 1u;
+        continue;
+      }
       const int64_t first = bit_row + t0;
       const uintptr_t at = reinterpret_cast<uintptr_t>(mask) + uintptr_t(first >> 3);
       const uintptr_t last = reinterpret_cast<uintptr_t>(mask) + uintptr_t((bit_row + kv_len - 1) >> 3);

@@ -30,8 +30,8 @@
 // rows can see, a sliding window (causal, plus keys >= q_pos - window_left) also skips the tiles before the
 // first row's window; the element mask runs on tiles that cross kv_hi, a causal or a window boundary of the
 // warpgroup's rows. A custom bit mask replaces the range by the item's planned tile list (custom_mask.cuh):
-// fully masked tiles are never loaded, and the bits are read only for partial tiles. ALiBi and soft-cap
-// transform the logits before the mask (logits.cuh).
+// fully masked tiles are never loaded, the bits are read only for BITS tiles, CAUSAL ones are masked by the
+// query positions. ALiBi and soft-cap transform the logits before the mask (logits.cuh).
 #pragma once
 #include <flashgen/fastdiv.cuh>
 #include <flashgen/logits.cuh>
@@ -224,7 +224,7 @@ struct KVBoxes {
 // boxes issued by the warp's lanes (a paged tile is up to 32 boxes). Stage s = it % STAGES of the CTA's running tile count it
 // is refilled once every consumer thread released it; a fresh empty barrier passes the first wait (parity 1).
 // The next tile's position (custom mask: its list entry) and page ids are read one tile ahead.
-// With a custom mask the K warp (mask != nullptr) also prefetches each partial tile's mask bits into L2.
+// With a custom mask the K warp (mask != nullptr) also prefetches each BITS tile's mask bits into L2.
 template <class C, class Params>
 __device__ __forceinline__ void produce_kv(const Params& p, const uint8_t* mask, const uint8_t* smem,
                                            const CUtensorMap* map, uint32_t ring,
@@ -247,7 +247,7 @@ __device__ __forceinline__ void produce_kv(const Params& p, const uint8_t* mask,
     for (int t = 0; t < w.num_tiles; ++t, ++it) {
       const int s = it % C::STAGES;
       const int pos0 = next_pos, page = next_page;
-      const bool partial = TileList<C>::partial(next_entry);
+      const bool bits = TileList<C>::kind(next_entry) == 1;
       if (t + 1 < w.num_tiles) {
         next_entry = TileList<C>::entry(w.tiles, t + 1);
         next_pos = TileList<C>::pos(w.kv_lo, t + 1, next_entry);
@@ -258,7 +258,7 @@ __device__ __forceinline__ void produce_kv(const Params& p, const uint8_t* mask,
       __syncwarp();
       if (boxer) Boxes::load(ring + s * L::KV_STAGE, map, (bars.*full)(s), w, pos0, lane, page);
       if constexpr (C::CUSTOM_MASK)
-        if (partial && mask != nullptr) prefetch_mask_bits(mask, w, group_of(p), pos0, lane);
+        if (bits && mask != nullptr) prefetch_mask_bits(mask, w, group_of(p), pos0, lane);
     }
     mbarrier_arrive(bars.work_empty(j % WORK_SLOTS));
   }
@@ -738,13 +738,12 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     return m;
   };
   int next_entry = n > 0 ? TileList<C>::entry(w.tiles, 0) : 0;
-  int t0 = 0;
-  bool partial = false;
+  int t0 = 0, kind = 0;
   auto next_tile = [&](int t) {  // tile t's position and kind; starts the read of entry t + 1
     const int e = next_entry;
     if (t + 1 < n) next_entry = TileList<C>::entry(w.tiles, t + 1);
     t0 = TileList<C>::pos(w.kv_lo, t, e);
-    partial = TileList<C>::partial(e);
+    kind = TileList<C>::kind(e);
   };
   auto stage = [&](int t) { return (it + t) % C::STAGES; };
   auto phase = [&](int t) { return uint32_t((it + t) / C::STAGES) & 1; };
@@ -774,13 +773,13 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
               pd.active ? pd.fresh : true);
   wgmma_commit();
   sched.pass_turn();
-  bits.load(p.custom_mask, w, group, t0, kv_len, partial, wg);
+  bits.load(p.custom_mask, w, group, t0, kv_len, kind, wg);
   // the first S alone: the softmax of the item's first tile runs under the previous item's last P V, as in the
   // loop below; then that P V is waited for and its rows written (they hold o) before P overwrites pa
   wgmma_wait<1>();
   fence_operands(sc);
   mbarrier_arrive(bars.empty_k(stage(0)));
-  softmax<C>(sc, rs, o_scale, lg, masked(t0, partial), t0, bits);
+  softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != 0), t0, bits);
   wgmma_wait<0>();  // the P V (pending or dummy) read pa, and o holds its rows
   // the item's last Q K^T is done, and the dummy P V has read the Q buffer: the producer may load the next Q
   if (n == 1) mbarrier_arrive(bars.q_empty(qb));
@@ -799,12 +798,12 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     issue_pv<C>(o, pa, v_base + stage(t - 1) * L::KV_STAGE, t == 1);
     wgmma_commit();
     sched.pass_turn();
-    bits.load(p.custom_mask, w, group, t0, kv_len, partial, wg);
+    bits.load(p.custom_mask, w, group, t0, kv_len, kind, wg);
     wgmma_wait<1>();
     fence_operands(sc);
     mbarrier_arrive(bars.empty_k(stage(t)));
     if (t == n - 1) mbarrier_arrive(bars.q_empty(qb));
-    softmax<C>(sc, rs, o_scale, lg, masked(t0, partial), t0, bits);
+    softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != 0), t0, bits);
     if (t + 1 < n) wait_kv<C>(bars.full_k(stage(t + 1)), phase(t + 1));  // see above the loop
     wgmma_wait<0>();
     fence_operands(o);
