@@ -60,7 +60,7 @@ def test_kv64_fits_two_ctas_an_sm(monkeypatch):
     assert prefill_smem_bytes(128, 128, 2) == 32 * 1024 + 2 * 32 * 1024 + 1024
 
 
-def test_late_copies_for_ragged_kv_without_custom_mask():
+def test_late_copies_for_ragged_d128_without_custom_mask():
     # where the next tile's copies go is decided per spec (codegen/prefill.py: prefill_late_copies)
     def late(spec):
         source = flashgen.render(spec, "prefill")
@@ -68,6 +68,7 @@ def test_late_copies_for_ragged_kv_without_custom_mask():
         return "LATE_COPIES = true;" in source
 
     assert late(AttentionSpec(128, kv_layout=Ragged(), mask=Causal()))
-    assert late(AttentionSpec(64, kv_layout=Ragged(), mask=SlidingWindow(64), pos_encoding=RoPE()))
+    assert late(AttentionSpec(128, kv_layout=Ragged(), mask=SlidingWindow(64), pos_encoding=RoPE()))
+    assert not late(AttentionSpec(64, kv_layout=Ragged(), mask=Causal()))  # measured at d=128 only
     assert not late(AttentionSpec(128, kv_layout=Paged(16), mask=Causal()))
     assert not late(AttentionSpec(128, kv_layout=Ragged(), mask=CustomMask()))

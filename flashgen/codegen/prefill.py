@@ -166,8 +166,9 @@ def prefill_late_copies(spec: AttentionSpec) -> bool:
     FA2), window +0.5-1 %, causal even, and the loop-top barrier waits half as long (ncu stall samples). Paged
     copies, which read their row offsets from shared memory first, lost 1-8 % there (window and causal most), and
     a custom mask's element pass (its bit loads) between Q K^T and the softmax lost 1.5-3 %: both keep the copies
-    after Q K^T."""
-    return isinstance(spec.kv_layout, Ragged) and not isinstance(spec.mask, CustomMask)
+    after Q K^T. Other head dims (other tiles, Q in registers at 64) are not measured yet and keep them too."""
+    return (isinstance(spec.kv_layout, Ragged) and not isinstance(spec.mask, CustomMask)
+            and spec.head_dim == spec.head_dim_vo == 128)
 
 
 def _tiles_tag(head_dim: int, head_dim_vo: int) -> str:
