@@ -31,9 +31,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
-from timing import commit, doc_mask, matmul_rate, page_cache, pyplot, save_results, timed_interleaved  # noqa: E402
+from timing import commit, matmul_rate, page_cache, pyplot, save_results, timed_interleaved  # noqa: E402
 from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError  # noqa: E402
 from flashgen.codegen import family  # noqa: E402
+from flashgen.testing.masks import doc_mask  # noqa: E402
 
 HQ, HKV, TOKENS, WINDOW, DOCS = 32, 8, 16384, 1024, 8
 OPS = {"portable": "prefill", "sm90": "prefill_sm90"}  # the kernel family of each BatchPrefillWrapper backend
@@ -73,7 +74,7 @@ def bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, backend):
     indptr = np.arange(batch + 1) * seqlen
     custom = None
     if mask == "doc":
-        custom = [doc_mask(seqlen, DOCS)] * batch
+        custom = [doc_mask(seqlen, seqlen, DOCS)] * batch
     if layout == "ragged":
         table, kv = {"kv_indptr": indptr}, (k, v)
     else:

@@ -15,8 +15,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
-from timing import doc_mask, timed  # noqa: E402
+from timing import timed  # noqa: E402
 from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Ragged  # noqa: E402
+from flashgen.testing.masks import doc_mask  # noqa: E402
 
 B, S, HQ, HKV, D, TQ, TK = 4, 4096, 32, 8, 128, 32, 128
 backend = sys.argv[1] if len(sys.argv) > 1 else "sm90"
@@ -47,7 +48,7 @@ causal = torch.tril(full)
 run("none", AttentionSpec(D, kv_layout=Ragged(), mask=NoMask()), None, tiles_of(full), B * S * S)
 run("causal", AttentionSpec(D, kv_layout=Ragged(), mask=Causal()), None, tiles_of(causal), B * S * (S + 1) // 2)
 for docs in (1, 2, 4, 8, 16):
-    m = doc_mask(S, docs)
+    m = doc_mask(S, S, docs)
     run(f"doc{docs}", AttentionSpec(D, kv_layout=Ragged(), mask=CustomMask()), [m] * B, tiles_of(m), int(m.sum()) * B)
 for docs in (8, 16):  # block-diagonal, no causal part: every visited tile full
     d = torch.arange(S) // (S // docs)

@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashgen  # noqa: E402
-from timing import doc_mask  # noqa: E402
 from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow  # noqa: E402
+from flashgen.testing.masks import doc_mask  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -42,7 +42,7 @@ def main() -> None:
     mask = {"none": NoMask(), "causal": Causal(), "window": SlidingWindow(args.window), "doc": CustomMask()}[args.mask]
     custom = None
     if args.mask == "doc":
-        custom = [doc_mask(args.seqlen, args.docs)] * args.batch
+        custom = [doc_mask(args.seqlen, args.seqlen, args.docs)] * args.batch
     indptr = np.arange(args.batch + 1, dtype=np.int32) * args.seqlen
     if args.page_size:
         ps = args.page_size

@@ -91,14 +91,6 @@ def timed_interleaved(fns: list, reps: int, clocks: list | None = None) -> list[
     return [sorted(t)[len(t) // 2] for t in times]
 
 
-def doc_mask(seqlen: int, docs: int) -> torch.Tensor:
-    """bool ``[seqlen, seqlen]``: ``docs`` causal documents of ``seqlen // docs`` tokens, each seeing only itself
-    (query i sees key j <= i of its own document), as a custom mask's ``[qo_len, kv_len]`` matrix."""
-    doc = torch.arange(seqlen) // (seqlen // docs)
-    pos = torch.arange(seqlen)
-    return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
-
-
 def page_cache(k: torch.Tensor, v: torch.Tensor, batch: int, seqlen: int, page: int, perm: torch.Tensor):
     """``k`` and ``v`` ``[batch * seqlen, heads, d]`` (seqlen a multiple of ``page``) copied into a page cache
     ``[pages, page, heads, d]`` with the batch's logical page i at slot ``perm[i]``; returns ``((k_cache,
