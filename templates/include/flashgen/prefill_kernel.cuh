@@ -53,11 +53,25 @@ __device__ __forceinline__ void run(const Params& p) {
   __shared__ RowInfo<C> ri;
   __shared__ TileRows tr_saved;
   __shared__ int request_saved, chunk_saved;
+  extern __shared__ __align__(128) uint8_t smem[];
+  DTypeQ* q_smem = reinterpret_cast<DTypeQ*>(smem);
+  // Q's copies first: its rows are read once, from DRAM, the longest wait of the CTA's start
+  load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
+  // every thread builds the KV source (the same loads, broadcast); thread 0 also keeps it in shared memory for
+  // the loop. Ragged: the prologue's KV copies go out now, not after the barrier below (the CTA's first tile
+  // then lands ~1000 cycles after its Q, not after thread 0's stores and a barrier)
+  const KVRows<C::PAGED, C::PAGE_SIZE> kv_rows(p, request);
+  const int64_t head_row0 = int64_t(kv_head) * p.stride_head + kv_rows.offset(0, 0);  // ragged: + first row
+  const KVSource<C> mine{kv_rows, p.k + head_row0, p.v + KVPipeline<C>::v_offset(head_row0), tiles, kv_lo, kv_hi,
+                         num_tiles};
+  if constexpr (!C::PAGED) {
+    const KVPipeline<C> early{mine, reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET),
+                              reinterpret_cast<DTypeKV*>(smem + L::V_OFFSET),
+                              reinterpret_cast<int64_t*>(smem + L::ROW_OFFSETS)};
+    for (int tile = 0; tile < S - 1; ++tile) early.issue(tile);
+  }
   if (threadIdx.x == 0) {
-    const KVRows<C::PAGED, C::PAGE_SIZE> rows(p, request);
-    const int64_t head_row0 = int64_t(kv_head) * p.stride_head + rows.offset(0, 0);  // ragged: + first row
-    src = KVSource<C>{rows, p.k + head_row0, p.v + KVPipeline<C>::v_offset(head_row0), tiles, kv_lo, kv_hi,
-                      num_tiles};
+    src = mine;
     ri.mi = MaskInfo{kv_hi, q_base, qo_len, kv_len, p.window_left, p.custom_mask,
                      C::CUSTOM_MASK ? p.mask_offset[request] : 0};
     tr_saved = tr;
@@ -72,9 +86,6 @@ __device__ __forceinline__ void run(const Params& p) {
     ri.q_pos[r] = q_base + (tr.row0 + r) / group;
     if constexpr (C::ALIBI) ri.slope[r] = alibi_slope(int(tr.head(tr.row0 + r)), p.num_qo_heads);
   }
-  extern __shared__ __align__(128) uint8_t smem[];
-  DTypeQ* q_smem = reinterpret_cast<DTypeQ*>(smem);
-  load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
   __syncthreads();  // src and ri are written
 
   const KVPipeline<C> pipe{src, reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET),
@@ -90,9 +101,7 @@ __device__ __forceinline__ void run(const Params& p) {
     }
     pipe.store_offset(S - 1, pipe.page_of(S - 1));
     next_page = pipe.page_of(S);
-  } else {
-    for (int tile = 0; tile < S - 1; ++tile) pipe.issue(tile);
-  }
+  }  // ragged: issued above
 
   // Q fragments (RoPE: the barrier after load_q made the Q tile visible; else Q landed with the first KV tile)
   uint32_t q_regs[MQ][QR][4];
