@@ -55,23 +55,29 @@ __device__ __forceinline__ void run(const Params& p) {
   __shared__ int request_saved, chunk_saved;
   extern __shared__ __align__(128) uint8_t smem[];
   DTypeQ* q_smem = reinterpret_cast<DTypeQ*>(smem);
-  // Q's copies first: its rows are read once, from DRAM, the longest wait of the CTA's start
-  load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
-  // every thread builds the KV source (the same loads, broadcast); thread 0 also keeps it in shared memory for
-  // the loop. Ragged: the prologue's KV copies go out now, not after the barrier below (the CTA's first tile
-  // then lands ~1000 cycles after its Q, not after thread 0's stores and a barrier)
-  const KVRows<C::PAGED, C::PAGE_SIZE> kv_rows(p, request);
-  const int64_t head_row0 = int64_t(kv_head) * p.stride_head + kv_rows.offset(0, 0);  // ragged: + first row
-  const KVSource<C> mine{kv_rows, p.k + head_row0, p.v + KVPipeline<C>::v_offset(head_row0), tiles, kv_lo, kv_hi,
-                         num_tiles};
+  // Ragged: Q's copies first (its rows are read once, from DRAM: the longest wait of the CTA's start), then every
+  // thread builds the KV source (the same loads, broadcast) and issues the prologue's KV copies now, not after
+  // thread 0's stores and the barrier below; thread 0 also keeps the source in shared memory for the loop. The
+  // CTA's first tile then lands ~1000 cycles after its Q. Paged keeps the order below: built this way, its
+  // variants lost 2-4 % (their main loop's code moved; measured 2026-11-30).
   if constexpr (!C::PAGED) {
+    load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
+    const KVRows<C::PAGED, C::PAGE_SIZE> kv_rows(p, request);
+    const int64_t head_row0 = int64_t(kv_head) * p.stride_head + kv_rows.offset(0, 0);  // + the first row
+    const KVSource<C> mine{kv_rows, p.k + head_row0, p.v + KVPipeline<C>::v_offset(head_row0), tiles, kv_lo, kv_hi,
+                           num_tiles};
     const KVPipeline<C> early{mine, reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET),
                               reinterpret_cast<DTypeKV*>(smem + L::V_OFFSET),
                               reinterpret_cast<int64_t*>(smem + L::ROW_OFFSETS)};
     for (int tile = 0; tile < S - 1; ++tile) early.issue(tile);
+    if (threadIdx.x == 0) src = mine;
+  } else if (threadIdx.x == 0) {
+    const KVRows<C::PAGED, C::PAGE_SIZE> rows(p, request);
+    const int64_t head_row0 = int64_t(kv_head) * p.stride_head + rows.offset(0, 0);
+    src = KVSource<C>{rows, p.k + head_row0, p.v + KVPipeline<C>::v_offset(head_row0), tiles, kv_lo, kv_hi,
+                      num_tiles};
   }
   if (threadIdx.x == 0) {
-    src = mine;
     ri.mi = MaskInfo{kv_hi, q_base, qo_len, kv_len, p.window_left, p.custom_mask,
                      C::CUSTOM_MASK ? p.mask_offset[request] : 0};
     tr_saved = tr;
@@ -86,6 +92,7 @@ __device__ __forceinline__ void run(const Params& p) {
     ri.q_pos[r] = q_base + (tr.row0 + r) / group;
     if constexpr (C::ALIBI) ri.slope[r] = alibi_slope(int(tr.head(tr.row0 + r)), p.num_qo_heads);
   }
+  if constexpr (C::PAGED) load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
   __syncthreads();  // src and ri are written
 
   const KVPipeline<C> pipe{src, reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET),

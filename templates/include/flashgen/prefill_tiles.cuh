@@ -61,11 +61,12 @@ __device__ __forceinline__ void load_q(const Params& p, typename C::DTypeQ* q_sm
                                        int kv_head, int q_base) {
   using L = Layout<C>;
   constexpr int ROWS_Q = L::THREADS / L::Q_CHUNKS;  // rows a pass when every thread keeps one chunk column
-  if constexpr (!C::ROPE && L::THREADS % L::Q_CHUNKS == 0 && L::TILE_Q % ROWS_Q == 0) {
+  if constexpr (!C::ROPE && !C::PAGED && L::THREADS % L::Q_CHUNKS == 0 && L::TILE_Q % ROWS_Q == 0) {
     // thread t copies chunk t % Q_CHUNKS of rows t / Q_CHUNKS + i * ROWS_Q: one division for the first row's
     // token and head, then a step of ROWS_Q rows (d_token tokens and d_head heads, with a carry) a pass, where a
     // division by the runtime group a copy made issuing Q ~2400 cycles of the CTA's ~5700-cycle start (clock64
-    // stamps, 4 x 4096)
+    // stamps, 4 x 4096). Ragged only: paged variants built this way lost 2-4 % (their main loop's code moved),
+    // so they keep the loop below
     const int c = threadIdx.x % L::Q_CHUNKS, r0 = threadIdx.x / L::Q_CHUNKS, g = p.group_size;
     const int d_token = ROWS_Q / g, d_head = ROWS_Q - d_token * g;
     int token = (row0 + r0) / g, head = row0 + r0 - token * g;
