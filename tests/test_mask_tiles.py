@@ -7,6 +7,7 @@ a 16k x 16k bool mask to bits (np.packbits) 0.02 s more."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -403,3 +404,13 @@ def test_fixed_buffers_say_what_sized_them():
     grows = DeviceBuffer(torch.int32, torch.device("cpu"), fixed=False)
     grows.get(10, "tiles")
     assert grows.get(11, "tiles").numel() == 11
+
+
+def test_entry_encoding_matches_the_kernels_header():
+    # the kernels decode entries with templates/include/flashgen/tile_entry.cuh: its constants are the planner's
+    from flashgen.codegen.render import include_dir
+    header = (include_dir() / "flashgen" / "tile_entry.cuh").read_text()
+    line = re.search(r"constexpr int (ENTRY_SHIFT = \d+(?:, ENTRY_\w+ = \d+)*);", header).group(1)
+    values = {name: int(v) for name, v in (item.split(" = ") for item in line.split(", "))}
+    assert values == {"ENTRY_SHIFT": ENTRY_SHIFT, "ENTRY_FULL": ENTRY_FULL, "ENTRY_BITS": ENTRY_BITS,
+                      "ENTRY_CAUSAL": ENTRY_CAUSAL}

@@ -46,7 +46,7 @@ struct RowInfo {
   // whether tile number t (list entry e, first key t0) needs the element mask: a custom mask's BITS and CAUSAL
   // tiles and a tile crossing kv_hi; else the warp's tiles outside [full_lo, full_hi)
   __device__ __forceinline__ bool boundary(int warp, int t, int e, int t0) const {
-    if constexpr (C::CUSTOM_MASK) return (e & 3) != 0 || t0 + C::TILE_KV > mi.kv_hi;
+    if constexpr (C::CUSTOM_MASK) return entry_kind(e) != ENTRY_FULL || t0 + C::TILE_KV > mi.kv_hi;
     else return t < full_lo[warp] || t >= full_hi[warp];
   }
   // the CTA-local row of the thread's accumulator row h of mma tile mq
@@ -180,8 +180,8 @@ __device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
 
 // boundary tiles only: logits of (row, key) pairs the mask hides become -inf. A thread's keys of a row are
 // t0 + 2 * (lane % 4) + k for the compile-time k = 8 * nt + e % 2: each row reduces to a range of k (the KV end,
-// causal, window) and, for a custom mask, a window of bits: the mask's (kind 1) or keys <= the row's query
-// position (kind 2, a CAUSAL tile; kind 0, FULL: all ones)
+// causal, window) and, for a custom mask, a window of bits: the mask's (ENTRY_BITS) or keys <= the row's query
+// position (ENTRY_CAUSAL; ENTRY_FULL: all ones)
 template <class C>
 __device__ __forceinline__ void apply_mask(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const RowInfo<C>& ri,
                                            int tile_start, int warp, int lane, int kind) {
@@ -200,8 +200,8 @@ __device__ __forceinline__ void apply_mask(float (&s)[C::MMA_Q][C::TILE_KV / 8][
         const int64_t bit_row = row_bit(mi, q_pos);
         const int n = min(max(q_pos - tile_start + 1, 0), C::TILE_KV);  // CAUSAL: keys t0 .. q_pos
         bits = bit_row < 0 ? 0
-               : kind == 1 ? mask_window<C::TILE_KV>(mi, bit_row, tile_start)
-               : kind == 2 ? (n >= 64 ? ~uint64_t(0) : (uint64_t(1) << n) - 1)
+               : kind == ENTRY_BITS ? mask_window<C::TILE_KV>(mi, bit_row, tile_start)
+               : kind == ENTRY_CAUSAL ? (n >= 64 ? ~uint64_t(0) : (uint64_t(1) << n) - 1)
                            : ~uint64_t(0);
         bits >>= 2 * (lane % 4);
       }

@@ -159,7 +159,7 @@ __device__ __forceinline__ void run(const Params& p) {
     // after the softmax, where ptxas interleaves them with the exp2 and P V
     if constexpr (!C::LATE_COPIES) pipe.issue(tile + S - 1);
     if constexpr (C::ALIBI || C::SOFT_CAP) logits<C>(s, ri, transform, t0, warp, lane);
-    if (boundary) apply_mask<C>(s, ri, t0, warp, lane, e & 3);
+    if (boundary) apply_mask<C>(s, ri, t0, warp, lane, entry_kind(e));
     float m[MQ][2], l[MQ][2];
     ri.load_stats(m, l);
     online_softmax<C>(s, o, m, l, C::ALIBI || C::SOFT_CAP ? 1.f : scale_log2);

@@ -6,6 +6,7 @@
 #include <flashgen/kv_rows.cuh>
 #include <flashgen/logits.cuh>
 #include <flashgen/mma.cuh>
+#include <flashgen/tile_entry.cuh>
 
 namespace flashgen::prefill {
 
@@ -111,9 +112,9 @@ __device__ __forceinline__ void load_q(const Params& p, typename C::DTypeQ* q_sm
 
 // The CTA's K/V source: where its rows live in global memory and its num_tiles tiles, clipped at kv_hi.
 // Tile t starts at kv_lo + t * TILE_KV, or, with a custom mask, where entry t of the item's tile list says
-// (entry = tile << 2 | kind, planned on the host: fully masked tiles are not listed; kv_lo = 0). Thread 0
-// writes it to shared memory once; the pipeline reads it there once a tile, so none of it holds a register
-// over the tile's math.
+// (tile_entry.cuh; planned on the host: fully masked tiles are not listed; kv_lo = 0). Thread 0 writes it to
+// shared memory once; the pipeline reads it there once a tile, so none of it holds a register over the tile's
+// math.
 template <class C>
 struct KVSource {
   KVRows<C::PAGED, C::PAGE_SIZE> rows;
@@ -122,12 +123,12 @@ struct KVSource {
   const int32_t* tiles;  // custom mask: the item's tile list
   int kv_lo, kv_hi, num_tiles;
 
-  // entry t of the tile list (t < num_tiles), or t << 2 (a FULL tile) without a custom mask
+  // entry t of the tile list (t < num_tiles), or tile t as a FULL entry without a custom mask
   __device__ __forceinline__ int entry(int t) const {
     if constexpr (C::CUSTOM_MASK) return __ldg(tiles + t);
-    else return t << 2;
+    else return t << ENTRY_SHIFT | ENTRY_FULL;
   }
-  __device__ __forceinline__ int start(int e) const { return kv_lo + (e >> 2) * C::TILE_KV; }
+  __device__ __forceinline__ int start(int e) const { return kv_lo + entry_tile(e) * C::TILE_KV; }
 };
 
 // K/V tiles of positions [src.start(src.entry(t)), ...) clipped at kv_hi. Paged: thread tid < TILE_KV owns row

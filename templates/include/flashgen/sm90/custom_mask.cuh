@@ -1,9 +1,9 @@
 // Custom bit masks in the Hopper prefill: tile lists and a thread's mask bits.
 //
 // Tile lists (planned on the host, flashgen/plan/mask_tiles.py): an item visits only its KV tiles that some
-// row of its q tile can see, ascending; entry = tile << 2 | kind. A FULL tile (kind 0: every pair visible) runs
-// without the element mask; a BITS tile (1) with the mask's bits; a CAUSAL tile (2: its bits are key <= the
-// query's position, the diagonal tiles of document masks) with bits made from the query positions, none read.
+// row of its q tile can see, ascending, as entries (tile_entry.cuh). A FULL tile (every pair visible) runs
+// without the element mask; a BITS tile with the mask's bits; a CAUSAL tile (its bits are key <= the query's
+// position, the diagonal tiles of document masks) with bits made from the query positions, none read.
 // Without a custom mask an item's tiles are the contiguous range from kv_lo and no entry is read.
 //
 // Mask bits: request b's [qo_len, kv_len] bit matrix starts at bit mask_offset[b] of custom_mask (row-major,
@@ -15,6 +15,7 @@
 #pragma once
 #include <cstdint>
 #include <flashgen/fastdiv.cuh>
+#include <flashgen/tile_entry.cuh>
 
 namespace flashgen::sm90 {
 
@@ -27,11 +28,11 @@ struct TileList {
   }
   // the first KV position of the item's t-th tile
   __device__ __forceinline__ static int pos(int kv_lo, int t, int e) {
-    if constexpr (C::CUSTOM_MASK) return (e >> 2) * C::TILE_KV;
+    if constexpr (C::CUSTOM_MASK) return entry_tile(e) * C::TILE_KV;
     else return kv_lo + t * C::TILE_KV;
   }
-  // the tile's kind: 0 full (no element mask), 1 the mask's bits, 2 causal (key <= the query's position)
-  __device__ __forceinline__ static int kind(int e) { return C::CUSTOM_MASK ? e & 3 : 0; }
+  // the tile's kind (ENTRY_FULL, ENTRY_BITS or ENTRY_CAUSAL; tile_entry.cuh)
+  __device__ __forceinline__ static int kind(int e) { return C::CUSTOM_MASK ? entry_kind(e) : ENTRY_FULL; }
 };
 
 // Into L2 ahead of use: the mask bits of a partial tile at key t0 for every token of item w's packed rows, one
@@ -82,12 +83,12 @@ struct MaskBits<C, true> {
       const int prow = w.row0 + wg * 64 + threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4 + 8 * h;
       const int token = group.div(prow);
       const int64_t bit_row = prow < w.rows_total ? w.mask_bit0 + int64_t(token) * kv_len : -1;
-      const uint32_t fill = kind != 0 ? 0u : ~0u;
+      const uint32_t fill = kind != ENTRY_FULL ? 0u : ~0u;
 #pragma unroll
       for (int i = 0; i <= WORDS; ++i) raw[h][i] = fill;
       shift[h] = 0;
-      if (kind == 0 || bit_row < 0) continue;
-      if (kind == 2) {  // keys t0 .. q_pos visible: the low q_pos - t0 + 1 bits
+      if (kind == ENTRY_FULL || bit_row < 0) continue;
+      if (kind == ENTRY_CAUSAL) {  // keys t0 .. q_pos visible: the low q_pos - t0 + 1 bits
         const int n = min(max(w.q_base + token - t0 + 1, 0), C::TILE_KV);
 #pragma unroll
         for (int i = 0; i < WORDS; ++i)

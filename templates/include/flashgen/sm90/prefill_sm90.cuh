@@ -247,7 +247,7 @@ __device__ __forceinline__ void produce_kv(const Params& p, const uint8_t* mask,
     for (int t = 0; t < w.num_tiles; ++t, ++it) {
       const int s = it % C::STAGES;
       const int pos0 = next_pos, page = next_page;
-      const bool bits = TileList<C>::kind(next_entry) == 1;
+      const bool bits = TileList<C>::kind(next_entry) == ENTRY_BITS;
       if (t + 1 < w.num_tiles) {
         next_entry = TileList<C>::entry(w.tiles, t + 1);
         next_pos = TileList<C>::pos(w.kv_lo, t + 1, next_entry);
@@ -779,7 +779,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   wgmma_wait<1>();
   fence_operands(sc);
   mbarrier_arrive(bars.empty_k(stage(0)));
-  softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != 0), t0, bits);
+  softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits);
   wgmma_wait<0>();  // the P V (pending or dummy) read pa, and o holds its rows
   // the item's last Q K^T is done, and the dummy P V has read the Q buffer: the producer may load the next Q
   if (n == 1) mbarrier_arrive(bars.q_empty(qb));
@@ -803,7 +803,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     fence_operands(sc);
     mbarrier_arrive(bars.empty_k(stage(t)));
     if (t == n - 1) mbarrier_arrive(bars.q_empty(qb));
-    softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != 0), t0, bits);
+    softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits);
     if (t + 1 < n) wait_kv<C>(bars.full_k(stage(t + 1)), phase(t + 1));  // see above the loop
     wgmma_wait<0>();
     fence_operands(o);
