@@ -165,3 +165,18 @@ def test_executor_rejects_a_plan_that_writes_twice():
     plan.numpy("chunk_idx")[0] = plan.numpy("chunk_idx")[1]  # ...and two items writing one partial row fail loudly
     with pytest.raises(PlanExecutionError, match="not written exactly once"):
         run_plan(plan, spec, q, kv, **pt)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 4), st.integers(20, 90), st.integers(300, 1200), st.sampled_from([1, 2, 4]),
+       st.sampled_from([16, 64]), st.integers(0, 2**31))
+def test_tail_split_plan_matches_reference(batch, qo_len, kv_len, group, page_size, seed):
+    # a small num_sms makes the last wave partly empty: its tiles are split into KV chunks merged per tile
+    hkv = 2
+    hq = group * hkv
+    _, q, kv, pt = make_batch(seed, [qo_len] * batch, [kv_len] * batch, hq, hkv, page_size)
+    spec = AttentionSpec(D, kv_layout=Paged(page_size))
+    qo_indptr = np.arange(batch + 1) * qo_len
+    plan = plan_prefill(qo_indptr, [kv_len] * batch, num_qo_heads=hq, num_kv_heads=hkv, tile_rows=16, num_sms=5,
+                        kv_granularity=page_size, balance_tail=True)
+    assert_same(run_plan(plan, spec, q, kv, **pt), reference_attention(spec, q, kv, qo_indptr=qo_indptr, **pt))

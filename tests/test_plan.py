@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
-from flashgen.plan import (SPLIT_KV_SCHEMA, PlanError, choose_kv_chunk, plan_block_sparse, plan_cascade,
+from flashgen.plan import (SPLIT_KV_SCHEMA, PlanError, choose_kv_chunk, choose_tail_split, plan_block_sparse, plan_cascade,
                            plan_decode, plan_prefill, plan_split_kv)
 from flashgen.testing.executor import coverage
 
@@ -190,3 +190,56 @@ def test_block_sparse_skips_empty_blocks():
     with pytest.raises(PlanError, match="sorted and unique"):
         plan_block_sparse([0, 2, 2, 2, 2], [3, 1], block_q=3, block_kv=4, qo_len=11, kv_len=18,
                           num_qo_heads=2, num_kv_heads=1)
+
+
+def test_tail_split_of_a_partly_empty_last_wave():
+    # 4 x 4096 tokens, 32 / 8 heads, 128-row tiles on 132 SMs x 2: 4096 CTAs leave 136 for a 16th wave; its 17
+    # tiles (the list's first: the grid runs the list from its end) become 5 chunks each
+    assert choose_tail_split(4096, 512, 8, num_sms=264, granularity=64) == (17, 5)
+    assert choose_tail_split(4096, 528, 8, num_sms=264, granularity=64) is None  # whole waves
+    assert choose_tail_split(4096, 20, 8, num_sms=264, granularity=64) is None  # one partial wave: _choose's
+    assert choose_tail_split(100, 512, 8, num_sms=264, granularity=64) is None  # too short to split
+    assert choose_tail_split(4096, 512, 8, num_sms=264, granularity=64, max_extra=40) == (17, 3)  # spare slots
+    qo = np.arange(5) * 4096
+    plan = plan_prefill(qo, [4096] * 4, num_qo_heads=32, num_kv_heads=8, tile_rows=128, kv_granularity=64,
+                        num_sms=264, balance_tail=True)
+    info, n = plan.info, plan.info.num_items
+    assert n == 512 + 17 * 4
+    chunk, start, end = (plan.numpy(f)[:n] for f in ("chunk_idx", "kv_start", "kv_end"))
+    assert (chunk[:85] == np.tile(np.arange(5), 17)).all() and (chunk[85:] == -1).all()
+    assert (start[:85] % 64 == 0).all() and (end[:85] > start[:85]).all()
+    merge = np.diff(plan.numpy("merge_indptr")[: 4 * 4096 + 1])
+    assert (merge[: 17 * 32] == 5).all() and (merge[17 * 32:] == 0).all() and info.partial_rows == 17 * 32 * 5
+    for counts in coverage(plan):
+        assert (counts == 1).all()
+    # without balance_tail (and for masks whose items are not their plan length) nothing splits
+    assert plan_prefill(qo, [4096] * 4, num_qo_heads=32, num_kv_heads=8, tile_rows=128, kv_granularity=64,
+                        num_sms=264).info.num_items == 512
+    # a CUDA-graph plan splits within its spare item slots, and its partial rows stay within partial_capacity
+    fixed = plan_prefill(qo, [4096] * 4, num_qo_heads=32, num_kv_heads=8, tile_rows=128, kv_granularity=64,
+                         num_sms=264, balance_tail=True, max_batch_size=4, max_total_q=4 * 4096)
+    assert fixed.info.num_items > 512 and fixed.info.num_items <= fixed.info.capacity
+    assert fixed.info.partial_rows <= fixed.info.partial_capacity
+    for counts in coverage(fixed):
+        assert (counts == 1).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches())
+def test_tail_split_covers_every_position_once(batch):
+    qo_indptr, kv_lens, hq, hkv, options = batch
+    if options["tile_rows"] and options["tile_rows"] % (hq // hkv):
+        options["tile_rows"] = None  # tail splits need tiles of whole tokens
+    plan = plan_prefill(qo_indptr, kv_lens, num_qo_heads=hq, num_kv_heads=hkv, balance_tail=True, **options)
+    for counts in coverage(plan):
+        assert (counts == 1).all()
+    n = plan.info.num_items
+    req, tile, chunk = (plan.numpy(f)[:n] for f in ("request_idx", "qo_tile_idx", "chunk_idx"))
+    merge = plan.numpy("merge_indptr")[: int(qo_indptr[-1]) + 1]
+    rows = []
+    for i in np.flatnonzero(chunk >= 0):  # a split tile's chunks are its tokens' merge range, rows used once
+        t0 = int(qo_indptr[req[i]]) + int(tile[i]) * plan.info.tile_rows // plan.info.group_size  # its first token
+        count = int(((req == req[i]) & (tile == tile[i])).sum())
+        assert merge[t0 + 1] - merge[t0] == count and 0 <= chunk[i] < count
+        rows.append(int(merge[t0]) + int(chunk[i]))
+    assert len(rows) == len(set(rows)) and plan.info.partial_rows == merge[-1]

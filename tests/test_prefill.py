@@ -17,7 +17,8 @@ import flashgen
 from flashgen import ALiBi, AttentionSpec, Causal, CustomMask, Paged, Ragged, RoPE, SlidingWindow
 from flashgen.api.prefill import _select_backend
 from flashgen.codegen.rope_gather import attention_spec
-from flashgen.plan import PlanError, csr_to_block_table
+from flashgen.codegen.prefill import prefill_ctas_per_sm, prefill_tile_q, prefill_tiles
+from flashgen.plan import PlanError, csr_to_block_table, plan_prefill
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import pack_custom_mask, reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
@@ -154,6 +155,26 @@ def test_split_and_unsplit_agree(spec):
     check(spec, q, kv, table, qo_indptr, split, lse_split, custom_mask=mask)
     check(spec, q, kv, table, qo_indptr, whole, lse_whole, custom_mask=mask)
     torch.testing.assert_close(split.float(), whole.float(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("num_sms,qo_lens,kv_lens", [(3, [130, 200, 64], [900, 1500, 640]), (4, [300] * 3, [700] * 3),
+                                                      (6, [250, 250], [1100, 1100])])
+def test_last_wave_tiles_split(num_sms, qo_lens, kv_lens):
+    # a GPU of few SMs (num_sms) leaves a partly empty last wave: the plan splits those tiles into KV chunks
+    # (balance_tail), each tile merging its own chunk count while the rest of its request is unsplit
+    spec = AttentionSpec(128, kv_layout=Ragged())
+    q, kv, table, qo_indptr, _ = make_batch(spec, qo_lens, kv_lens, 2, 4)
+    d = spec.head_dim
+    plan = plan_prefill(qo_indptr, kv_lens, num_qo_heads=8, num_kv_heads=2, tile_rows=prefill_tile_q(d, d),
+                        kv_granularity=prefill_tiles(d, d)[2], num_sms=num_sms * prefill_ctas_per_sm(d, d),
+                        balance_tail=True)
+    n = plan.info.num_items
+    assert (plan.numpy("chunk_idx")[:n] >= 0).any() and (plan.numpy("num_chunks")[: len(qo_lens)] == 1).all()
+    wrapper = flashgen.BatchPrefillWrapper(spec, backend="portable", num_sms=num_sms)
+    wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=8, num_kv_heads=2, **table)
+    out = torch.full((q.shape[0], 8, 128), float("nan"), dtype=q.dtype, device="cuda")
+    out, lse = wrapper.run(q.cuda(), to_cuda(kv), out=out, return_lse=True)
+    check(spec, q, kv, table, qo_indptr, out, lse)
 
 
 def test_block_table():

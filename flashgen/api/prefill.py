@@ -284,7 +284,8 @@ class _PortablePrefill:
         options = {"max_batch_size": self.max_batch_size, "max_total_q": self.max_total_q} if self.fixed else {}
         plan = plan_prefill(qo, table.kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                             tile_rows=prefill_tile_q(d, dv), kv_granularity=prefill_tiles(d, dv)[2],
-                            num_sms=self.num_sms * prefill_ctas_per_sm(d, dv), enable_split=enable_split, **options)
+                            num_sms=self.num_sms * prefill_ctas_per_sm(d, dv), enable_split=enable_split,
+                            balance_tail=enable_split and isinstance(self.spec.mask, NoMask), **options)
         info = plan.info
         views = plan.to_device(self._bufs["plan"].get(plan.numel, "plan"))
         tmp_o = self._bufs["tmp_o"].get(info.partial_capacity * num_qo_heads * dv, "tmp_o")

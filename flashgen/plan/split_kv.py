@@ -28,7 +28,8 @@ SPLIT_KV_SCHEMA = {
     # per request (length max_batch_size [+ 1]); padded requests have qo_len = kv_len = num_chunks = 0
     "qo_indptr": "[max_batch_size + 1] token offsets of each request's queries (padded with the last value)",
     "kv_len": "[max_batch_size] KV length in tokens",
-    "num_chunks": "[max_batch_size] kv chunks (items per qo tile); 1 = unsplit; 0 = no queries or padding",
+    "num_chunks": "[max_batch_size] kv chunks (items per qo tile) of the uniform split; 1 = unsplit; 0 = no queries "
+                  "or padding; a tile split for the last wave (balance_tail) has its tokens' merge range instead",
     # per output token (length max_total_q + 1)
     "merge_indptr": "[max_total_q + 1] token t's partial rows are merge_indptr[t] .. merge_indptr[t + 1]; "
                     "an empty range means the token was written directly (or is padding)",
@@ -158,6 +159,73 @@ def _choose(kv_lens, qo_tiles, num_kv_heads, num_sms, granularity, item_overhead
     return best, (np.maximum(counts, 1) if empty else counts), items[best_at]
 
 
+# ---------------------------------------------------------------------------------------------- the last wave
+
+# A CTA alone on an SM runs this much faster than one of two sharing it (the portable prefill at 4 x 4096, clock64
+# stamps of session 12: 124 against 172 us): what a half-empty last wave still gets done
+ALONE_SPEEDUP = 1.39
+
+
+def _wave_time(pieces: int, work: float, slots: int) -> float:
+    # pieces of `work` each started together on `slots` (two an SM): full rounds, then a last round that runs
+    # at shared speed when it fills more than half the slots, else mostly alone
+    rounds, left = divmod(pieces, slots)
+    return rounds * work + (0.0 if left == 0 else work if 2 * left > slots else work / ALONE_SPEEDUP)
+
+
+def choose_tail_split(item_len: float, num_items: int, num_kv_heads: int, *, num_sms: int, granularity: int,
+                      item_overhead: int = 64, max_extra: int | None = None) -> tuple[int, int] | None:
+    """``(m, k)``: split the ``m`` items the grid runs last into ``k`` KV chunks each, or None.
+
+    For an unsplit plan of ``num_items`` items of about ``item_len`` KV tokens, run once for each kv head on
+    ``num_sms`` slots (CTAs that run at once): the full waves leave ``r = num_items * num_kv_heads % num_sms``
+    CTAs for a last wave that runs partly empty (the CTAs of a tile are its kv heads, so ``m = ceil(r /
+    num_kv_heads)`` items). Splitting those items into ``k`` chunks (each paying ``2 * item_overhead`` tokens: its
+    start and its partial's write and merge) spreads that wave over every slot. ``k`` minimises the wave's time
+    (``_wave_time``); the split is taken when it saves at least 3 % of it and its chunks keep ``granularity``
+    tokens. ``max_extra`` caps the items added (a fixed-capacity plan's spare slots).
+
+    >>> choose_tail_split(4096, 512, 8, num_sms=264, granularity=64)  # 4 x 4096 tokens, 32 / 8 heads, d128
+    (17, 5)
+    >>> choose_tail_split(4096, 528, 8, num_sms=264, granularity=64) is None  # whole waves
+    True
+    """
+    ctas = num_items * num_kv_heads
+    if ctas <= num_sms or item_len < 2 * granularity:
+        return None
+    r = ctas % num_sms
+    if r == 0:
+        return None
+    m = -(-r // num_kv_heads)
+    work = item_len + item_overhead
+    best, best_time = None, _wave_time(m * num_kv_heads, work, num_sms)
+    for k in range(2, 9):
+        if item_len / k < granularity or (max_extra is not None and m * (k - 1) > max_extra):
+            break
+        t = _wave_time(m * num_kv_heads * k, work / k + 2 * item_overhead, num_sms)
+        if t < 0.97 * best_time:
+            best, best_time = (m, k), t
+    return best
+
+
+def _split_tail(items: np.ndarray, m: int, k: int, granularity: int) -> tuple[np.ndarray, np.ndarray]:
+    # items [5, n] in list order (the grid runs the list from its end): items 0 .. m - 1 become up to k chunks
+    # each (chunk bounds on multiples of granularity past kv_start), listed first. Returns the new items and,
+    # per split item, its chunk count.
+    head = items[:, :m]
+    length = head[4] - head[3]
+    counts = np.minimum(k, np.maximum(-(-length // granularity), 1))
+    pieces = np.repeat(np.arange(m), counts)
+    j = np.arange(pieces.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    c = counts[pieces]
+    step = -(-length[pieces] // c)
+    step = -(-step // granularity) * granularity
+    start = np.minimum(head[3][pieces] + j * step, head[4][pieces])
+    end = np.where(j == c - 1, head[4][pieces], np.minimum(start + step, head[4][pieces]))
+    split = np.stack([head[0][pieces], head[1][pieces], np.where(c > 1, j, -1), start, end])
+    return np.concatenate([split, items[:, m:]], axis=1), counts
+
+
 # ---------------------------------------------------------------------------------------------- builder
 
 
@@ -186,8 +254,12 @@ _ITEM_PADS = np.array([-1, 0, 0, 0, 0])
 
 def split_kv_arrays(qo_indptr: np.ndarray, kv_lens: np.ndarray, *, num_qo_heads: int, num_kv_heads: int,
                     tile_rows: int, kv_chunk: int, max_batch_size: int, max_total_q: int,
-                    capacity: int | None, partial_capacity: int | None = None, chunks: np.ndarray | None = None):
+                    capacity: int | None, partial_capacity: int | None = None, chunks: np.ndarray | None = None,
+                    tail: tuple[int, int] | None = None, granularity: int = 1):
     """The fields of ``SPLIT_KV_SCHEMA`` for ``Plan.pack`` and the ``SplitKVInfo``; internal.
+
+    ``tail = (m, k)`` (``choose_tail_split``, an unsplit plan whose tiles hold whole tokens): the ``m`` items
+    the grid runs last are split into up to ``k`` chunks of ``granularity`` multiples each.
 
     Vectorised numpy: a numpy call costs ~1-3 us on a small host, so a plan is a few dozen of them.
     """
@@ -197,16 +269,27 @@ def split_kv_arrays(qo_indptr: np.ndarray, kv_lens: np.ndarray, *, num_qo_heads:
     qo_len = qo_indptr[1:] - qo_indptr[:-1]
     chunks = chunks * (qo_len > 0)
     items = _items(qo_len, kv_lens, chunks, group_size, tile_rows, kv_chunk)
+    items = items[:, np.argsort(items[3] - items[4], kind="stable")]  # longest items first (LPT order)
+    total_q = int(qo_indptr[-1])
+    merge_count = np.repeat(chunks * (chunks > 1), qo_len)
+    if tail is not None:
+        if tile_rows % group_size or (items[2, :tail[0]] >= 0).any():
+            raise ValueError("a tail split needs unsplit items of whole tokens (tile_rows a multiple of the group)")
+        orig = items[:, :tail[0]]
+        items, counts = _split_tail(items, *tail, granularity)
+        # a split tile's tokens get its chunk count as their merge range (tiles hold whole tokens)
+        tokens = tile_rows // group_size
+        t0 = qo_indptr[orig[0]] + orig[1] * tokens
+        n_tok = np.minimum(t0 + tokens, qo_indptr[orig[0] + 1]) - t0
+        at = np.repeat(t0 - np.cumsum(n_tok) + n_tok, n_tok) + np.arange(int(n_tok.sum()))
+        merge_count[at] = np.repeat(np.where(counts > 1, counts, 0), n_tok)
     num_items = items.shape[1]
     cap = num_items if capacity is None else capacity
     if num_items > cap:
         raise PlanError(f"capacity: the batch needs {num_items} work items, more than the capacity of {cap}")
-    items = items[:, np.argsort(items[3] - items[4], kind="stable")]  # longest items first (LPT order)
-    total_q = int(qo_indptr[-1])
-    merge_count = chunks * (chunks > 1)
     merge_indptr = np.empty(total_q + 1, dtype=np.int64)
     merge_indptr[0] = 0
-    np.cumsum(np.repeat(merge_count, qo_len), out=merge_indptr[1:])
+    np.cumsum(merge_count, out=merge_indptr[1:])
     partial_rows = int(merge_indptr[-1])
     fields = {
         "qo_indptr": (qo_indptr, max_batch_size + 1, total_q),
@@ -244,13 +327,15 @@ def plan_split_kv(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_
                   tile_rows: int | None = None, kv_granularity: int = 16, num_sms: int = 132,
                   item_overhead: int = 64, enable_split: bool = True, max_batch_size: int | None = None,
                   max_total_q: int | None = None, capacity: int | None = None,
-                  host_buffer: torch.Tensor | None = None) -> Plan:
+                  host_buffer: torch.Tensor | None = None, balance_tail: bool = False) -> Plan:
     """Plan a batch of attention requests (prefill or decode) as split-KV work items.
 
     ``qo_indptr [batch + 1]`` and ``kv_lens [batch]`` are host integer arrays (numpy, lists or CPU
     tensors; a CUDA tensor is refused, never synchronised on). ``tile_rows``: packed q rows per CTA tile
     (default from ``default_tile_rows``); ``kv_granularity``: chunks are multiples of it (the kernel's KV
     tile, or the page size); ``num_sms``: SMs to fill. ``enable_split=False`` plans one chunk per request.
+    ``balance_tail`` (a one-CTA-an-item grid that runs the list from its end, as the portable prefill does):
+    where the plan is otherwise unsplit, the items of a partly empty last wave are split (``choose_tail_split``).
 
     Fixed-capacity mode (CUDA graphs): give ``max_batch_size`` (and for prefill ``max_total_q``, which
     defaults to ``max_batch_size``, i.e. decode) and optionally ``capacity`` (item slots). Every array then
@@ -267,7 +352,7 @@ def plan_split_kv(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_
     _check_heads(num_qo_heads, num_kv_heads)
     qo, lens = _batch_inputs(qo_indptr, kv_lens)
     return _plan(qo, lens, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead,
-                 enable_split, max_batch_size, max_total_q, capacity, host_buffer)
+                 enable_split, max_batch_size, max_total_q, capacity, host_buffer, balance_tail)
 
 
 def _sizes(batch, total_q, longest_q, group_size, num_kv_heads, num_sms, tile_rows, max_batch_size, max_total_q,
@@ -296,28 +381,38 @@ def _sizes(batch, total_q, longest_q, group_size, num_kv_heads, num_sms, tile_ro
 
 
 def _plan(qo, lens, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead, enable_split,
-          max_batch_size, max_total_q, capacity, host_buffer) -> Plan:
+          max_batch_size, max_total_q, capacity, host_buffer, balance_tail=False) -> Plan:
     qo_len = qo[1:] - qo[:-1]
     sizes = _sizes(lens.size, int(qo[-1]), lambda: int(qo_len.max(initial=0)), num_qo_heads // num_kv_heads,
                    num_kv_heads, num_sms, tile_rows, max_batch_size, max_total_q, capacity)
     return _plan_general(qo, lens, qo_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
-                         enable_split, *sizes, host_buffer)
+                         enable_split, *sizes, host_buffer, balance_tail)
 
 
 def _plan_general(qo, lens, qo_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
                   enable_split, max_batch_size, max_total_q, tile_rows, capacity, partial_capacity,
-                  host_buffer) -> Plan:
-    tiles = -(-(qo_len * (num_qo_heads // num_kv_heads)) // tile_rows)
-    chunks = None
+                  host_buffer, balance_tail=False) -> Plan:
+    group_size = num_qo_heads // num_kv_heads
+    tiles = -(-(qo_len * group_size) // tile_rows)
+    chunks, tail = None, None
     if enable_split:
-        kv_chunk, counts, _ = _choose(lens, tiles, num_kv_heads, num_sms, kv_granularity, item_overhead, capacity)
+        kv_chunk, counts, num_items = _choose(lens, tiles, num_kv_heads, num_sms, kv_granularity, item_overhead,
+                                              capacity)
         chunks = None if counts is None else counts.astype(np.int64)
+        unsplit = counts is None or bool((counts <= 1).all())
+        if balance_tail and unsplit and tile_rows % group_size == 0 and num_items:
+            # the tail items are the list's first (longest, LPT): their mean length
+            with_q = tiles > 0
+            longest = int(lens[with_q].max(initial=0))
+            tail = choose_tail_split(longest, num_items, num_kv_heads, num_sms=num_sms, granularity=kv_granularity,
+                                     item_overhead=item_overhead,
+                                     max_extra=None if capacity is None else capacity - num_items)
     else:
         kv_chunk = max(kv_granularity, -(-int(lens.max(initial=0)) // kv_granularity) * kv_granularity)
     arrays, info = split_kv_arrays(qo, lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                                    tile_rows=tile_rows, kv_chunk=kv_chunk, max_batch_size=max_batch_size,
                                    max_total_q=max_total_q, capacity=capacity, partial_capacity=partial_capacity,
-                                   chunks=chunks)
+                                   chunks=chunks, tail=tail, granularity=kv_granularity)
     return Plan.pack("split_kv", arrays, info, host_buffer)
 
 

@@ -82,13 +82,16 @@ __device__ __forceinline__ void merge_row(const Params& p, int64_t token, int64_
 // partial and counts itself in; the last to arrive merges the tile's rows and resets the counter. The
 // counter of a tile sits at its first packed row's (token, q head), unique over the batch.
 template <class C, class Params>
-__device__ __forceinline__ void merge_if_last(const Params& p, const TileRows& tr, int request) {
+__device__ __forceinline__ void merge_if_last(const Params& p, const TileRows& tr) {
   using L = Layout<C>;
   __shared__ int is_last;
   __threadfence();  // this CTA's partial is visible device-wide before it counts in
   __syncthreads();
-  int* counter = p.counters + tr.token(tr.row0) * p.num_qo_heads + tr.head(tr.row0);
-  const int num_chunks = p.num_chunks[request];
+  const int64_t first = tr.token(tr.row0);
+  int* counter = p.counters + first * p.num_qo_heads + tr.head(tr.row0);
+  // the tile's chunks: its tokens' merge range (a request's uniform split, or this tile's own when the plan
+  // split the last wave's tiles; a tile holds whole tokens then)
+  const int num_chunks = p.merge_indptr[first + 1] - p.merge_indptr[first];
   if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == num_chunks - 1;
   __syncthreads();
   if (!is_last) return;

@@ -48,11 +48,11 @@ __device__ __forceinline__ void run(const Params& p) {
   }
 
   // What the main loop reads once a tile or less waits in shared memory, where registers are the limit: the
-  // KV source, the rows' mask and ALiBi state, and the epilogue's tile and request (read after the loop)
+  // KV source, the rows' mask and ALiBi state, and the epilogue's tile and chunk (read after the loop)
   __shared__ KVSource<C> src;
   __shared__ RowInfo<C> ri;
   __shared__ TileRows tr_saved;
-  __shared__ int request_saved, chunk_saved;
+  __shared__ int chunk_saved;
   extern __shared__ __align__(128) uint8_t smem[];
   DTypeQ* q_smem = reinterpret_cast<DTypeQ*>(smem);
   // Ragged: Q's copies first (its rows are read once, from DRAM: the longest wait of the CTA's start), then every
@@ -81,7 +81,6 @@ __device__ __forceinline__ void run(const Params& p) {
     ri.mi = MaskInfo{kv_hi, q_base, qo_len, kv_len, p.window_left, p.custom_mask,
                      C::CUSTOM_MASK ? p.mask_offset[request] : 0};
     tr_saved = tr;
-    request_saved = request;
     chunk_saved = p.chunk_idx[item];
   }
   if (lane == 0) {
@@ -185,7 +184,7 @@ __device__ __forceinline__ void run(const Params& p) {
   const TileRows tr_out = tr_saved;
   const int chunk = chunk_saved;
   write_rows<C>(p, tr_out, o, m, l, chunk, warp, lane);
-  if (chunk >= 0) merge_if_last<C>(p, tr_out, request_saved);
+  if (chunk >= 0) merge_if_last<C>(p, tr_out);
 }
 
 }  // namespace flashgen::prefill
