@@ -260,3 +260,12 @@ def test_prefill_items_are_listed_for_a_grid_that_runs_them_from_the_end():
     decode = plan_split_kv(qo, [8192, 300, 2000], num_qo_heads=8, num_kv_heads=2, tile_rows=128, num_sms=264,
                            enable_split=False)
     assert (np.diff((decode.numpy("kv_end") - decode.numpy("kv_start"))[:n]) <= 0).all()
+
+
+def test_tail_split_chunks_are_never_empty():
+    # 700 tokens in 8 chunks of 64-token multiples: 128-token chunks, so 6 of them (not 8 with two empty)
+    from flashgen.plan.split_kv import _split_tail
+    items = np.array([[0], [0], [-1], [0], [700]])
+    split, counts = _split_tail(items, 1, 8, 64)
+    assert counts.tolist() == [6] and split[3].tolist() == [0, 128, 256, 384, 512, 640]
+    assert split[4].tolist() == [128, 256, 384, 512, 640, 700] and split[2].tolist() == list(range(6))

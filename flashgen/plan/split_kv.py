@@ -214,12 +214,14 @@ def _split_tail(items: np.ndarray, m: int, k: int, granularity: int) -> tuple[np
     # per split item, its chunk count.
     head = items[:, :m]
     length = head[4] - head[3]
-    counts = np.minimum(k, np.maximum(-(-length // granularity), 1))
+    # the chunk length, a multiple of granularity, then as many chunks as it takes (none of them empty)
+    step = -(-length // np.minimum(k, np.maximum(-(-length // granularity), 1)))
+    step = np.maximum(-(-step // granularity) * granularity, granularity)
+    counts = np.maximum(-(-length // step), 1)
     pieces = np.repeat(np.arange(m), counts)
     j = np.arange(pieces.size) - np.repeat(np.cumsum(counts) - counts, counts)
     c = counts[pieces]
-    step = -(-length[pieces] // c)
-    step = -(-step // granularity) * granularity
+    step = step[pieces]
     start = np.minimum(head[3][pieces] + j * step, head[4][pieces])
     end = np.where(j == c - 1, head[4][pieces], np.minimum(start + step, head[4][pieces]))
     split = np.stack([head[0][pieces], head[1][pieces], np.where(c > 1, j, -1), start, end])
