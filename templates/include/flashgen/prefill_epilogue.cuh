@@ -50,23 +50,49 @@ __device__ __forceinline__ void write_rows(const Params& p, const TileRows& tr, 
   }
 }
 
-// one (row, 8 columns) of the merge: the partials of chunks 0 .. num_chunks - 1 weighted by exp(lse - max)
+// one (row, 8 columns) of the merge: the partials of chunks 0 .. num_chunks - 1 weighted by exp(lse - max), in
+// batches of MERGE_BATCH chunks whose loads are all issued before any is used (an online max across batches).
+// The merge runs at the end of a split tile's last chunk, often at the grid's end: a loop of dependent L2 round
+// trips (the max, then each chunk's lse and O in turn) cost ~2 num_chunks round trips a job and 16 jobs a thread.
+// A chunk whose weight is 0 (no visible key) adds nothing, whatever its partial holds.
+constexpr int MERGE_BATCH = 8;
+
 template <class C, class Params>
 __device__ __forceinline__ void merge_row(const Params& p, int64_t token, int64_t head, int col, int num_chunks) {
-  constexpr int DV = C::HEAD_DIM_VO;
-  const int64_t first = p.merge_indptr[token];
-  float m = -INFINITY;
-  for (int k = 0; k < num_chunks; ++k) m = fmaxf(m, __ldcg(p.tmp_lse + (first + k) * p.num_qo_heads + head));
-  float acc[8] = {}, sum = 0.f;
-  for (int k = 0; k < num_chunks && m != -INFINITY; ++k) {
-    const int64_t row = (first + k) * p.num_qo_heads + head;
-    const float w = expf(__ldcg(p.tmp_lse + row) - m);
-    sum += w;
-    if (w == 0.f) continue;
-    const float4 a = __ldcg(reinterpret_cast<const float4*>(p.tmp_o + row * DV + col));
-    const float4 b = __ldcg(reinterpret_cast<const float4*>(p.tmp_o + row * DV + col + 4));
-    acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
-    acc[4] += w * b.x; acc[5] += w * b.y; acc[6] += w * b.z; acc[7] += w * b.w;
+  constexpr int DV = C::HEAD_DIM_VO, B = MERGE_BATCH;
+  const int64_t first = (p.merge_indptr[token] * p.num_qo_heads + head), stride = p.num_qo_heads;
+  const float* lse_at = p.tmp_lse + first;
+  const float* o_at = p.tmp_o + first * DV + col;
+  float m = -INFINITY, sum = 0.f, acc[8] = {};
+  for (int k0 = 0; k0 < num_chunks; k0 += B) {
+    float x[B];
+    float4 a[B], b[B];
+#pragma unroll
+    for (int i = 0; i < B; ++i) {
+      const bool valid = k0 + i < num_chunks;
+      const int64_t row = int64_t(k0 + i) * stride;
+      x[i] = valid ? __ldcg(lse_at + row) : -INFINITY;
+      a[i] = valid ? __ldcg(reinterpret_cast<const float4*>(o_at + row * DV)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      b[i] = valid ? __ldcg(reinterpret_cast<const float4*>(o_at + row * DV + 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float mb = m;
+#pragma unroll
+    for (int i = 0; i < B; ++i) mb = fmaxf(mb, x[i]);
+    if (mb == -INFINITY) continue;  // no visible key yet
+    const float r = expf(m - mb);   // 0 while m is -inf (acc and sum are 0 then)
+    sum *= r;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] *= r;
+#pragma unroll
+    for (int i = 0; i < B; ++i) {
+      const float w = expf(x[i] - mb);
+      if (w > 0.f) {
+        sum += w;
+        acc[0] += w * a[i].x; acc[1] += w * a[i].y; acc[2] += w * a[i].z; acc[3] += w * a[i].w;
+        acc[4] += w * b[i].x; acc[5] += w * b[i].y; acc[6] += w * b[i].z; acc[7] += w * b[i].w;
+      }
+    }
+    m = mb;
   }
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   uint4 packed;
