@@ -245,23 +245,6 @@ def test_tail_split_covers_every_position_once(batch):
     assert len(rows) == len(set(rows)) and plan.info.partial_rows == merge[-1]
 
 
-def test_prefill_items_are_listed_for_a_grid_that_runs_them_from_the_end():
-    # the prefill kernels take item capacity - 1 - x / H first: the list is shortest first so that the longest
-    # start first; a request's q tiles stay ascending (its later, causal-longer tiles start first)
-    qo = np.array([0, 256, 512, 1024])
-    plan = plan_prefill(qo, [8192, 300, 2000], num_qo_heads=8, num_kv_heads=2, tile_rows=128, num_sms=264,
-                        enable_split=False)
-    n = plan.info.num_items
-    sizes = (plan.numpy("kv_end") - plan.numpy("kv_start"))[:n]
-    assert (np.diff(sizes) >= 0).all() and sizes[-1] == 8192
-    req, tile = plan.numpy("request_idx")[:n], plan.numpy("qo_tile_idx")[:n]
-    for r in range(3):
-        assert (np.diff(tile[req == r]) > 0).all()
-    decode = plan_split_kv(qo, [8192, 300, 2000], num_qo_heads=8, num_kv_heads=2, tile_rows=128, num_sms=264,
-                           enable_split=False)
-    assert (np.diff((decode.numpy("kv_end") - decode.numpy("kv_start"))[:n]) <= 0).all()
-
-
 def test_tail_split_chunks_are_never_empty():
     # 700 tokens in 8 chunks of 64-token multiples: 128-token chunks, so 6 of them (not 8 with two empty)
     from flashgen.plan.split_kv import _split_tail

@@ -159,10 +159,11 @@ def test_split_and_unsplit_agree(spec):
 
 @pytest.mark.parametrize("num_sms,qo_lens,kv_lens", [(3, [200, 130, 64], [1500, 900, 1100]), (4, [300] * 3, [700] * 3),
                                                       (6, [250, 250], [1100, 1100])])
-def test_last_wave_tiles_split(num_sms, qo_lens, kv_lens):
+@pytest.mark.parametrize("layout", [Ragged(), Paged(16)], ids=["ragged", "paged16"])
+def test_last_wave_tiles_split(num_sms, qo_lens, kv_lens, layout):
     # a GPU of few SMs (num_sms) leaves a partly empty last wave: the plan splits those tiles into KV chunks
     # (balance_tail), each tile merging its own chunk count while the rest of its request is unsplit
-    spec = AttentionSpec(128, kv_layout=Ragged())
+    spec = AttentionSpec(128, kv_layout=layout)
     q, kv, table, qo_indptr, _ = make_batch(spec, qo_lens, kv_lens, 2, 4)
     d = spec.head_dim
     plan = plan_prefill(qo_indptr, kv_lens, num_qo_heads=8, num_kv_heads=2, tile_rows=prefill_tile_q(d, d),
