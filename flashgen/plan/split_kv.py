@@ -332,7 +332,8 @@ def plan_split_kv(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_
                   tile_rows: int | None = None, kv_granularity: int = 16, num_sms: int = 132,
                   item_overhead: int = 64, enable_split: bool = True, max_batch_size: int | None = None,
                   max_total_q: int | None = None, capacity: int | None = None,
-                  host_buffer: torch.Tensor | None = None, balance_tail: bool = False) -> Plan:
+                  host_buffer: torch.Tensor | None = None, balance_tail: bool = False,
+                  split_min_waves: float | None = None) -> Plan:
     """Plan a batch of attention requests (prefill or decode) as split-KV work items.
 
     ``qo_indptr [batch + 1]`` and ``kv_lens [batch]`` are host integer arrays (numpy, lists or CPU
@@ -341,6 +342,10 @@ def plan_split_kv(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_
     tile, or the page size); ``num_sms``: SMs to fill. ``enable_split=False`` plans one chunk per request.
     ``balance_tail`` (a one-CTA-an-item grid that runs the list from its end, as the portable prefill does):
     where the plan is otherwise unsplit, the items of a partly empty last wave are split (``choose_tail_split``).
+    ``split_min_waves`` (prefill; ``plan_prefill`` sets 2): no request is split where the batch's work fills the
+    ``num_sms`` slots that many times over with its longest request's KV (``sum(qo_tiles * kv_lens) *
+    num_kv_heads >= split_min_waves * num_sms * max(kv_lens)``): there the chunks' partial writes, merges and
+    extra CTA starts cost more than the balance gains.
 
     Fixed-capacity mode (CUDA graphs): give ``max_batch_size`` (and for prefill ``max_total_q``, which
     defaults to ``max_batch_size``, i.e. decode) and optionally ``capacity`` (item slots). Every array then
@@ -357,7 +362,7 @@ def plan_split_kv(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_
     _check_heads(num_qo_heads, num_kv_heads)
     qo, lens = _batch_inputs(qo_indptr, kv_lens)
     return _plan(qo, lens, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead,
-                 enable_split, max_batch_size, max_total_q, capacity, host_buffer, balance_tail)
+                 enable_split, max_batch_size, max_total_q, capacity, host_buffer, balance_tail, split_min_waves)
 
 
 def _sizes(batch, total_q, longest_q, group_size, num_kv_heads, num_sms, tile_rows, max_batch_size, max_total_q,
@@ -386,23 +391,32 @@ def _sizes(batch, total_q, longest_q, group_size, num_kv_heads, num_sms, tile_ro
 
 
 def _plan(qo, lens, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead, enable_split,
-          max_batch_size, max_total_q, capacity, host_buffer, balance_tail=False) -> Plan:
+          max_batch_size, max_total_q, capacity, host_buffer, balance_tail=False, split_min_waves=None) -> Plan:
     qo_len = qo[1:] - qo[:-1]
     sizes = _sizes(lens.size, int(qo[-1]), lambda: int(qo_len.max(initial=0)), num_qo_heads // num_kv_heads,
                    num_kv_heads, num_sms, tile_rows, max_batch_size, max_total_q, capacity)
     return _plan_general(qo, lens, qo_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
-                         enable_split, *sizes, host_buffer, balance_tail)
+                         enable_split, *sizes, host_buffer, balance_tail, split_min_waves)
 
 
 def _plan_general(qo, lens, qo_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
                   enable_split, max_batch_size, max_total_q, tile_rows, capacity, partial_capacity,
-                  host_buffer, balance_tail=False) -> Plan:
+                  host_buffer, balance_tail=False, split_min_waves=None) -> Plan:
     group_size = num_qo_heads // num_kv_heads
     tiles = -(-(qo_len * group_size) // tile_rows)
     chunks, tail = None, None
+    # a batch whose work fills the SMs split_min_waves times over with its longest request's KV is not split
+    # (session 13, 1 x 8192 + 31 x 256 on the portable prefill, 8 such waves: unsplit ran 1.08x the 3-chunk
+    # split without a mask and 1.17x with causal, whose chunks past the diagonal still start, write and merge)
+    full = split_min_waves is not None and int(tiles @ lens) * num_kv_heads >= \
+        split_min_waves * num_sms * int(lens.max(initial=0))
     if enable_split:
-        kv_chunk, counts, num_items = _choose(lens, tiles, num_kv_heads, num_sms, kv_granularity, item_overhead,
-                                              capacity)
+        if full:
+            kv_chunk = max(kv_granularity, -(-int(lens.max(initial=0)) // kv_granularity) * kv_granularity)
+            counts, num_items = None, int(tiles.sum())
+        else:
+            kv_chunk, counts, num_items = _choose(lens, tiles, num_kv_heads, num_sms, kv_granularity, item_overhead,
+                                                  capacity)
         chunks = None if counts is None else counts.astype(np.int64)
         unsplit = counts is None or bool((counts <= 1).all())
         if balance_tail and unsplit and tile_rows % group_size == 0 and num_items:
@@ -548,9 +562,12 @@ def plan_decode(kv_lens: object, *, num_qo_heads: int, num_kv_heads: int, tile_r
 
 def plan_prefill(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_kv_heads: int,
                  **options) -> Plan:
-    """Split-KV plan for prefill / append: ``qo_indptr [batch + 1]``, ``kv_lens [batch]`` host ints.
+    """Split-KV plan for prefill / append: ``qo_indptr [batch + 1]``, ``kv_lens [batch]`` host ints. Requests
+    are split only where the batch cannot fill the SMs twice over with its longest request's KV
+    (``split_min_waves=2``, see ``plan_split_kv``).
 
     >>> plan_prefill([0, 100, 101], [100, 5000], num_qo_heads=4, num_kv_heads=4).info.tile_rows
     128
     """
+    options.setdefault("split_min_waves", 2.0)
     return plan_split_kv(qo_indptr, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, **options)
