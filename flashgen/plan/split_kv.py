@@ -130,7 +130,7 @@ def _choose(kv_lens, qo_tiles, num_kv_heads, num_sms, granularity, item_overhead
         work = int(np.add.reduce(lens))
     else:
         lens = np.maximum(kv_lens, 1, dtype=np.float64)  # an empty request has one chunk
-        work = int(qo_tiles @ kv_lens)
+        work = int(qo_tiles.astype(np.int64) @ kv_lens)  # int64 (int32 inputs pass 2**31 at long context)
     chunk = _split_candidates(max_len, work, num_kv_heads, num_sms, granularity)
     nchunks = lens / np.array(chunk, np.float64).reshape(-1, 1)
     np.ceil(nchunks, out=nchunks)
@@ -408,8 +408,8 @@ def _plan_general(qo, lens, qo_len, num_qo_heads, num_kv_heads, kv_granularity, 
     # a batch whose work fills the SMs split_min_waves times over with its longest request's KV is not split
     # (session 13, 1 x 8192 + 31 x 256 on the portable prefill, 8 such waves: unsplit ran 1.08x the 3-chunk
     # split without a mask and 1.17x with causal, whose chunks past the diagonal still start, write and merge)
-    full = split_min_waves is not None and int(tiles @ lens) * num_kv_heads >= \
-        split_min_waves * num_sms * int(lens.max(initial=0))
+    full = split_min_waves is not None and int(tiles.astype(np.int64) @ lens) * num_kv_heads >= \
+        split_min_waves * num_sms * int(lens.max(initial=0))  # int64: tiles x tokens passes 2**31 at long context
     if enable_split:
         if full:
             kv_chunk = max(kv_granularity, -(-int(lens.max(initial=0)) // kv_granularity) * kv_granularity)
