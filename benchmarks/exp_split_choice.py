@@ -79,8 +79,8 @@ def main() -> None:
                     raise SystemExit(f"{batch} {mask} {n}: differs from the first variant by {err}")
             ws = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
             fi = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa2")
-            fi.plan(torch.tensor(qi, dtype=torch.int32, device="cuda"), torch.tensor(ki, dtype=torch.int32, device="cuda"),
-                    HQ, HKV, D, causal=causal, q_data_type=torch.bfloat16)
+            t_qi, t_ki = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (qi, ki))
+            fi.plan(t_qi, t_ki, HQ, HKV, D, causal=causal, q_data_type=torch.bfloat16)
             fns.append(lambda fi=fi: fi.run(q, k, v))
             names.append("fa2")
             for rnd in range(args.rounds):

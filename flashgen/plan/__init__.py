@@ -35,6 +35,6 @@ __all__ = [
     "BlockSparseInfo", "bsr_page_table", "plan_block_sparse", "CascadeInfo", "plan_cascade",
     "PlanError", "host_array", "PageTableError", "block_table_to_csr", "csr_to_block_table",
     "kv_lens_from_csr", "validate_block_table", "validate_csr", "validate_indptr", "Plan", "PlanField",
-    "SPLIT_KV_SCHEMA", "SplitKVInfo", "choose_kv_chunk", "choose_tail_split", "default_tile_rows", "plan_decode", "plan_prefill",
-    "plan_split_kv",
+    "SPLIT_KV_SCHEMA", "SplitKVInfo", "choose_kv_chunk", "choose_tail_split", "default_tile_rows", "plan_decode",
+    "plan_prefill", "plan_split_kv",
 ]
