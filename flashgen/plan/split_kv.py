@@ -405,29 +405,26 @@ def _plan_general(qo, lens, qo_len, num_qo_heads, num_kv_heads, kv_granularity, 
     group_size = num_qo_heads // num_kv_heads
     tiles = -(-(qo_len * group_size) // tile_rows)
     chunks, tail = None, None
+    max_len = int(lens.max(initial=0))
     # a batch whose work fills the SMs split_min_waves times over with its longest request's KV is not split
     # (session 13, 1 x 8192 + 31 x 256 on the portable prefill, 8 such waves: unsplit ran 1.08x the 3-chunk
     # split without a mask and 1.17x with causal, whose chunks past the diagonal still start, write and merge)
-    full = split_min_waves is not None and int(tiles.astype(np.int64) @ lens) * num_kv_heads >= \
-        split_min_waves * num_sms * int(lens.max(initial=0))  # int64: tiles x tokens passes 2**31 at long context
-    if enable_split:
-        if full:
-            kv_chunk = max(kv_granularity, -(-int(lens.max(initial=0)) // kv_granularity) * kv_granularity)
-            counts, num_items = None, int(tiles.sum())
-        else:
-            kv_chunk, counts, num_items = _choose(lens, tiles, num_kv_heads, num_sms, kv_granularity, item_overhead,
-                                                  capacity)
+    full = enable_split and split_min_waves is not None and int(tiles.astype(np.int64) @ lens) * num_kv_heads >= \
+        split_min_waves * num_sms * max_len  # int64: tiles x tokens passes 2**31 at long context
+    if enable_split and not full:
+        kv_chunk, counts, num_items = _choose(lens, tiles, num_kv_heads, num_sms, kv_granularity, item_overhead,
+                                              capacity)
         chunks = None if counts is None else counts.astype(np.int64)
-        unsplit = counts is None or bool((counts <= 1).all())
-        if balance_tail and unsplit and tile_rows % group_size == 0 and num_items:
-            # the tail items are the list's first, the longest (the grid runs them last): their length
-            with_q = tiles > 0
-            longest = int(lens[with_q].max(initial=0))
-            tail = choose_tail_split(longest, num_items, num_kv_heads, num_sms=num_sms, granularity=kv_granularity,
-                                     item_overhead=item_overhead,
-                                     max_extra=None if capacity is None else capacity - num_items)
-    else:
-        kv_chunk = max(kv_granularity, -(-int(lens.max(initial=0)) // kv_granularity) * kv_granularity)
+    else:  # one chunk a request
+        kv_chunk = max(kv_granularity, -(-max_len // kv_granularity) * kv_granularity)
+        counts, num_items = None, int(tiles.sum())
+    unsplit = counts is None or bool((counts <= 1).all())
+    if enable_split and balance_tail and unsplit and tile_rows % group_size == 0 and num_items:
+        # the tail items are the list's first, the longest (the grid runs them last): their length
+        longest = int(lens[tiles > 0].max(initial=0))
+        tail = choose_tail_split(longest, num_items, num_kv_heads, num_sms=num_sms, granularity=kv_granularity,
+                                 item_overhead=item_overhead,
+                                 max_extra=None if capacity is None else capacity - num_items)
     arrays, info = split_kv_arrays(qo, lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                                    tile_rows=tile_rows, kv_chunk=kv_chunk, max_batch_size=max_batch_size,
                                    max_total_q=max_total_q, capacity=capacity, partial_capacity=partial_capacity,
