@@ -6,13 +6,17 @@ reuses one host buffer, as a wrapper's plan() does; ``new_buffer_us`` lets every
 (a plain CPU tensor here; pinned, and far slower, where CUDA is available). Prints a table; ``--json PATH``
 also writes the records. The host is small and shared: other processes on its CPUs inflate every number
 (1.5-2x under a load of 2), so the 1-minute load average before and after is printed to stderr.
+``--against DIR`` times another tree's planner (``DIR/flashgen/plan``, e.g. main exported with ``git archive
+main flashgen | tar -x -C DIR``) interleaved with this one's, ``--rounds`` times each, and prints both medians.
 
     python3 benchmarks/plan_bench.py --json plan_bench.json
+    python3 benchmarks/plan_bench.py --against /tmp/plan_old --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -69,6 +73,47 @@ def run(batches=BATCHES) -> list[dict]:
     return records
 
 
+def load_planners(tree: Path):
+    """``(plan_decode, plan_prefill)`` of ``tree/flashgen/plan``, imported as a package of its own (the planner
+    imports nothing of flashgen outside it)."""
+    spec = importlib.util.spec_from_file_location("_plan_ref", tree / "flashgen" / "plan" / "__init__.py",
+                                                  submodule_search_locations=[str(tree / "flashgen" / "plan")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["_plan_ref"] = module
+    spec.loader.exec_module(module)
+    return module.plan_decode, module.plan_prefill
+
+
+def compare(reference: Path, rounds: int, batches=BATCHES) -> list[dict]:
+    """Median µs (reused host buffer) of the reference tree's planner and this one's, alternating ``rounds``
+    times per batch: the smallest of the rounds' medians (the least disturbed by other processes); each record
+    keeps every round's pair."""
+    ref = dict(zip(("decode", "prefill"), load_planners(reference)))
+    new = {"decode": plan_decode, "prefill": plan_prefill}
+    rng = np.random.default_rng(0)
+    buffers = [torch.empty(1 << 22, dtype=torch.int32) for _ in range(2)]  # one each: they cache views on it
+    records = []
+    for kind in ("decode", "prefill"):
+        for batch in batches:
+            args = workload(kind, batch, rng)
+            pairs = []
+            for _ in range(rounds):
+                pair = []
+                for planner, buf in zip((ref[kind], new[kind]), buffers):
+                    pair.append(median_us(lambda: planner(*args, host_buffer=buf, **HEADS), 0.1))
+                pairs.append(pair)
+            records.append({"kind": kind, "batch": batch, "ref_us": min(p[0] for p in pairs),
+                            "new_us": min(p[1] for p in pairs), "rounds": pairs})
+    return records
+
+
+def compare_table(records: list[dict]) -> str:
+    lines = ["| kind | batch | reference µs | this tree µs | speed-up | rounds (ref / new) |", "|---|---:|---:|---:|---:|---|"]
+    lines += [f"| {r['kind']} | {r['batch']} | {r['ref_us']:.1f} | {r['new_us']:.1f} | {r['ref_us'] / r['new_us']:.1f}x | "
+              + ", ".join(f"{a:.0f}/{b:.0f}" for a, b in r["rounds"]) + " |" for r in records]
+    return "\n".join(lines)
+
+
 def table(records: list[dict]) -> str:
     lines = ["| kind | batch | median µs (reused host buffer) | median µs (new buffer per call) | items | kv_chunk |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -80,10 +125,12 @@ def table(records: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the records as a JSON list to this path")
+    parser.add_argument("--against", type=Path, help="a tree holding flashgen/plan to time interleaved with this one")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations per batch with --against")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
-    records = run()
-    print(table(records))
+    records = compare(args.against, args.rounds) if args.against else run()
+    print(compare_table(records) if args.against else table(records))
     print(f"load average: {load_before:.2f} before, {os.getloadavg()[0]:.2f} after", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(records, indent=1) + "\n")

@@ -15,6 +15,8 @@ request's items write partial states that a merge combines (see ``SPLIT_KV_SCHEM
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from typing import NamedTuple
 
 import numpy as np
@@ -148,17 +150,16 @@ def _choose(kv_lens, qo_tiles, num_kv_heads, num_sms, granularity, item_overhead
 def _pick(chunk, counted, empty, max_len, work, num_kv_heads, num_sms, item_overhead, max_items):
     # (index, items) of the candidate chunk with the smallest estimate (see choose_kv_chunk); counted: items
     # of each candidate but `empty`
-    best_at, best_estimate = None, float("inf")
-    limit = float("inf") if max_items is None else max_items
+    best_at, best_n, bar = None, None, float("inf")
     total, per_item = work * num_kv_heads, item_overhead * num_kv_heads
     for at, c in enumerate(chunk):
         n = int(counted[at]) + empty
-        if n > limit:
+        if max_items is not None and n > max_items:
             continue
         longest = (c if c < max_len else max_len) + item_overhead
         estimate = -(-(total + per_item * n) // (num_sms * longest)) * longest
-        if estimate < best_estimate / 1.01:  # ties (within 1 %) keep the longer chunk
-            best_at, best_estimate, best_n = at, estimate, n
+        if estimate < bar:  # ties (within 1 %) keep the longer chunk
+            best_at, best_n, bar = at, n, estimate / 1.01
     if best_at is None:
         raise PlanError(f"capacity: {min(int(n) + empty for n in counted)} work items are needed even unsplit, "
                         f"more than the capacity of {max_items}")
@@ -714,6 +715,79 @@ def _plan_decode(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_
     return Plan("split_kv", schema, host, info)
 
 
+# A small batch is planned on Python lists: a numpy call costs ~1.5 us here, a Python loop over a few dozen
+# requests and items less than the dozens of calls it replaces.
+_SMALL_DECODE = 32
+
+
+def _plan_decode_small(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
+                       enable_split, max_batch_size, max_total_q, tile_rows, capacity, partial_capacity,
+                       host_buffer) -> Plan:
+    # _plan_decode on a list of lengths, same fields. Chunk counts by integer ceil: float64's (``_choose``) for
+    # lengths below 2**52, and sums of them are exact in float64 too
+    batch = len(lens)
+    counts = None
+    if not enable_split:
+        kv_chunk, n = max(kv_granularity, -(-max_len // kv_granularity) * kv_granularity), batch
+    elif max_len <= kv_granularity:
+        kv_chunk, n = kv_granularity, batch
+    else:
+        work = sum(lens)
+        chunk = _split_candidates(max_len, work, num_kv_heads, num_sms, kv_granularity)
+        counted = [sum([-(-x // c) for x in lens]) for c in chunk]
+        at, n = _pick(chunk, counted, batch - counted[0], max_len, work, num_kv_heads, num_sms, item_overhead,
+                      capacity)
+        kv_chunk = chunk[at]
+        if n > batch:
+            counts = [-(-x // kv_chunk) or 1 for x in lens]  # an empty request has one chunk
+    cap = n if capacity is None else capacity
+    if n > cap:
+        raise PlanError(f"capacity: the batch needs {n} work items, more than the capacity of {cap}")
+    schema, numel, (qo_at, kv_at, chunks_at, merge_at, items_at, stride) = _decode_schema(max_batch_size,
+                                                                                          max_total_q, cap)
+    host, flat = host_storage(numel, host_buffer)
+    flat[qo_at: qo_at + batch + 1] = _iota(batch + 1)
+    flat[kv_at: kv_at + batch] = lens
+    items = flat[items_at: items_at + 5 * stride].reshape(5, stride)
+    flat[merge_at] = 0
+    if counts is None:  # nothing split: one item per request, longest first
+        flat[chunks_at: chunks_at + batch] = 1
+        order = sorted(range(batch), key=lens.__getitem__, reverse=True)  # stable, as reverse=True keeps ties
+        items[0, :n] = order  # row by row: numpy takes a 1-D list faster than a 2-D one
+        items[1:4, :n] = _UNSPLIT_FILL
+        items[4, :n] = [lens[r] for r in order]
+        partial_rows, merged = 0, 0  # no token has partial rows
+    else:
+        flat[chunks_at: chunks_at + batch] = counts
+        rows = []  # (start - end, request, chunk_idx, start, end) in (request, chunk) order
+        for r, (x, c) in enumerate(zip(lens, counts)):
+            if c == 1:  # unsplit: x <= kv_chunk
+                rows.append((-x, r, -1, 0, x))
+            else:  # chunk j < c - 1 ends at (j + 1) * kv_chunk < x
+                rows += [(-kv_chunk, r, j, j * kv_chunk, (j + 1) * kv_chunk) for j in range(c - 1)]
+                start = (c - 1) * kv_chunk
+                rows.append((start - x, r, c - 1, start, x))
+        rows.sort(key=_first_key)  # stable: longest first, ties in list order
+        _, items[0, :n], items[2, :n], items[3, :n], items[4, :n] = zip(*rows)
+        items[1, :n] = 0
+        flat[merge_at + 1: merge_at + batch + 1] = list(itertools.accumulate([c if c > 1 else 0 for c in counts]))
+        partial_rows, merged = int(flat[merge_at + batch]), batch
+    if max_batch_size > batch:  # fixed capacity: pad the per-request fields
+        flat[qo_at + batch + 1: qo_at + max_batch_size + 1] = batch
+        flat[kv_at + batch: kv_at + max_batch_size] = 0
+        flat[chunks_at + batch: chunks_at + max_batch_size] = 0
+    flat[merge_at + merged + 1: merge_at + max_total_q + 1] = partial_rows
+    if cap > n:
+        items[:, n:cap] = _ITEM_PAD_COLUMN
+    info = SplitKVInfo(batch, max_batch_size, batch, max_total_q, n, cap, num_qo_heads, num_kv_heads,
+                       num_qo_heads // num_kv_heads, tile_rows, kv_chunk, partial_rows,
+                       partial_rows if partial_capacity is None else partial_capacity, capacity is not None)
+    return Plan("split_kv", schema, host, info)
+
+
+_first_key = operator.itemgetter(0)
+
+
 def _split_decode_items(kv: np.ndarray, chunks: np.ndarray, kv_chunk: int, n: int, out: np.ndarray,
                         merge: np.ndarray) -> None:
     # items in (request, chunk) order, stably sorted longest first into out[:, :n]; merge = merge_indptr[1:].
@@ -747,8 +821,13 @@ def plan_decode(kv_lens: object, *, num_qo_heads: int, num_kv_heads: int, tile_r
     _check_heads(num_qo_heads, num_kv_heads)
     lens = host_array("kv_lens", kv_lens)
     batch = lens.size
-    # one pass for the check and the longest request: a negative length is a huge unsigned one
-    max_len = int(np.maximum.reduce(lens.view(_UNSIGNED[lens.itemsize]), initial=0))
+    if batch <= _SMALL_DECODE:
+        values = lens.tolist()
+        max_len = max(values, default=0)
+        if batch and min(values) < 0:
+            max_len = _MAX_KV_LEN
+    else:  # one pass for the check and the longest request: a negative length is a huge unsigned one
+        max_len = int(np.maximum.reduce(lens.view(_UNSIGNED[lens.itemsize]), initial=0))
     if max_len >= _MAX_KV_LEN:
         b = int(np.argmin(lens))
         if lens[b] < 0:
@@ -758,6 +837,9 @@ def plan_decode(kv_lens: object, *, num_qo_heads: int, num_kv_heads: int, tile_r
     group_size = num_qo_heads // num_kv_heads
     sizes = _sizes(batch, batch, None, group_size, num_kv_heads, num_sms, tile_rows, max_batch_size, max_total_q,
                    capacity)
+    if group_size <= sizes[2] and batch <= _SMALL_DECODE:
+        return _plan_decode_small(values, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms,
+                                  item_overhead, enable_split, *sizes, host_buffer)
     if group_size <= sizes[2]:  # one qo tile per request
         return _plan_decode(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
                             enable_split, *sizes, host_buffer)
