@@ -54,6 +54,8 @@ def _batch(rng: np.random.Generator) -> int:
         return 0
     if r < 0.15:
         return int(rng.integers(1, 5))
+    if r < 0.35:  # the small-batch paths
+        return int(rng.integers(1, 33))
     return int(np.exp(rng.uniform(0, np.log(4096))))
 
 
@@ -161,7 +163,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", type=Path, default=Path("/tmp/plan_old"), help="the reference tree (holds flashgen/)")
     parser.add_argument("--new", type=Path, default=ROOT, help="the tree under test")
-    parser.add_argument("--cases", type=int, default=600)
+    parser.add_argument("--cases", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=14)
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -375,6 +375,16 @@ def plan_split_kv(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_
     (2512, [1, 16])
     """
     _check_heads(num_qo_heads, num_kv_heads)
+    small = _small_inputs(qo_indptr, kv_lens)
+    if small is not None:
+        qo_list, lens_list, qo_len_list, longest_q, max_len = small
+        sizes = _sizes(len(lens_list), qo_list[-1], lambda: longest_q, num_qo_heads // num_kv_heads, num_kv_heads,
+                       num_sms, tile_rows, max_batch_size, max_total_q, capacity)
+        plan = _plan_small(qo_list, lens_list, qo_len_list, longest_q, max_len, num_qo_heads, num_kv_heads,
+                           kv_granularity, num_sms, item_overhead, enable_split, *sizes, host_buffer, balance_tail,
+                           split_min_waves)
+        if plan is not None:
+            return plan
     qo, lens, qo_len, longest_q, max_len = _checked_inputs(qo_indptr, kv_lens)
     sizes = _sizes(lens.size, int(qo[-1]), lambda: longest_q, num_qo_heads // num_kv_heads, num_kv_heads, num_sms,
                    tile_rows, max_batch_size, max_total_q, capacity)
@@ -641,6 +651,146 @@ def _tail_merge(merge, qo, head, counts, tokens, total_q):
     return partial_rows
 
 
+# ---------------------------------------------------------------------------------------------- small batches
+# A batch of a few requests is planned on Python lists (``_plan_small``): a numpy call costs ~1.5 us on a small
+# host, more than a Python loop over a dozen requests and a few hundred items. Same fields as ``_plan_fast``;
+# chunk counts by integer ceil (float64's for lengths below 2**52, whose sums are exact too).
+
+_SMALL_BATCH = 6
+_SMALL_ITEMS = 64
+
+
+def _small_inputs(qo_indptr: object, kv_lens: object):
+    # (qo, lens, qo_len, longest query, longest KV) as lists for a small valid batch of host arrays, else None
+    # (then _checked_inputs checks, raises, or takes it on)
+    if isinstance(qo_indptr, (np.ndarray, torch.Tensor)) and qo_indptr.ndim == 1 and qo_indptr.shape[0] <= \
+            _SMALL_BATCH + 1 and qo_indptr.shape[0] >= 1:
+        qo = host_array("qo_indptr", qo_indptr).tolist()
+        lens = host_array("kv_lens", kv_lens).tolist()
+        qo_len = [b - a for a, b in zip(qo, qo[1:])]
+        if qo[0] == 0 and len(lens) == len(qo_len) and min(qo_len, default=0) >= 0 and min(lens, default=0) >= 0:
+            return qo, lens, qo_len, max(qo_len, default=0), max(lens, default=0)
+    return None
+
+
+def _plan_small(qo, lens, qo_len, longest_q, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms,
+                item_overhead, enable_split, max_batch_size, max_total_q, tile_rows, capacity, partial_capacity,
+                host_buffer, balance_tail=False, split_min_waves=None) -> Plan | None:
+    # _plan_fast on lists; None where it does not apply (lengths past its bounds, too many items)
+    batch = len(lens)
+    total_q = qo[-1]
+    group_size = num_qo_heads // num_kv_heads
+    if max_len >= _MAX_KV_LEN or longest_q * group_size >= _INT32_LIMIT or total_q >= _INT32_LIMIT:
+        return None
+    tiles = [-(-(q * group_size) // tile_rows) for q in qo_len]
+    some_empty = 0 in qo_len
+    max_len_q = max([x for x, q in zip(lens, qo_len) if q], default=0) if some_empty else max_len
+    counts = None
+    if enable_split:
+        work = sum([t * x for t, x in zip(tiles, lens)])
+    full = enable_split and split_min_waves is not None and work * num_kv_heads >= \
+        split_min_waves * num_sms * max_len
+    if enable_split and not full and max_len_q > kv_granularity:  # _choose
+        chunk = _split_candidates(max_len_q, work, num_kv_heads, num_sms, kv_granularity)
+        weighted = [(t, x or 1) for t, x in zip(tiles, lens) if t]  # an empty request has one chunk
+        counted = [sum([t * -(-x // c) for t, x in weighted]) for c in chunk]
+        at, num_items = _pick(chunk, counted, 0, max_len_q, work, num_kv_heads, num_sms, item_overhead, capacity)
+        kv_chunk = chunk[at]
+        if max_len > kv_chunk:  # some request splits (see _plan_fast)
+            counts = [-(-(x or 1) // kv_chunk) if q else 0 for x, q in zip(lens, qo_len)]
+    elif enable_split and not full:
+        kv_chunk, num_items = kv_granularity, sum(tiles)
+    else:  # one chunk a request
+        kv_chunk, num_items = max(kv_granularity, -(-max_len // kv_granularity) * kv_granularity), sum(tiles)
+    if num_items > _SMALL_ITEMS or total_q * -(-max_len // kv_chunk) >= _INT32_LIMIT:
+        return None
+    tail = None
+    if enable_split and balance_tail and counts is None and tile_rows % group_size == 0 and num_items:
+        tail = choose_tail_split(max_len_q, num_items, num_kv_heads, num_sms=num_sms, granularity=kv_granularity,
+                                 item_overhead=item_overhead,
+                                 max_extra=None if capacity is None else capacity - num_items)
+
+    # the items (request, qo tile, chunk_idx, kv_start, kv_end), longest first (see split_kv_arrays)
+    splits = None
+    if counts is None:  # a request's tiles in order, requests longest first (a stable sort)
+        order = sorted(range(batch), key=lens.__getitem__, reverse=True)  # reverse=True keeps ties in order
+        rows = [(r, t, -1, 0, lens[r]) for r in order for t in range(tiles[r])]
+        if tail is not None:
+            m, k = tail
+            pieces, splits = [], []
+            for r, t, _, _, length in rows[:m]:  # _tail_pieces
+                per = min(max(-(-length // kv_granularity), 1), k)
+                step = -(-length // per)
+                step = max(-(-step // kv_granularity) * kv_granularity, kv_granularity)
+                c = max(-(-length // step), 1)
+                splits.append((r, t, c))
+                if c == 1:
+                    pieces.append((r, t, -1, 0, length))
+                else:  # chunk j < c - 1 ends at (j + 1) * step < length
+                    pieces += [(r, t, j, j * step, (j + 1) * step) for j in range(c - 1)]
+                    pieces.append((r, t, c - 1, (c - 1) * step, length))
+            rows[:m] = pieces
+            num_items = len(rows)
+    else:
+        rows = []
+        for r, (x, c) in enumerate(zip(lens, counts)):
+            if c == 1:  # unsplit: x <= kv_chunk
+                rows += [(-x, r, t, -1, 0, x) for t in range(tiles[r])]
+            elif c:  # chunk j < c - 1 ends at (j + 1) * kv_chunk < x
+                last = (c - 1) * kv_chunk
+                rows += [(-kv_chunk, r, t, j, j * kv_chunk, (j + 1) * kv_chunk) if j < c - 1 else (last - x, r, t, j, last, x)
+                         for t in range(tiles[r]) for j in range(c)]
+        rows.sort(key=_first_key)  # stable: longest first, ties in list order
+        rows = [row[1:] for row in rows]
+    cap = num_items if capacity is None else capacity
+    if num_items > cap:
+        raise PlanError(f"capacity: the batch needs {num_items} work items, more than the capacity of {cap}")
+
+    schema, numel, (qo_at, kv_at, chunks_at, merge_at, items_at, stride) = _decode_schema(max_batch_size,
+                                                                                          max_total_q, cap)
+    host, flat = host_storage(numel, host_buffer)
+    flat[qo_at: qo_at + batch + 1] = qo
+    flat[kv_at: kv_at + batch] = lens
+    if counts is None:
+        flat[chunks_at: chunks_at + batch] = [1 if q else 0 for q in qo_len] if some_empty else 1
+    else:
+        flat[chunks_at: chunks_at + batch] = counts
+    out = flat[items_at: items_at + 5 * stride].reshape(5, stride)
+    if num_items:
+        out[0, :num_items], out[1, :num_items], out[2, :num_items], out[3, :num_items], out[4, :num_items] = \
+            zip(*rows)
+    merge = flat[merge_at: merge_at + max_total_q + 1]
+    merge[:] = 0
+    partial_rows = 0
+    if counts is not None:
+        ramps = [(qo[r], q, c) for r, (q, c) in enumerate(zip(qo_len, counts)) if c > 1]
+    elif splits is not None:  # a split tail tile's tokens get its chunk count (tiles hold whole tokens)
+        tokens = tile_rows // group_size
+        ramps = [(qo[r] + t * tokens, min(qo[r] + (t + 1) * tokens, qo[r + 1]) - qo[r] - t * tokens, c)
+                 for r, t, c in splits if c > 1]
+        ramps.sort()
+    else:
+        ramps = ()
+    if ramps:  # merge_indptr[1 + token]: the partial rows up to the token, rising by c over a ramp's tokens
+        rows = merge[1: total_q + 1]
+        first = ramps[0][0]
+        for t0, n, c in ramps:
+            rows[t0: t0 + n] = c
+        np.add.accumulate(rows[first:], dtype=np.int32, out=rows[first:])
+        partial_rows = int(rows[-1])
+        merge[total_q + 1:] = partial_rows
+    if max_batch_size > batch:  # fixed capacity: pad the per-request fields
+        flat[qo_at + batch + 1: qo_at + max_batch_size + 1] = total_q
+        flat[kv_at + batch: kv_at + max_batch_size] = 0
+        flat[chunks_at + batch: chunks_at + max_batch_size] = 0
+    if cap > num_items:
+        out[:, num_items:cap] = _ITEM_PAD_COLUMN
+    info = SplitKVInfo(batch, max_batch_size, total_q, max_total_q, num_items, cap, num_qo_heads, num_kv_heads,
+                       group_size, tile_rows, kv_chunk, partial_rows,
+                       partial_rows if partial_capacity is None else partial_capacity, capacity is not None)
+    return Plan("split_kv", schema, host, info)
+
+
 # ---------------------------------------------------------------------------------------------- decode fast path
 # Decode with one qo tile per request (group_size <= tile_rows) is the hot call: it writes the fields straight
 # into the int32 host buffer with about 30 numpy calls and no per-token arrays. It equals the general path
@@ -717,7 +867,7 @@ def _plan_decode(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_
 
 # A small batch is planned on Python lists: a numpy call costs ~1.5 us here, a Python loop over a few dozen
 # requests and items less than the dozens of calls it replaces.
-_SMALL_DECODE = 32
+_SMALL_DECODE = 24
 
 
 def _plan_decode_small(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
