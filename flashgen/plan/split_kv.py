@@ -458,7 +458,7 @@ def _plan_general(qo, lens, qo_len, num_qo_heads, num_kv_heads, kv_granularity, 
 # ``_plan_general`` (``_choose``, ``split_kv_arrays``, ``Plan.pack``) in fewer numpy calls, int32 and straight
 # into the host buffer, with no per-token temporaries but one ``np.repeat`` for a split batch's merge ranges
 # (large temporaries are returned to the OS and page-faulted back on every call: ~2 us a page here). It equals
-# ``_plan_general`` field for field (test_plan_fast.py, benchmarks/plan_identity.py); lengths past its bounds
+# ``_plan_general`` field for field (test_plan_paths.py, benchmarks/plan_identity.py); lengths past its bounds
 # (int32 items and merge rows, exact float64 sums) go to ``_plan_general``.
 
 _INT32_LIMIT = 2**31
