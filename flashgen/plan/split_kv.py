@@ -24,7 +24,7 @@ import torch
 
 from .host import PlanError, host_array
 from .page_table import indptr_steps
-from .plan import Plan, host_storage, schema_for
+from .plan import _ALIGN, Plan, PlanField, host_storage
 
 SPLIT_KV_SCHEMA = {
     # per request (length max_batch_size [+ 1]); padded requests have qo_len = kv_len = num_chunks = 0
@@ -812,14 +812,26 @@ def _iota(n: int) -> np.ndarray:
     return _IOTA[:n]
 
 
+_FIELD_NAMES = ("qo_indptr", "kv_len", "num_chunks", "merge_indptr", *ITEM_FIELDS)
+_new_field = functools.partial(tuple.__new__, PlanField)  # PlanField(...) without its Python-level __new__
+
+
 @functools.lru_cache(maxsize=64)
 def _decode_schema(max_batch_size: int, max_total_q: int, capacity: int):
-    # (schema, numel, offsets of qo_indptr, kv_len, num_chunks, merge_indptr, the item block, item row stride)
-    schema, numel = schema_for(((("qo_indptr",), max_batch_size + 1), (("kv_len",), max_batch_size),
-                                (("num_chunks",), max_batch_size), (("merge_indptr",), max_total_q + 1),
-                                (ITEM_FIELDS, capacity)))
-    offsets = [schema[name].offset for name in ("qo_indptr", "kv_len", "num_chunks", "merge_indptr", *ITEM_FIELDS[:2])]
-    return schema, numel, (*offsets[:5], offsets[5] - offsets[4])
+    # (schema, numel, offsets of qo_indptr, kv_len, num_chunks, merge_indptr, the item block, item row stride):
+    # schema_for's layout of SPLIT_KV_SCHEMA (fields 4-aligned, in order), built directly (a plan of a new
+    # batch size misses the cache: 3 us instead of 6.5)
+    per_request = -(-max_batch_size // _ALIGN) * _ALIGN
+    kv_at = -(-(max_batch_size + 1) // _ALIGN) * _ALIGN
+    chunks_at = kv_at + per_request
+    merge_at = chunks_at + per_request
+    items_at = merge_at + -(-(max_total_q + 1) // _ALIGN) * _ALIGN
+    stride = -(-capacity // _ALIGN) * _ALIGN
+    offsets = (0, kv_at, chunks_at, merge_at, items_at, items_at + stride, items_at + 2 * stride, items_at + 3 * stride,
+               items_at + 4 * stride)
+    lengths = (max_batch_size + 1, max_batch_size, max_batch_size, max_total_q + 1, *(capacity,) * 5)
+    schema = {name: _new_field((name, offset, length)) for name, offset, length in zip(_FIELD_NAMES, offsets, lengths)}
+    return schema, items_at + 5 * stride, (0, kv_at, chunks_at, merge_at, items_at, stride)
 
 
 def _plan_decode(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead, enable_split,
