@@ -189,7 +189,8 @@ def main() -> None:
         kinds[key] = kinds.get(key, 0) + 1
     for i in diffs[:10]:
         c = cases[i]
-        print(f"case {i}: {c['kind']} batch {len(c['kv_lens'])} {c['opts']} {c['dtype']} {c['box']} buffer={c['buffer']}")
+        print(f"case {i}: {c['kind']} batch {len(c['kv_lens'])} {c['opts']} {c['dtype']} {c['box']} "
+              f"buffer={c['buffer']}")
         print("   old:", str(old[i])[:300])
         print("   new:", str(new[i])[:300])
     print(f"{len(cases)} cases ({', '.join(f'{k[0]} {k[1]}: {v}' for k, v in sorted(kinds.items()))}); "

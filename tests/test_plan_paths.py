@@ -40,8 +40,9 @@ def prefill_batches(draw):
     q = draw(st.lists(st.one_of(st.just(0), st.just(1), st.integers(0, 300)), min_size=n, max_size=n))
     group = draw(st.sampled_from([1, 4, 7, 8]))
     num_kv_heads = draw(st.sampled_from([1, 2, 8]))
-    options = dict(tile_rows=draw(st.sampled_from([None, 16, 64, 128])), num_sms=draw(st.sampled_from([4, 16, 132, 264])),
-                   kv_granularity=draw(st.sampled_from([1, 16, 64])), enable_split=draw(st.booleans()),
+    options = dict(tile_rows=draw(st.sampled_from([None, 16, 64, 128])),
+                   num_sms=draw(st.sampled_from([4, 16, 132, 264])), kv_granularity=draw(st.sampled_from([1, 16, 64])),
+                   enable_split=draw(st.booleans()),
                    balance_tail=draw(st.booleans()), split_min_waves=draw(st.sampled_from([None, 1.0, 2.0])))
     if draw(st.booleans()):
         options["max_batch_size"] = n + draw(st.integers(0, 20))

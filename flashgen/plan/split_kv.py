@@ -568,7 +568,7 @@ def _plan_fast(qo, lens, qo_len, longest_q, max_len, num_qo_heads, num_kv_heads,
             p = pieces.shape[1]
             out[:, :p] = pieces
             out[:, p: p + n - head] = items[:, head:]
-            partial_rows = _tail_merge(merge, qo, items[:, :head], counts_tail, tile_rows // group_size, total_q)
+            partial_rows = _tail_merge(merge, qo, items[:, :head], counts_tail, tile_rows // group_size)
     else:
         flat[chunks_at: chunks_at + batch] = chunks
         out[:, :num_items] = items
@@ -634,21 +634,36 @@ def _tail_pieces(items, m, k, granularity):
     return grid[:, keep], counts
 
 
-def _tail_merge(merge, qo, head, counts, tokens, total_q):
+def _tail_merge(merge, qo, head, counts, tokens):
     # merge_indptr of an unsplit plan whose head items (whole-token tiles) were split into `counts` chunks:
     # their tokens' merge ranges, zero elsewhere. Returns partial_rows.
     t0 = qo.take(head[0]) + head[1] * tokens
     n_tok = np.minimum(t0 + tokens, qo.take(head[0] + 1)) - t0
-    at = (t0 - np.add.accumulate(n_tok, dtype=n_tok.dtype) + n_tok).repeat(n_tok) + _iota(int(np.add.reduce(n_tok)))
-    merge[:] = 0
-    if at.size:
-        rows = merge[1: total_q + 1]
-        rows[at] = np.where(counts > 1, counts, 0).repeat(n_tok)
-        first = int(np.minimum.reduce(t0))
-        np.add.accumulate(rows[first:], dtype=np.int32, out=rows[first:])
-    partial_rows = int(merge[total_q])
-    merge[total_q + 1:] = partial_rows
-    return partial_rows
+    return _write_ramps(merge, sorted(r for r in zip(t0.tolist(), n_tok.tolist(), counts.tolist()) if r[2] > 1))
+
+
+def _write_ramps(merge, ramps):
+    # merge_indptr [max_total_q + 1] whose tokens have no partial rows but those of `ramps`, (first token, tokens,
+    # partial rows a token) sorted and disjoint: 0 up to the first ramp, a cumsum over the span of the ramps, then
+    # the total. Returns partial_rows.
+    if not ramps:
+        merge[:] = 0
+        return 0
+    first, end = ramps[0][0], ramps[-1][0] + ramps[-1][1]
+    merge[: first + 1] = 0
+    span = merge[first + 1: end + 1]
+    span[:] = 0
+    if len(ramps) <= 16:
+        for t0, n, c in ramps:
+            span[t0 - first: t0 - first + n] = c
+    else:  # one scatter
+        t0, n, c = (np.array(column, dtype=np.int64) for column in zip(*ramps))
+        ends = np.add.accumulate(n)
+        span[(t0 - first - ends + n).repeat(n) + _iota(int(ends[-1]))] = c.repeat(n)
+    np.add.accumulate(span, dtype=np.int32, out=span)
+    rows = int(span[-1])
+    merge[end + 1:] = rows
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- small batches
@@ -656,8 +671,9 @@ def _tail_merge(merge, qo, head, counts, tokens, total_q):
 # host, more than a Python loop over a dozen requests and a few hundred items. Same fields as ``_plan_fast``;
 # chunk counts by integer ceil (float64's for lengths below 2**52, whose sums are exact too).
 
-_SMALL_BATCH = 6
-_SMALL_ITEMS = 64
+_SMALL_BATCH = 12
+_SMALL_ITEMS = 40  # tiles: past ~40 items the numpy path wins (its cost barely grows with them)
+_SMALL_SPLIT_ITEMS = 160  # items of a split batch, once its chunk is chosen (the numpy path would choose again)
 
 
 def _small_inputs(qo_indptr: object, kv_lens: object):
@@ -683,6 +699,8 @@ def _plan_small(qo, lens, qo_len, longest_q, max_len, num_qo_heads, num_kv_heads
     if max_len >= _MAX_KV_LEN or longest_q * group_size >= _INT32_LIMIT or total_q >= _INT32_LIMIT:
         return None
     tiles = [-(-(q * group_size) // tile_rows) for q in qo_len]
+    if sum(tiles) > _SMALL_ITEMS:  # at least one item a tile
+        return None
     some_empty = 0 in qo_len
     max_len_q = max([x for x, q in zip(lens, qo_len) if q], default=0) if some_empty else max_len
     counts = None
@@ -692,8 +710,8 @@ def _plan_small(qo, lens, qo_len, longest_q, max_len, num_qo_heads, num_kv_heads
         split_min_waves * num_sms * max_len
     if enable_split and not full and max_len_q > kv_granularity:  # _choose
         chunk = _split_candidates(max_len_q, work, num_kv_heads, num_sms, kv_granularity)
-        weighted = [(t, x or 1) for t, x in zip(tiles, lens) if t]  # an empty request has one chunk
-        counted = [sum([t * -(-x // c) for t, x in weighted]) for c in chunk]
+        weighted = [(t, -x or -1) for t, x in zip(tiles, lens) if t]  # an empty request has one chunk
+        counted = [-sum([t * (y // c) for t, y in weighted]) for c in chunk]  # ceil(x / c) = -(-x // c)
         at, num_items = _pick(chunk, counted, 0, max_len_q, work, num_kv_heads, num_sms, item_overhead, capacity)
         kv_chunk = chunk[at]
         if max_len > kv_chunk:  # some request splits (see _plan_fast)
@@ -702,7 +720,7 @@ def _plan_small(qo, lens, qo_len, longest_q, max_len, num_qo_heads, num_kv_heads
         kv_chunk, num_items = kv_granularity, sum(tiles)
     else:  # one chunk a request
         kv_chunk, num_items = max(kv_granularity, -(-max_len // kv_granularity) * kv_granularity), sum(tiles)
-    if num_items > _SMALL_ITEMS or total_q * -(-max_len // kv_chunk) >= _INT32_LIMIT:
+    if num_items > _SMALL_SPLIT_ITEMS or total_q * -(-max_len // kv_chunk) >= _INT32_LIMIT:
         return None
     tail = None
     if enable_split and balance_tail and counts is None and tile_rows % group_size == 0 and num_items:
@@ -738,8 +756,8 @@ def _plan_small(qo, lens, qo_len, longest_q, max_len, num_qo_heads, num_kv_heads
                 rows += [(-x, r, t, -1, 0, x) for t in range(tiles[r])]
             elif c:  # chunk j < c - 1 ends at (j + 1) * kv_chunk < x
                 last = (c - 1) * kv_chunk
-                rows += [(-kv_chunk, r, t, j, j * kv_chunk, (j + 1) * kv_chunk) if j < c - 1 else (last - x, r, t, j, last, x)
-                         for t in range(tiles[r]) for j in range(c)]
+                rows += [(-kv_chunk, r, t, j, j * kv_chunk, (j + 1) * kv_chunk) if j < c - 1
+                         else (last - x, r, t, j, last, x) for t in range(tiles[r]) for j in range(c)]
         rows.sort(key=_first_key)  # stable: longest first, ties in list order
         rows = [row[1:] for row in rows]
     cap = num_items if capacity is None else capacity
@@ -759,26 +777,16 @@ def _plan_small(qo, lens, qo_len, longest_q, max_len, num_qo_heads, num_kv_heads
     if num_items:
         out[0, :num_items], out[1, :num_items], out[2, :num_items], out[3, :num_items], out[4, :num_items] = \
             zip(*rows)
-    merge = flat[merge_at: merge_at + max_total_q + 1]
-    merge[:] = 0
-    partial_rows = 0
+    # merge_indptr: the partial rows before each token, rising by c over the tokens of a tile split c ways
     if counts is not None:
-        ramps = [(qo[r], q, c) for r, (q, c) in enumerate(zip(qo_len, counts)) if c > 1]
-    elif splits is not None:  # a split tail tile's tokens get its chunk count (tiles hold whole tokens)
+        ramps = [(qo[r], q, c) for r, (q, c) in enumerate(zip(qo_len, counts)) if c > 1 and q]
+    elif splits is not None:  # a split tail tile's tokens (tiles hold whole tokens)
         tokens = tile_rows // group_size
-        ramps = [(qo[r] + t * tokens, min(qo[r] + (t + 1) * tokens, qo[r + 1]) - qo[r] - t * tokens, c)
-                 for r, t, c in splits if c > 1]
-        ramps.sort()
+        ramps = sorted((qo[r] + t * tokens, min(qo[r] + (t + 1) * tokens, qo[r + 1]) - qo[r] - t * tokens, c)
+                       for r, t, c in splits if c > 1)
     else:
         ramps = ()
-    if ramps:  # merge_indptr[1 + token]: the partial rows up to the token, rising by c over a ramp's tokens
-        rows = merge[1: total_q + 1]
-        first = ramps[0][0]
-        for t0, n, c in ramps:
-            rows[t0: t0 + n] = c
-        np.add.accumulate(rows[first:], dtype=np.int32, out=rows[first:])
-        partial_rows = int(rows[-1])
-        merge[total_q + 1:] = partial_rows
+    partial_rows = _write_ramps(flat[merge_at: merge_at + max_total_q + 1], ramps)
     if max_batch_size > batch:  # fixed capacity: pad the per-request fields
         flat[qo_at + batch + 1: qo_at + max_batch_size + 1] = total_q
         flat[kv_at + batch: kv_at + max_batch_size] = 0
@@ -896,7 +904,8 @@ def _plan_decode_small(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity
     else:
         work = sum(lens)
         chunk = _split_candidates(max_len, work, num_kv_heads, num_sms, kv_granularity)
-        counted = [sum([-(-x // c) for x in lens]) for c in chunk]
+        negative = [-x for x in lens]  # ceil(x / c) = -(-x // c)
+        counted = [-sum([y // c for y in negative]) for c in chunk]
         at, n = _pick(chunk, counted, batch - counted[0], max_len, work, num_kv_heads, num_sms, item_overhead,
                       capacity)
         kv_chunk = chunk[at]
@@ -919,6 +928,12 @@ def _plan_decode_small(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity
         items[1:4, :n] = _UNSPLIT_FILL
         items[4, :n] = [lens[r] for r in order]
         partial_rows, merged = 0, 0  # no token has partial rows
+    elif n > _SMALL_ITEMS:  # the numpy path's items (and merge ranges)
+        chunks = flat[chunks_at: chunks_at + batch]
+        chunks[:] = counts
+        _split_decode_items(flat[kv_at: kv_at + batch], chunks, kv_chunk, n, items,
+                            flat[merge_at + 1: merge_at + batch + 1])
+        partial_rows, merged = int(flat[merge_at + batch]), batch
     else:
         flat[chunks_at: chunks_at + batch] = counts
         rows = []  # (start - end, request, chunk_idx, start, end) in (request, chunk) order
