@@ -108,7 +108,8 @@ def invalid_cases() -> list[dict]:
             d([100] * 5, max_batch_size=3), p([0, 3, 2], [10, 10]), p([1, 3, 5], [10, 10]), p([0, 3, 5], [10]),
             p([0, 3, 5], [10, -4]), p([0, 3, 5], [10, 10], max_batch_size=1),
             p([0, 300, 500], [10, 10], max_batch_size=4, max_total_q=100), p([0, 3, 5], [9000, 9000], capacity=1),
-            p([], []), p([0, 3, 5], [10, 10], num_kv_heads=0)]
+            p([], []), p([0, 3, 5], [10, 10], num_kv_heads=0),
+            p([1, 3, 5], [1.5, 2.0]), p([0, 3, 2], [1.5, 2.0]), p([0, 3, 5], [[1, 2]]), p([[0, 3]], [-1])]
 
 
 def _convert(a: np.ndarray, dtype: str, box: str):

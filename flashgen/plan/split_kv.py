@@ -682,9 +682,11 @@ def _small_inputs(qo_indptr: object, kv_lens: object):
     if isinstance(qo_indptr, (np.ndarray, torch.Tensor)) and qo_indptr.ndim == 1 and qo_indptr.shape[0] <= \
             _SMALL_BATCH + 1 and qo_indptr.shape[0] >= 1:
         qo = host_array("qo_indptr", qo_indptr).tolist()
-        lens = host_array("kv_lens", kv_lens).tolist()
         qo_len = [b - a for a, b in zip(qo, qo[1:])]
-        if qo[0] == 0 and len(lens) == len(qo_len) and min(qo_len, default=0) >= 0 and min(lens, default=0) >= 0:
+        if qo[0] != 0 or min(qo_len, default=0) < 0:  # qo_indptr's errors come first
+            return None
+        lens = host_array("kv_lens", kv_lens).tolist()
+        if len(lens) == len(qo_len) and min(lens, default=0) >= 0:
             return qo, lens, qo_len, max(qo_len, default=0), max(lens, default=0)
     return None
 
