@@ -26,21 +26,25 @@ def host_array(name: str, value: object, ndim: int = 1, error: type[PlanError] =
     array([0, 2, 5])
     """
     if isinstance(value, torch.Tensor):
-        if value.is_cuda or value.device.type != "cpu":
+        # a plain tensor's is_cpu is its device; a subclass may say otherwise in its device
+        if not (value.is_cpu and type(value) is torch.Tensor) and (value.is_cuda or value.device.type != "cpu"):
             raise error(
                 f"{name}: is a {value.device.type} tensor; planning reads host arrays only (pass the CPU copy "
                 f"you built it from, so that planning never synchronises with the device)"
             )
-        if value.dtype not in _INT_DTYPES:
+        dtype = value.dtype
+        if dtype not in _INT_DTYPES:
             raise error(f"{name}: dtype {value.dtype}, expected an integer dtype")
         array = value.numpy()
-    else:
-        array = np.asarray(value)
-        if array.dtype.kind not in "iu":
-            if array.size == 0 and array.dtype.kind == "f":
-                array = array.astype(np.int64)
-            else:
-                raise error(f"{name}: dtype {array.dtype}, expected an integer dtype")
+        if array.ndim != ndim:
+            raise error(f"{name}: has shape {tuple(array.shape)}, expected {ndim} dimension(s)")
+        return array if dtype is torch.int32 or dtype is torch.int64 else array.astype(np.int64)
+    array = np.asarray(value)
+    if array.dtype.kind not in "iu":
+        if array.size == 0 and array.dtype.kind == "f":
+            array = array.astype(np.int64)
+        else:
+            raise error(f"{name}: dtype {array.dtype}, expected an integer dtype")
     if array.ndim != ndim:
         raise error(f"{name}: has shape {tuple(array.shape)}, expected {ndim} dimension(s)")
     return array if array.dtype.kind == "i" and array.itemsize in (4, 8) else array.astype(np.int64)

@@ -44,18 +44,30 @@ def validate_indptr(name: str, indptr: object, length: int | None = None) -> np.
 
     Returns it as int64 numpy. Example: ``validate_indptr("qo_indptr", [0, 3, 3, 7])``.
     """
+    a = indptr_steps(name, indptr)[0]
+    if length is not None and a[-1] != length:
+        raise PageTableError(f"{name}[-1] = {int(a[-1])}, expected {length} (the length it indexes)")
+    return a
+
+
+_UNSIGNED = {4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
+_SIGNED_MAX = {4: 2**31 - 1, 8: 2**63 - 1}
+
+
+def indptr_steps(name: str, indptr: object) -> tuple[np.ndarray, np.ndarray, int]:
+    """``validate_indptr``'s checks but the length; returns ``(indptr, steps, longest step)`` (0 when empty)."""
     a = host_array(name, indptr)
     if a.size == 0:
         raise PageTableError(f"{name}: is empty, expected batch_size + 1 >= 1 entries")
     if a[0] != 0:
         raise PageTableError(f"{name}[0] = {int(a[0])}, expected 0")
-    steps = np.diff(a)
-    if (steps < 0).any():
+    steps = a[1:] - a[:-1]
+    # one pass for the check and the longest step: a negative step is a huge unsigned one
+    top = int(np.maximum.reduce(steps.view(_UNSIGNED[steps.itemsize]), initial=0))
+    if top > _SIGNED_MAX[steps.itemsize]:
         i = _first(steps < 0)
         raise PageTableError(f"{name}[{i + 1}] = {int(a[i + 1])} < {name}[{i}] = {int(a[i])}: must be non-decreasing")
-    if length is not None and a[-1] != length:
-        raise PageTableError(f"{name}[-1] = {int(a[-1])}, expected {length} (the length it indexes)")
-    return a
+    return a, steps, top
 
 
 def validate_csr(kv_indptr: object, kv_indices: object, kv_last_page_len: object, page_size: int,

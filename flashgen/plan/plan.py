@@ -38,25 +38,28 @@ def host_storage(numel: int, host_buffer: torch.Tensor | None = None) -> tuple[t
 
     ``host_buffer`` (an int32 CPU tensor, pinned ideally, at least ``numel`` long) is reused when given;
     otherwise a buffer is allocated (pinned when CUDA is available, which costs far more than planning).
-    The numpy view of a reused buffer is kept on the buffer (``_plan_numpy``: its data pointer, the view,
-    whether it is contiguous), so that a decode step's plan does not pay for ``numpy()`` and the checks again.
+    The numpy view of a reused buffer is kept on the buffer (``_plan_views``: its data pointer, the view,
+    whether it is contiguous, and the last ``numel`` with its tensor view), so that a decode step's plan does
+    not pay for ``numpy()``, the checks and the view again.
     """
     if host_buffer is None:
         host = _new_host_buffer(numel)
         return host, host.numpy()
-    cached = getattr(host_buffer, "_plan_numpy", None)
+    cached = getattr(host_buffer, "_plan_views", None)
     if cached is None or cached[0] != host_buffer.data_ptr():
         if host_buffer.dtype != torch.int32 or not host_buffer.is_cpu or host_buffer.dim() != 1:
             raise PlanError(f"host_buffer: needs a 1-D int32 CPU tensor of at least {numel} elements, got "
                             f"{host_buffer.dtype} {host_buffer.device} of shape {tuple(host_buffer.shape)}")
         contiguous = host_buffer.is_contiguous()
-        cached = host_buffer._plan_numpy = (host_buffer.data_ptr(), host_buffer.numpy(), contiguous)
+        cached = host_buffer._plan_views = [host_buffer.data_ptr(), host_buffer.numpy(), contiguous, -1, None]
     flat = cached[1]
     if flat.size < numel or host_buffer.numel() < numel:
         raise PlanError(f"host_buffer: needs an int32 CPU tensor of at least {numel} elements, got "
                         f"{host_buffer.dtype} {host_buffer.device} with {host_buffer.numel()}")
-    # as_strided is a cheaper view than slicing on a small host; a strided buffer is sliced
-    return (host_buffer.as_strided((numel,), (1,)) if cached[2] else host_buffer[:numel]), flat
+    if cached[3] != numel:
+        # as_strided is a cheaper view than slicing on a small host; a strided buffer is sliced
+        cached[3:] = numel, (host_buffer.as_strided((numel,), (1,)) if cached[2] else host_buffer[:numel])
+    return cached[4], flat
 
 
 @functools.lru_cache(maxsize=64)

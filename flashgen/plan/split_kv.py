@@ -15,14 +15,16 @@ request's items write partial states that a merge combines (see ``SPLIT_KV_SCHEM
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .host import PlanError, host_array
-from .page_table import validate_indptr
-from .plan import Plan, host_storage, schema_for
+from .page_table import indptr_steps
+from .plan import _ALIGN, Plan, PlanField, host_storage
 
 SPLIT_KV_SCHEMA = {
     # per request (length max_batch_size [+ 1]); padded requests have qo_len = kv_len = num_chunks = 0
@@ -132,7 +134,7 @@ def _choose(kv_lens, qo_tiles, num_kv_heads, num_sms, granularity, item_overhead
         lens = np.maximum(kv_lens, 1, dtype=np.float64)  # an empty request has one chunk
         work = int(qo_tiles.astype(np.int64) @ kv_lens)  # int64 (int32 inputs pass 2**31 at long context)
     chunk = _split_candidates(max_len, work, num_kv_heads, num_sms, granularity)
-    nchunks = lens / np.array(chunk, np.float64).reshape(-1, 1)
+    nchunks = lens / np.array(chunk, np.float64)[:, None]
     np.ceil(nchunks, out=nchunks)
     if qo_tiles is None:
         counted = np.add.reduce(nchunks, axis=1).tolist()
@@ -140,23 +142,28 @@ def _choose(kv_lens, qo_tiles, num_kv_heads, num_sms, granularity, item_overhead
         empty = kv_lens.size - int(counted[0])
     else:
         counted, empty = (nchunks @ qo_tiles).tolist(), 0
-    items = [int(n) + empty for n in counted]
-    best, best_estimate, best_at = None, float("inf"), None
-    limit = float("inf") if max_items is None else max_items
-    total, per_item, sms = work * num_kv_heads, item_overhead * num_kv_heads, num_sms
+    at, n = _pick(chunk, counted, empty, max_len, work, num_kv_heads, num_sms, item_overhead, max_items)
+    counts = nchunks[at]
+    return chunk[at], (np.maximum(counts, 1) if empty else counts), n
+
+
+def _pick(chunk, counted, empty, max_len, work, num_kv_heads, num_sms, item_overhead, max_items):
+    # (index, items) of the candidate chunk with the smallest estimate (see choose_kv_chunk); counted: items
+    # of each candidate but `empty`
+    best_at, best_n, bar = None, None, float("inf")
+    total, per_item = work * num_kv_heads, item_overhead * num_kv_heads
     for at, c in enumerate(chunk):
-        n = items[at]
-        if n > limit:
+        n = int(counted[at]) + empty
+        if max_items is not None and n > max_items:
             continue
         longest = (c if c < max_len else max_len) + item_overhead
-        estimate = -(-(total + per_item * n) // (sms * longest)) * longest
-        if estimate < best_estimate / 1.01:  # ties (within 1 %) keep the longer chunk
-            best, best_estimate, best_at = c, estimate, at
-    if best is None:
-        raise PlanError(f"capacity: {min(items)} work items are needed even unsplit, more than the "
-                        f"capacity of {max_items}")
-    counts = nchunks[best_at]
-    return best, (np.maximum(counts, 1) if empty else counts), items[best_at]
+        estimate = -(-(total + per_item * n) // (num_sms * longest)) * longest
+        if estimate < bar:  # ties (within 1 %) keep the longer chunk
+            best_at, best_n, bar = at, n, estimate / 1.01
+    if best_at is None:
+        raise PlanError(f"capacity: {min(int(n) + empty for n in counted)} work items are needed even unsplit, "
+                        f"more than the capacity of {max_items}")
+    return best_at, best_n
 
 
 # ---------------------------------------------------------------------------------------------- the last wave
@@ -234,8 +241,8 @@ def _split_tail(items: np.ndarray, m: int, k: int, granularity: int) -> tuple[np
 def _items(qo_len: np.ndarray, kv_lens: np.ndarray, chunks: np.ndarray, group_size: int, tile_rows: int,
            kv_chunk: int):
     tiles = -(-(qo_len * group_size) // tile_rows)
-    per_request = tiles * chunks
-    ends = np.cumsum(per_request)
+    per_request = (tiles * chunks).astype(np.int64, copy=False)
+    ends = np.cumsum(per_request)  # int64 in, int64 out: a cumsum that casts int32 runs ~15x slower
     n = int(ends[-1]) if ends.size else 0
     items = np.empty((5, n), dtype=np.int64)
     request = items[0]
@@ -276,7 +283,8 @@ def split_kv_arrays(qo_indptr: np.ndarray, kv_lens: np.ndarray, *, num_qo_heads:
     # (session 13: +3 % on 1 x 8192 + 31 x 256 without a mask, -2-10 % with causal, within noise elsewhere)
     items = items[:, np.argsort(items[3] - items[4], kind="stable")]
     total_q = int(qo_indptr[-1])
-    merge_count = np.repeat(chunks * (chunks > 1), qo_len)
+    # int64 like merge_indptr: np.cumsum of int32 into int64 casts in small buffers, ~2.5 ms at 270k tokens
+    merge_count = np.repeat((chunks * (chunks > 1)).astype(np.int64, copy=False), qo_len)
     if tail is not None:
         if tile_rows % group_size or (items[2, :tail[0]] >= 0).any():
             raise ValueError("a tail split needs unsplit items of whole tokens (tile_rows a multiple of the group)")
@@ -318,14 +326,21 @@ def _check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
 
 
 def _batch_inputs(qo_indptr: object, kv_lens: object) -> tuple[np.ndarray, np.ndarray]:
-    qo = validate_indptr("qo_indptr", qo_indptr)
+    return _checked_inputs(qo_indptr, kv_lens)[:2]
+
+
+def _checked_inputs(qo_indptr: object, kv_lens: object):
+    # (qo, lens, qo_len, longest query, longest KV): the checks and errors of validate_indptr and kv_lens >= 0,
+    # with the query lengths and maxima they compute on the way (one pass each)
+    qo, qo_len, longest_q = indptr_steps("qo_indptr", qo_indptr)
     lens = host_array("kv_lens", kv_lens)
     if lens.size != qo.size - 1:
         raise PlanError(f"kv_lens: has {lens.size} entries, expected batch_size = {qo.size - 1} (len(qo_indptr) - 1)")
-    if lens.size and lens.min() < 0:
+    max_len = int(np.maximum.reduce(lens.view(_UNSIGNED[lens.itemsize]), initial=0))
+    if max_len >= _MAX_KV_LEN and lens.min() < 0:  # a negative length is a huge unsigned one
         b = int(np.argmin(lens))
         raise PlanError(f"kv_lens[{b}] = {int(lens[b])}, expected >= 0")
-    return qo, lens
+    return qo, lens, qo_len, longest_q, max_len
 
 
 def plan_split_kv(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_kv_heads: int,
@@ -360,9 +375,25 @@ def plan_split_kv(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_
     (2512, [1, 16])
     """
     _check_heads(num_qo_heads, num_kv_heads)
-    qo, lens = _batch_inputs(qo_indptr, kv_lens)
-    return _plan(qo, lens, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead,
-                 enable_split, max_batch_size, max_total_q, capacity, host_buffer, balance_tail, split_min_waves)
+    small = _small_inputs(qo_indptr, kv_lens)
+    if small is not None:
+        qo_list, lens_list, qo_len_list, longest_q, max_len = small
+        sizes = _sizes(len(lens_list), qo_list[-1], lambda: longest_q, num_qo_heads // num_kv_heads, num_kv_heads,
+                       num_sms, tile_rows, max_batch_size, max_total_q, capacity)
+        plan = _plan_small(qo_list, lens_list, qo_len_list, longest_q, max_len, num_qo_heads, num_kv_heads,
+                           kv_granularity, num_sms, item_overhead, enable_split, *sizes, host_buffer, balance_tail,
+                           split_min_waves)
+        if plan is not None:
+            return plan
+    qo, lens, qo_len, longest_q, max_len = _checked_inputs(qo_indptr, kv_lens)
+    sizes = _sizes(lens.size, int(qo[-1]), lambda: longest_q, num_qo_heads // num_kv_heads, num_kv_heads, num_sms,
+                   tile_rows, max_batch_size, max_total_q, capacity)
+    plan = _plan_fast(qo, lens, qo_len, longest_q, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms,
+                      item_overhead, enable_split, *sizes, host_buffer, balance_tail, split_min_waves)
+    if plan is None:  # lengths past the fast path's int32 / float64 bounds
+        plan = _plan_general(qo, lens, qo_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
+                             enable_split, *sizes, host_buffer, balance_tail, split_min_waves)
+    return plan
 
 
 def _sizes(batch, total_q, longest_q, group_size, num_kv_heads, num_sms, tile_rows, max_batch_size, max_total_q,
@@ -388,15 +419,6 @@ def _sizes(batch, total_q, longest_q, group_size, num_kv_heads, num_sms, tile_ro
         capacity = min_items + 2 * -(-num_sms // num_kv_heads) if capacity is None else capacity
         partial_capacity = capacity * -(-tile_rows // group_size)
     return max_batch_size, max_total_q, tile_rows, capacity, partial_capacity
-
-
-def _plan(qo, lens, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead, enable_split,
-          max_batch_size, max_total_q, capacity, host_buffer, balance_tail=False, split_min_waves=None) -> Plan:
-    qo_len = qo[1:] - qo[:-1]
-    sizes = _sizes(lens.size, int(qo[-1]), lambda: int(qo_len.max(initial=0)), num_qo_heads // num_kv_heads,
-                   num_kv_heads, num_sms, tile_rows, max_batch_size, max_total_q, capacity)
-    return _plan_general(qo, lens, qo_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
-                         enable_split, *sizes, host_buffer, balance_tail, split_min_waves)
 
 
 def _plan_general(qo, lens, qo_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
@@ -432,6 +454,353 @@ def _plan_general(qo, lens, qo_len, num_qo_heads, num_kv_heads, kv_granularity, 
     return Plan.pack("split_kv", arrays, info, host_buffer)
 
 
+# ---------------------------------------------------------------------------------------------- fast path
+# ``_plan_general`` (``_choose``, ``split_kv_arrays``, ``Plan.pack``) in fewer numpy calls, int32 and straight
+# into the host buffer, with no per-token temporaries but one ``np.repeat`` for a split batch's merge ranges
+# (large temporaries are returned to the OS and page-faulted back on every call: ~2 us a page here). It equals
+# ``_plan_general`` field for field (test_plan_paths.py, benchmarks/plan_identity.py); lengths past its bounds
+# (int32 items and merge rows, exact float64 sums) go to ``_plan_general``.
+
+_INT32_LIMIT = 2**31
+_FLOAT_EXACT = 2**53
+
+
+def _plan_fast(qo, lens, qo_len, longest_q, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms,
+               item_overhead, enable_split, max_batch_size, max_total_q, tile_rows, capacity, partial_capacity,
+               host_buffer, balance_tail=False, split_min_waves=None) -> Plan | None:
+    batch = lens.size
+    total_q = int(qo[-1])
+    group_size = num_qo_heads // num_kv_heads
+    max_tiles = -(-(longest_q * group_size) // tile_rows)
+    tile_bound = -(-(total_q * group_size) // tile_rows) + batch  # >= the tiles of the batch
+    if max_len >= _MAX_KV_LEN or longest_q * group_size >= _INT32_LIMIT or tile_bound * max_len >= _FLOAT_EXACT:
+        return None
+    if lens.itemsize == 8:  # int32 throughout: one dtype per numpy call (a mixed-dtype call is slow here)
+        lens = lens.astype(np.int32)
+    if qo_len.itemsize == 8:
+        qo_len = qo_len.astype(np.int32)
+    # qo tiles a request (an exact ceil for non-negative lengths)
+    if tile_rows % group_size == 0:
+        tokens = tile_rows // group_size
+        tiles = qo_len if tokens == 1 else (qo_len + (tokens - 1)) // tokens
+    else:
+        tiles = (qo_len * group_size + (tile_rows - 1)) // tile_rows
+    some_empty = np.count_nonzero(qo_len) < batch  # requests without queries (no tiles, no items)
+    # the longest KV of a request with queries
+    max_len_q = int(np.maximum.reduce(lens * (qo_len > 0), initial=0)) if some_empty else max_len
+    tiles_f = tiles.astype(np.float64)
+    counts = None
+    if enable_split:
+        work = int(tiles_f @ lens.astype(np.float64))  # exact: tile_bound * max_len < 2**53
+    # see _plan_general
+    full = enable_split and split_min_waves is not None and work * num_kv_heads >= \
+        split_min_waves * num_sms * max_len
+    if enable_split and not full and max_len_q > kv_granularity:  # _choose
+        chunk = _split_candidates(max_len_q, work, num_kv_heads, num_sms, kv_granularity)
+        # an empty request has one chunk
+        nchunks = np.maximum(lens, 1, dtype=np.float64) / np.array(chunk, np.float64)[:, None]
+        np.ceil(nchunks, out=nchunks)
+        at, num_items = _pick(chunk, (nchunks @ tiles_f).tolist(), 0, max_len_q, work, num_kv_heads, num_sms,
+                              item_overhead, capacity)
+        kv_chunk = chunk[at]
+        if max_len > kv_chunk:  # some request splits (one without queries counts too, as in _plan_general)
+            counts = nchunks[at]
+    elif enable_split and not full:
+        kv_chunk, num_items = kv_granularity, int(np.add.reduce(tiles_f))
+    else:  # one chunk a request
+        kv_chunk = max(kv_granularity, -(-max_len // kv_granularity) * kv_granularity)
+        num_items = int(np.add.reduce(tiles_f))
+    if num_items >= _INT32_LIMIT or total_q * -(-max_len // kv_chunk) >= _INT32_LIMIT:  # items, merge rows
+        return None
+    tail = None
+    if enable_split and balance_tail and counts is None and tile_rows % group_size == 0 and num_items:
+        tail = choose_tail_split(max_len_q, num_items, num_kv_heads, num_sms=num_sms, granularity=kv_granularity,
+                                 item_overhead=item_overhead,
+                                 max_extra=None if capacity is None else capacity - num_items)
+
+    # the items, longest first (see split_kv_arrays)
+    one_tile = max_tiles <= 1  # every request with queries has one tile
+    if counts is None:  # unsplit: a request's tiles in order, requests longest first (a stable sort)
+        order = (-lens).argsort(kind="stable")
+        n = num_items
+        if one_tile and not some_empty:  # one item a request
+            request, tile = order, 0
+        else:
+            t = tiles.take(order)
+            request = order.repeat(t)
+            tile = _iota(n) - (np.add.accumulate(t, dtype=np.int32) - t).repeat(t) if not one_tile else 0
+        items = np.empty((5, n), dtype=np.int32)
+        items[0] = request
+        items[1] = tile
+        items[2:4] = _UNSPLIT_FILL[1:]
+        items[4] = lens.take(request)
+        head = 0
+        if tail is not None:
+            pieces, counts_tail = _tail_pieces(items, *tail, kv_granularity)
+            head = tail[0]
+            num_items = pieces.shape[1] + n - head
+    else:
+        chunks = counts.astype(np.int32)
+        if some_empty:
+            chunks *= qo_len > 0
+        items = _split_items(lens, tiles, chunks, kv_chunk, num_items, one_tile)
+    cap = num_items if capacity is None else capacity
+    if num_items > cap:
+        raise PlanError(f"capacity: the batch needs {num_items} work items, more than the capacity of {cap}")
+
+    schema, numel, (qo_at, kv_at, chunks_at, merge_at, items_at, stride) = _decode_schema(max_batch_size,
+                                                                                          max_total_q, cap)
+    host, flat = host_storage(numel, host_buffer)
+    flat[qo_at: qo_at + batch + 1] = qo
+    flat[kv_at: kv_at + batch] = lens
+    out = flat[items_at: items_at + 5 * stride].reshape(5, stride)
+    merge = flat[merge_at: merge_at + max_total_q + 1]
+    if counts is None:
+        if some_empty:
+            np.greater(qo_len, 0, out=flat[chunks_at: chunks_at + batch])
+        else:
+            flat[chunks_at: chunks_at + batch] = 1
+        if tail is None:
+            out[:, :n] = items
+            merge[:] = 0
+            partial_rows = 0
+        else:
+            p = pieces.shape[1]
+            out[:, :p] = pieces
+            out[:, p: p + n - head] = items[:, head:]
+            partial_rows = _tail_merge(merge, qo, items[:, :head], counts_tail, tile_rows // group_size)
+    else:
+        flat[chunks_at: chunks_at + batch] = chunks
+        out[:, :num_items] = items
+        merge[0] = 0
+        if total_q:
+            np.add.accumulate((chunks * (chunks > 1)).repeat(qo_len), dtype=np.int32, out=merge[1: total_q + 1])
+        partial_rows = int(merge[total_q])
+        merge[total_q + 1:] = partial_rows
+    if max_batch_size > batch:  # fixed capacity: pad the per-request fields
+        flat[qo_at + batch + 1: qo_at + max_batch_size + 1] = total_q
+        flat[kv_at + batch: kv_at + max_batch_size] = 0
+        flat[chunks_at + batch: chunks_at + max_batch_size] = 0
+    if cap > num_items:
+        out[:, num_items:cap] = _ITEM_PAD_COLUMN
+    info = SplitKVInfo(batch, max_batch_size, total_q, max_total_q, num_items, cap, num_qo_heads, num_kv_heads,
+                       group_size, tile_rows, kv_chunk, partial_rows,
+                       partial_rows if partial_capacity is None else partial_capacity, capacity is not None)
+    return Plan("split_kv", schema, host, info)
+
+
+def _split_items(lens, tiles, chunks, kv_chunk, n, one_tile):
+    # _items, longest first: [5, n] int32
+    per = tiles * chunks
+    ends = np.add.accumulate(per, dtype=np.int32)
+    request = _iota(chunks.size).repeat(per)
+    local = _iota(n) - (ends - per).repeat(per)
+    c = chunks.take(request)
+    items = np.empty((5, n), dtype=np.int32)
+    items[0] = request
+    if one_tile:
+        items[1] = 0
+        chunk = local
+    else:
+        chunk = items[2]
+        np.divmod(local, c, out=(items[1], chunk))
+    start = np.multiply(chunk, kv_chunk, out=items[3])
+    np.minimum(start + kv_chunk, lens.take(request), out=items[4])
+    np.subtract(chunk, c == 1, out=items[2])  # chunk_idx -1 for an unsplit request (its one chunk is 0)
+    return items.take((start - items[4]).argsort(kind="stable"), axis=1)
+
+
+_TAIL_J = np.arange(16, dtype=np.int32)
+
+
+def _tail_pieces(items, m, k, granularity):
+    # _split_tail of unsplit items (kv_start 0): items 0 .. m - 1 as up to k chunks each, [5, pieces] int32,
+    # and the chunk count of each
+    length = items[4, :m]
+    per = np.maximum((length + (granularity - 1)) // granularity, 1)  # chunks of `granularity` tokens, <= k
+    np.minimum(per, k, out=per)
+    step = (length + (per - 1)) // per
+    step = np.maximum((step + (granularity - 1)) // granularity * granularity, granularity)
+    counts = np.maximum((length + (step - 1)) // step, 1)
+    j = _TAIL_J[:k]
+    keep = j < counts[:, None]  # [m, k]: chunk j of item i exists
+    grid = np.empty((5, m, k), dtype=np.int32)
+    grid[0] = items[0, :m, None]
+    grid[1] = items[1, :m, None]
+    grid[2] = np.where(counts[:, None] > 1, j, -1)
+    np.multiply(j, step[:, None], out=grid[3])
+    # chunk j < count - 1 ends at (j + 1) * step < length; the last at length
+    np.minimum(grid[3] + step[:, None], length[:, None], out=grid[4])
+    return grid[:, keep], counts
+
+
+def _tail_merge(merge, qo, head, counts, tokens):
+    # merge_indptr of an unsplit plan whose head items (whole-token tiles) were split into `counts` chunks:
+    # their tokens' merge ranges, zero elsewhere. Returns partial_rows.
+    t0 = qo.take(head[0]) + head[1] * tokens
+    n_tok = np.minimum(t0 + tokens, qo.take(head[0] + 1)) - t0
+    return _write_ramps(merge, sorted(r for r in zip(t0.tolist(), n_tok.tolist(), counts.tolist()) if r[2] > 1))
+
+
+def _write_ramps(merge, ramps):
+    # merge_indptr [max_total_q + 1] whose tokens have no partial rows but those of `ramps`, (first token, tokens,
+    # partial rows a token) sorted and disjoint: 0 up to the first ramp, a cumsum over the span of the ramps, then
+    # the total. Returns partial_rows.
+    if not ramps:
+        merge[:] = 0
+        return 0
+    first, end = ramps[0][0], ramps[-1][0] + ramps[-1][1]
+    merge[: first + 1] = 0
+    span = merge[first + 1: end + 1]
+    span[:] = 0
+    if len(ramps) <= 16:
+        for t0, n, c in ramps:
+            span[t0 - first: t0 - first + n] = c
+    else:  # one scatter
+        t0, n, c = (np.array(column, dtype=np.int64) for column in zip(*ramps))
+        ends = np.add.accumulate(n)
+        span[(t0 - first - ends + n).repeat(n) + _iota(int(ends[-1]))] = c.repeat(n)
+    np.add.accumulate(span, dtype=np.int32, out=span)
+    rows = int(span[-1])
+    merge[end + 1:] = rows
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- small batches
+# A batch of a few requests is planned on Python lists (``_plan_small``): a numpy call costs ~1.5 us on a small
+# host, more than a Python loop over a dozen requests and a few hundred items. Same fields as ``_plan_fast``;
+# chunk counts by integer ceil (float64's for lengths below 2**52, whose sums are exact too).
+
+_SMALL_BATCH = 12
+_SMALL_ITEMS = 40  # tiles: past ~40 items the numpy path wins (its cost barely grows with them)
+_SMALL_SPLIT_ITEMS = 160  # items of a split batch, once its chunk is chosen (the numpy path would choose again)
+
+
+def _small_inputs(qo_indptr: object, kv_lens: object):
+    # (qo, lens, qo_len, longest query, longest KV) as lists for a small valid batch of host arrays, else None
+    # (then _checked_inputs checks, raises, or takes it on)
+    if isinstance(qo_indptr, (np.ndarray, torch.Tensor)) and qo_indptr.ndim == 1 and qo_indptr.shape[0] <= \
+            _SMALL_BATCH + 1 and qo_indptr.shape[0] >= 1:
+        qo = host_array("qo_indptr", qo_indptr).tolist()
+        qo_len = [b - a for a, b in zip(qo, qo[1:])]
+        if qo[0] != 0 or min(qo_len, default=0) < 0:  # qo_indptr's errors come first
+            return None
+        lens = host_array("kv_lens", kv_lens).tolist()
+        if len(lens) == len(qo_len) and min(lens, default=0) >= 0:
+            return qo, lens, qo_len, max(qo_len, default=0), max(lens, default=0)
+    return None
+
+
+def _plan_small(qo, lens, qo_len, longest_q, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms,
+                item_overhead, enable_split, max_batch_size, max_total_q, tile_rows, capacity, partial_capacity,
+                host_buffer, balance_tail=False, split_min_waves=None) -> Plan | None:
+    # _plan_fast on lists; None where it does not apply (lengths past its bounds, too many items)
+    batch = len(lens)
+    total_q = qo[-1]
+    group_size = num_qo_heads // num_kv_heads
+    if max_len >= _MAX_KV_LEN or longest_q * group_size >= _INT32_LIMIT or total_q >= _INT32_LIMIT:
+        return None
+    tiles = [-(-(q * group_size) // tile_rows) for q in qo_len]
+    if sum(tiles) > _SMALL_ITEMS:  # at least one item a tile
+        return None
+    some_empty = 0 in qo_len
+    max_len_q = max([x for x, q in zip(lens, qo_len) if q], default=0) if some_empty else max_len
+    counts = None
+    if enable_split:
+        work = sum([t * x for t, x in zip(tiles, lens)])
+    full = enable_split and split_min_waves is not None and work * num_kv_heads >= \
+        split_min_waves * num_sms * max_len
+    if enable_split and not full and max_len_q > kv_granularity:  # _choose
+        chunk = _split_candidates(max_len_q, work, num_kv_heads, num_sms, kv_granularity)
+        weighted = [(t, -x or -1) for t, x in zip(tiles, lens) if t]  # an empty request has one chunk
+        counted = [-sum([t * (y // c) for t, y in weighted]) for c in chunk]  # ceil(x / c) = -(-x // c)
+        at, num_items = _pick(chunk, counted, 0, max_len_q, work, num_kv_heads, num_sms, item_overhead, capacity)
+        kv_chunk = chunk[at]
+        if max_len > kv_chunk:  # some request splits (see _plan_fast)
+            counts = [-(-(x or 1) // kv_chunk) if q else 0 for x, q in zip(lens, qo_len)]
+    elif enable_split and not full:
+        kv_chunk, num_items = kv_granularity, sum(tiles)
+    else:  # one chunk a request
+        kv_chunk, num_items = max(kv_granularity, -(-max_len // kv_granularity) * kv_granularity), sum(tiles)
+    if num_items > _SMALL_SPLIT_ITEMS or total_q * -(-max_len // kv_chunk) >= _INT32_LIMIT:
+        return None
+    tail = None
+    if enable_split and balance_tail and counts is None and tile_rows % group_size == 0 and num_items:
+        tail = choose_tail_split(max_len_q, num_items, num_kv_heads, num_sms=num_sms, granularity=kv_granularity,
+                                 item_overhead=item_overhead,
+                                 max_extra=None if capacity is None else capacity - num_items)
+
+    # the items (request, qo tile, chunk_idx, kv_start, kv_end), longest first (see split_kv_arrays)
+    splits = None
+    if counts is None:  # a request's tiles in order, requests longest first (a stable sort)
+        order = sorted(range(batch), key=lens.__getitem__, reverse=True)  # reverse=True keeps ties in order
+        rows = [(r, t, -1, 0, lens[r]) for r in order for t in range(tiles[r])]
+        if tail is not None:
+            m, k = tail
+            pieces, splits = [], []
+            for r, t, _, _, length in rows[:m]:  # _tail_pieces
+                per = min(max(-(-length // kv_granularity), 1), k)
+                step = -(-length // per)
+                step = max(-(-step // kv_granularity) * kv_granularity, kv_granularity)
+                c = max(-(-length // step), 1)
+                splits.append((r, t, c))
+                if c == 1:
+                    pieces.append((r, t, -1, 0, length))
+                else:  # chunk j < c - 1 ends at (j + 1) * step < length
+                    pieces += [(r, t, j, j * step, (j + 1) * step) for j in range(c - 1)]
+                    pieces.append((r, t, c - 1, (c - 1) * step, length))
+            rows[:m] = pieces
+            num_items = len(rows)
+    else:
+        rows = []
+        for r, (x, c) in enumerate(zip(lens, counts)):
+            if c == 1:  # unsplit: x <= kv_chunk
+                rows += [(-x, r, t, -1, 0, x) for t in range(tiles[r])]
+            elif c:  # chunk j < c - 1 ends at (j + 1) * kv_chunk < x
+                last = (c - 1) * kv_chunk
+                rows += [(-kv_chunk, r, t, j, j * kv_chunk, (j + 1) * kv_chunk) if j < c - 1
+                         else (last - x, r, t, j, last, x) for t in range(tiles[r]) for j in range(c)]
+        rows.sort(key=_first_key)  # stable: longest first, ties in list order
+        rows = [row[1:] for row in rows]
+    cap = num_items if capacity is None else capacity
+    if num_items > cap:
+        raise PlanError(f"capacity: the batch needs {num_items} work items, more than the capacity of {cap}")
+
+    schema, numel, (qo_at, kv_at, chunks_at, merge_at, items_at, stride) = _decode_schema(max_batch_size,
+                                                                                          max_total_q, cap)
+    host, flat = host_storage(numel, host_buffer)
+    flat[qo_at: qo_at + batch + 1] = qo
+    flat[kv_at: kv_at + batch] = lens
+    if counts is None:
+        flat[chunks_at: chunks_at + batch] = [1 if q else 0 for q in qo_len] if some_empty else 1
+    else:
+        flat[chunks_at: chunks_at + batch] = counts
+    out = flat[items_at: items_at + 5 * stride].reshape(5, stride)
+    if num_items:
+        out[0, :num_items], out[1, :num_items], out[2, :num_items], out[3, :num_items], out[4, :num_items] = \
+            zip(*rows)
+    # merge_indptr: the partial rows before each token, rising by c over the tokens of a tile split c ways
+    if counts is not None:
+        ramps = [(qo[r], q, c) for r, (q, c) in enumerate(zip(qo_len, counts)) if c > 1 and q]
+    elif splits is not None:  # a split tail tile's tokens (tiles hold whole tokens)
+        tokens = tile_rows // group_size
+        ramps = sorted((qo[r] + t * tokens, min(qo[r] + (t + 1) * tokens, qo[r + 1]) - qo[r] - t * tokens, c)
+                       for r, t, c in splits if c > 1)
+    else:
+        ramps = ()
+    partial_rows = _write_ramps(flat[merge_at: merge_at + max_total_q + 1], ramps)
+    if max_batch_size > batch:  # fixed capacity: pad the per-request fields
+        flat[qo_at + batch + 1: qo_at + max_batch_size + 1] = total_q
+        flat[kv_at + batch: kv_at + max_batch_size] = 0
+        flat[chunks_at + batch: chunks_at + max_batch_size] = 0
+    if cap > num_items:
+        out[:, num_items:cap] = _ITEM_PAD_COLUMN
+    info = SplitKVInfo(batch, max_batch_size, total_q, max_total_q, num_items, cap, num_qo_heads, num_kv_heads,
+                       group_size, tile_rows, kv_chunk, partial_rows,
+                       partial_rows if partial_capacity is None else partial_capacity, capacity is not None)
+    return Plan("split_kv", schema, host, info)
+
+
 # ---------------------------------------------------------------------------------------------- decode fast path
 # Decode with one qo tile per request (group_size <= tile_rows) is the hot call: it writes the fields straight
 # into the int32 host buffer with about 30 numpy calls and no per-token arrays. It equals the general path
@@ -453,14 +822,26 @@ def _iota(n: int) -> np.ndarray:
     return _IOTA[:n]
 
 
+_FIELD_NAMES = ("qo_indptr", "kv_len", "num_chunks", "merge_indptr", *ITEM_FIELDS)
+_new_field = functools.partial(tuple.__new__, PlanField)  # PlanField(...) without its Python-level __new__
+
+
 @functools.lru_cache(maxsize=64)
 def _decode_schema(max_batch_size: int, max_total_q: int, capacity: int):
-    # (schema, numel, offsets of qo_indptr, kv_len, num_chunks, merge_indptr, the item block, item row stride)
-    schema, numel = schema_for(((("qo_indptr",), max_batch_size + 1), (("kv_len",), max_batch_size),
-                                (("num_chunks",), max_batch_size), (("merge_indptr",), max_total_q + 1),
-                                (ITEM_FIELDS, capacity)))
-    offsets = [schema[name].offset for name in ("qo_indptr", "kv_len", "num_chunks", "merge_indptr", *ITEM_FIELDS[:2])]
-    return schema, numel, (*offsets[:5], offsets[5] - offsets[4])
+    # (schema, numel, offsets of qo_indptr, kv_len, num_chunks, merge_indptr, the item block, item row stride):
+    # schema_for's layout of SPLIT_KV_SCHEMA (fields 4-aligned, in order), built directly (a plan of a new
+    # batch size misses the cache: 3 us instead of 6.5)
+    per_request = -(-max_batch_size // _ALIGN) * _ALIGN
+    kv_at = -(-(max_batch_size + 1) // _ALIGN) * _ALIGN
+    chunks_at = kv_at + per_request
+    merge_at = chunks_at + per_request
+    items_at = merge_at + -(-(max_total_q + 1) // _ALIGN) * _ALIGN
+    stride = -(-capacity // _ALIGN) * _ALIGN
+    offsets = (0, kv_at, chunks_at, merge_at, items_at, items_at + stride, items_at + 2 * stride, items_at + 3 * stride,
+               items_at + 4 * stride)
+    lengths = (max_batch_size + 1, max_batch_size, max_batch_size, max_total_q + 1, *(capacity,) * 5)
+    schema = {name: _new_field((name, offset, length)) for name, offset, length in zip(_FIELD_NAMES, offsets, lengths)}
+    return schema, items_at + 5 * stride, (0, kv_at, chunks_at, merge_at, items_at, stride)
 
 
 def _plan_decode(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead, enable_split,
@@ -506,6 +887,86 @@ def _plan_decode(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_
     return Plan("split_kv", schema, host, info)
 
 
+# A small batch is planned on Python lists: a numpy call costs ~1.5 us here, a Python loop over a few dozen
+# requests and items less than the dozens of calls it replaces.
+_SMALL_DECODE = 24
+
+
+def _plan_decode_small(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
+                       enable_split, max_batch_size, max_total_q, tile_rows, capacity, partial_capacity,
+                       host_buffer) -> Plan:
+    # _plan_decode on a list of lengths, same fields. Chunk counts by integer ceil: float64's (``_choose``) for
+    # lengths below 2**52, and sums of them are exact in float64 too
+    batch = len(lens)
+    counts = None
+    if not enable_split:
+        kv_chunk, n = max(kv_granularity, -(-max_len // kv_granularity) * kv_granularity), batch
+    elif max_len <= kv_granularity:
+        kv_chunk, n = kv_granularity, batch
+    else:
+        work = sum(lens)
+        chunk = _split_candidates(max_len, work, num_kv_heads, num_sms, kv_granularity)
+        negative = [-x for x in lens]  # ceil(x / c) = -(-x // c)
+        counted = [-sum([y // c for y in negative]) for c in chunk]
+        at, n = _pick(chunk, counted, batch - counted[0], max_len, work, num_kv_heads, num_sms, item_overhead,
+                      capacity)
+        kv_chunk = chunk[at]
+        if n > batch:
+            counts = [-(-x // kv_chunk) or 1 for x in lens]  # an empty request has one chunk
+    cap = n if capacity is None else capacity
+    if n > cap:
+        raise PlanError(f"capacity: the batch needs {n} work items, more than the capacity of {cap}")
+    schema, numel, (qo_at, kv_at, chunks_at, merge_at, items_at, stride) = _decode_schema(max_batch_size,
+                                                                                          max_total_q, cap)
+    host, flat = host_storage(numel, host_buffer)
+    flat[qo_at: qo_at + batch + 1] = _iota(batch + 1)
+    flat[kv_at: kv_at + batch] = lens
+    items = flat[items_at: items_at + 5 * stride].reshape(5, stride)
+    flat[merge_at] = 0
+    if counts is None:  # nothing split: one item per request, longest first
+        flat[chunks_at: chunks_at + batch] = 1
+        order = sorted(range(batch), key=lens.__getitem__, reverse=True)  # stable, as reverse=True keeps ties
+        items[0, :n] = order  # row by row: numpy takes a 1-D list faster than a 2-D one
+        items[1:4, :n] = _UNSPLIT_FILL
+        items[4, :n] = [lens[r] for r in order]
+        partial_rows, merged = 0, 0  # no token has partial rows
+    elif n > _SMALL_ITEMS:  # the numpy path's items (and merge ranges)
+        chunks = flat[chunks_at: chunks_at + batch]
+        chunks[:] = counts
+        _split_decode_items(flat[kv_at: kv_at + batch], chunks, kv_chunk, n, items,
+                            flat[merge_at + 1: merge_at + batch + 1])
+        partial_rows, merged = int(flat[merge_at + batch]), batch
+    else:
+        flat[chunks_at: chunks_at + batch] = counts
+        rows = []  # (start - end, request, chunk_idx, start, end) in (request, chunk) order
+        for r, (x, c) in enumerate(zip(lens, counts)):
+            if c == 1:  # unsplit: x <= kv_chunk
+                rows.append((-x, r, -1, 0, x))
+            else:  # chunk j < c - 1 ends at (j + 1) * kv_chunk < x
+                rows += [(-kv_chunk, r, j, j * kv_chunk, (j + 1) * kv_chunk) for j in range(c - 1)]
+                start = (c - 1) * kv_chunk
+                rows.append((start - x, r, c - 1, start, x))
+        rows.sort(key=_first_key)  # stable: longest first, ties in list order
+        _, items[0, :n], items[2, :n], items[3, :n], items[4, :n] = zip(*rows)
+        items[1, :n] = 0
+        flat[merge_at + 1: merge_at + batch + 1] = list(itertools.accumulate([c if c > 1 else 0 for c in counts]))
+        partial_rows, merged = int(flat[merge_at + batch]), batch
+    if max_batch_size > batch:  # fixed capacity: pad the per-request fields
+        flat[qo_at + batch + 1: qo_at + max_batch_size + 1] = batch
+        flat[kv_at + batch: kv_at + max_batch_size] = 0
+        flat[chunks_at + batch: chunks_at + max_batch_size] = 0
+    flat[merge_at + merged + 1: merge_at + max_total_q + 1] = partial_rows
+    if cap > n:
+        items[:, n:cap] = _ITEM_PAD_COLUMN
+    info = SplitKVInfo(batch, max_batch_size, batch, max_total_q, n, cap, num_qo_heads, num_kv_heads,
+                       num_qo_heads // num_kv_heads, tile_rows, kv_chunk, partial_rows,
+                       partial_rows if partial_capacity is None else partial_capacity, capacity is not None)
+    return Plan("split_kv", schema, host, info)
+
+
+_first_key = operator.itemgetter(0)
+
+
 def _split_decode_items(kv: np.ndarray, chunks: np.ndarray, kv_chunk: int, n: int, out: np.ndarray,
                         merge: np.ndarray) -> None:
     # items in (request, chunk) order, stably sorted longest first into out[:, :n]; merge = merge_indptr[1:].
@@ -539,8 +1000,13 @@ def plan_decode(kv_lens: object, *, num_qo_heads: int, num_kv_heads: int, tile_r
     _check_heads(num_qo_heads, num_kv_heads)
     lens = host_array("kv_lens", kv_lens)
     batch = lens.size
-    # one pass for the check and the longest request: a negative length is a huge unsigned one
-    max_len = int(np.maximum.reduce(lens.view(_UNSIGNED[lens.itemsize]), initial=0))
+    if batch <= _SMALL_DECODE:
+        values = lens.tolist()
+        max_len = max(values, default=0)
+        if batch and min(values) < 0:
+            max_len = _MAX_KV_LEN
+    else:  # one pass for the check and the longest request: a negative length is a huge unsigned one
+        max_len = int(np.maximum.reduce(lens.view(_UNSIGNED[lens.itemsize]), initial=0))
     if max_len >= _MAX_KV_LEN:
         b = int(np.argmin(lens))
         if lens[b] < 0:
@@ -550,11 +1016,19 @@ def plan_decode(kv_lens: object, *, num_qo_heads: int, num_kv_heads: int, tile_r
     group_size = num_qo_heads // num_kv_heads
     sizes = _sizes(batch, batch, None, group_size, num_kv_heads, num_sms, tile_rows, max_batch_size, max_total_q,
                    capacity)
+    if group_size <= sizes[2] and batch <= _SMALL_DECODE:
+        return _plan_decode_small(values, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms,
+                                  item_overhead, enable_split, *sizes, host_buffer)
     if group_size <= sizes[2]:  # one qo tile per request
         return _plan_decode(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
                             enable_split, *sizes, host_buffer)
-    return _plan_general(_iota(batch + 1), lens, np.ones(batch, np.int64), num_qo_heads, num_kv_heads,
-                         kv_granularity, num_sms, item_overhead, enable_split, *sizes, host_buffer)
+    qo, qo_len = _iota(batch + 1), _iota(batch + 1)[1:] - _iota(batch)
+    plan = _plan_fast(qo, lens, qo_len, min(batch, 1), max_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms,
+                      item_overhead, enable_split, *sizes, host_buffer)
+    if plan is None:
+        plan = _plan_general(qo, lens, np.ones(batch, np.int64), num_qo_heads, num_kv_heads, kv_granularity, num_sms,
+                             item_overhead, enable_split, *sizes, host_buffer)
+    return plan
 
 
 def plan_prefill(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_kv_heads: int,
