@@ -874,6 +874,16 @@ def _plan_decode(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_
     else:
         _split_decode_items(kv, chunks, kv_chunk, n, items, flat[merge_at + 1: merge_at + batch + 1])
         partial_rows, merged = int(flat[merge_at + batch]), batch
+    return _decode_plan(schema, host, flat, items, (qo_at, kv_at, chunks_at, merge_at), batch, max_batch_size,
+                        max_total_q, n, cap, merged, partial_rows, num_qo_heads, num_kv_heads, tile_rows, kv_chunk,
+                        capacity, partial_capacity)
+
+
+def _decode_plan(schema, host, flat, items, offsets, batch, max_batch_size, max_total_q, n, cap, merged, partial_rows,
+                 num_qo_heads, num_kv_heads, tile_rows, kv_chunk, capacity, partial_capacity) -> Plan:
+    # the end of both decode paths: fixed-capacity padding of the per-request fields and merge ranges (past the
+    # `merged` requests written) and of the items past n, then the plan and its info
+    qo_at, kv_at, chunks_at, merge_at = offsets
     if max_batch_size > batch:  # fixed capacity: pad the per-request fields
         flat[qo_at + batch + 1: qo_at + max_batch_size + 1] = batch
         flat[kv_at + batch: kv_at + max_batch_size] = 0
@@ -951,17 +961,9 @@ def _plan_decode_small(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity
         items[1, :n] = 0
         flat[merge_at + 1: merge_at + batch + 1] = list(itertools.accumulate([c if c > 1 else 0 for c in counts]))
         partial_rows, merged = int(flat[merge_at + batch]), batch
-    if max_batch_size > batch:  # fixed capacity: pad the per-request fields
-        flat[qo_at + batch + 1: qo_at + max_batch_size + 1] = batch
-        flat[kv_at + batch: kv_at + max_batch_size] = 0
-        flat[chunks_at + batch: chunks_at + max_batch_size] = 0
-    flat[merge_at + merged + 1: merge_at + max_total_q + 1] = partial_rows
-    if cap > n:
-        items[:, n:cap] = _ITEM_PAD_COLUMN
-    info = SplitKVInfo(batch, max_batch_size, batch, max_total_q, n, cap, num_qo_heads, num_kv_heads,
-                       num_qo_heads // num_kv_heads, tile_rows, kv_chunk, partial_rows,
-                       partial_rows if partial_capacity is None else partial_capacity, capacity is not None)
-    return Plan("split_kv", schema, host, info)
+    return _decode_plan(schema, host, flat, items, (qo_at, kv_at, chunks_at, merge_at), batch, max_batch_size,
+                        max_total_q, n, cap, merged, partial_rows, num_qo_heads, num_kv_heads, tile_rows, kv_chunk,
+                        capacity, partial_capacity)
 
 
 _first_key = operator.itemgetter(0)
