@@ -578,16 +578,9 @@ def _plan_fast(qo, lens, qo_len, longest_q, max_len, num_qo_heads, num_kv_heads,
             np.add.accumulate((chunks * (chunks > 1)).repeat(qo_len), dtype=np.int32, out=merge[1: total_q + 1])
         partial_rows = int(merge[total_q])
         merge[total_q + 1:] = partial_rows
-    if max_batch_size > batch:  # fixed capacity: pad the per-request fields
-        flat[qo_at + batch + 1: qo_at + max_batch_size + 1] = total_q
-        flat[kv_at + batch: kv_at + max_batch_size] = 0
-        flat[chunks_at + batch: chunks_at + max_batch_size] = 0
-    if cap > num_items:
-        out[:, num_items:cap] = _ITEM_PAD_COLUMN
-    info = SplitKVInfo(batch, max_batch_size, total_q, max_total_q, num_items, cap, num_qo_heads, num_kv_heads,
-                       group_size, tile_rows, kv_chunk, partial_rows,
-                       partial_rows if partial_capacity is None else partial_capacity, capacity is not None)
-    return Plan("split_kv", schema, host, info)
+    return _finish_plan(schema, host, flat, out, (qo_at, kv_at, chunks_at), batch, max_batch_size, total_q,
+                        max_total_q, num_items, cap, partial_rows, num_qo_heads, num_kv_heads, tile_rows, kv_chunk,
+                        capacity, partial_capacity)
 
 
 def _split_items(lens, tiles, chunks, kv_chunk, n, one_tile):
@@ -790,16 +783,9 @@ def _plan_small(qo, lens, qo_len, longest_q, max_len, num_qo_heads, num_kv_heads
     else:
         ramps = ()
     partial_rows = _write_ramps(flat[merge_at: merge_at + max_total_q + 1], ramps)
-    if max_batch_size > batch:  # fixed capacity: pad the per-request fields
-        flat[qo_at + batch + 1: qo_at + max_batch_size + 1] = total_q
-        flat[kv_at + batch: kv_at + max_batch_size] = 0
-        flat[chunks_at + batch: chunks_at + max_batch_size] = 0
-    if cap > num_items:
-        out[:, num_items:cap] = _ITEM_PAD_COLUMN
-    info = SplitKVInfo(batch, max_batch_size, total_q, max_total_q, num_items, cap, num_qo_heads, num_kv_heads,
-                       group_size, tile_rows, kv_chunk, partial_rows,
-                       partial_rows if partial_capacity is None else partial_capacity, capacity is not None)
-    return Plan("split_kv", schema, host, info)
+    return _finish_plan(schema, host, flat, out, (qo_at, kv_at, chunks_at), batch, max_batch_size, total_q,
+                        max_total_q, num_items, cap, partial_rows, num_qo_heads, num_kv_heads, tile_rows, kv_chunk,
+                        capacity, partial_capacity)
 
 
 # ---------------------------------------------------------------------------------------------- decode fast path
@@ -875,24 +861,24 @@ def _plan_decode(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity, num_
     else:
         _split_decode_items(kv, chunks, kv_chunk, n, items, flat[merge_at + 1: merge_at + batch + 1])
         partial_rows, merged = int(flat[merge_at + batch]), batch
-    return _decode_plan(schema, host, flat, items, (qo_at, kv_at, chunks_at, merge_at), batch, max_batch_size,
-                        max_total_q, n, cap, merged, partial_rows, num_qo_heads, num_kv_heads, tile_rows, kv_chunk,
-                        capacity, partial_capacity)
+    flat[merge_at + merged + 1: merge_at + max_total_q + 1] = partial_rows  # past the requests written
+    return _finish_plan(schema, host, flat, items, (qo_at, kv_at, chunks_at), batch, max_batch_size, batch,
+                        max_total_q, n, cap, partial_rows, num_qo_heads, num_kv_heads, tile_rows, kv_chunk, capacity,
+                        partial_capacity)
 
 
-def _decode_plan(schema, host, flat, items, offsets, batch, max_batch_size, max_total_q, n, cap, merged, partial_rows,
-                 num_qo_heads, num_kv_heads, tile_rows, kv_chunk, capacity, partial_capacity) -> Plan:
-    # the end of both decode paths: fixed-capacity padding of the per-request fields and merge ranges (past the
-    # `merged` requests written) and of the items past n, then the plan and its info
-    qo_at, kv_at, chunks_at, merge_at = offsets
+def _finish_plan(schema, host, flat, items, offsets, batch, max_batch_size, total_q, max_total_q, n, cap,
+                 partial_rows, num_qo_heads, num_kv_heads, tile_rows, kv_chunk, capacity, partial_capacity) -> Plan:
+    # the end of the fast paths (prefill numpy and lists, decode numpy and lists): fixed-capacity padding of the
+    # per-request fields and of the items past n, then the plan and its info (merge ranges: the caller's)
+    qo_at, kv_at, chunks_at = offsets
     if max_batch_size > batch:  # fixed capacity: pad the per-request fields
-        flat[qo_at + batch + 1: qo_at + max_batch_size + 1] = batch
+        flat[qo_at + batch + 1: qo_at + max_batch_size + 1] = total_q
         flat[kv_at + batch: kv_at + max_batch_size] = 0
         flat[chunks_at + batch: chunks_at + max_batch_size] = 0
-    flat[merge_at + merged + 1: merge_at + max_total_q + 1] = partial_rows
     if cap > n:
         items[:, n:cap] = _ITEM_PAD_COLUMN
-    info = SplitKVInfo(batch, max_batch_size, batch, max_total_q, n, cap, num_qo_heads, num_kv_heads,
+    info = SplitKVInfo(batch, max_batch_size, total_q, max_total_q, n, cap, num_qo_heads, num_kv_heads,
                        num_qo_heads // num_kv_heads, tile_rows, kv_chunk, partial_rows,
                        partial_rows if partial_capacity is None else partial_capacity, capacity is not None)
     return Plan("split_kv", schema, host, info)
@@ -962,9 +948,10 @@ def _plan_decode_small(lens, max_len, num_qo_heads, num_kv_heads, kv_granularity
         items[1, :n] = 0
         flat[merge_at + 1: merge_at + batch + 1] = list(itertools.accumulate([c if c > 1 else 0 for c in counts]))
         partial_rows, merged = int(flat[merge_at + batch]), batch
-    return _decode_plan(schema, host, flat, items, (qo_at, kv_at, chunks_at, merge_at), batch, max_batch_size,
-                        max_total_q, n, cap, merged, partial_rows, num_qo_heads, num_kv_heads, tile_rows, kv_chunk,
-                        capacity, partial_capacity)
+    flat[merge_at + merged + 1: merge_at + max_total_q + 1] = partial_rows  # past the requests written
+    return _finish_plan(schema, host, flat, items, (qo_at, kv_at, chunks_at), batch, max_batch_size, batch,
+                        max_total_q, n, cap, partial_rows, num_qo_heads, num_kv_heads, tile_rows, kv_chunk, capacity,
+                        partial_capacity)
 
 
 _first_key = operator.itemgetter(0)
