@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool) that runs what a session needs, writing logs and results under $OUT:
-#   bash benchmarks/gpu_session.sh [tests|tests-kv64|sanitize|sanitize-sm90|decode|prefill|sm90|profile-sm90|foundation ...]
+#   bash benchmarks/gpu_session.sh [tests|tests-kv64|sanitize|sanitize-sm90|decode|prefill|sm90|profile-sm90|foundation|host ...]
 #   (default: tests)
 # Carry .whl (FlashInfer and its small deps, see the device README) to measure FlashInfer as a peer.
 set -uo pipefail
@@ -48,6 +48,9 @@ for step in "${@:-tests}"; do
       ncu --set full --clock-control none -k regex:'prefill_sm90|Prefill' -c 2 -o "$OUT/sm90" \
         python3 benchmarks/profile_prefill_sm90.py --batch 4 --seqlen 4096 --mask causal > "$OUT/ncu.log" 2>&1
       ncu --import "$OUT/sm90.ncu-rep" --page details --csv > "$OUT/sm90-ncu.csv" 2>&1; tail -3 "$OUT/ncu.log" ;;
+    host)  # plan() and run() host time beside FlashInfer's, pinned to one core (PIN, default 3)
+      python3 benchmarks/bench_host.py --out "$OUT/host.json" --pin "${PIN:-3}" --commit "$COMMIT" 2>&1 \
+        | tee "$OUT/host.log" | tail -14 ;;
     foundation)
       python3 benchmarks/bench_foundation.py --out "$OUT/foundation.json" --commit "$COMMIT" 2>&1 | tail -14 ;;
     *) echo "unknown step $step"; exit 2 ;;

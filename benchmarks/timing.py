@@ -1,10 +1,12 @@
-"""Helpers shared by the GPU benchmarks: L2-flushed median timing, the device's ceilings, the commit, a shuffled
-page cache."""
+"""Helpers shared by the GPU benchmarks: L2-flushed median timing of GPU work, per-call host timing, the device's
+ceilings, the commit, a shuffled page cache."""
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +91,29 @@ def timed_interleaved(fns: list, reps: int, clocks: list | None = None) -> list[
     if clocks is not None:
         clocks[:] = [sorted(c)[len(c) // 2] if c else None for c in mhz]
     return [sorted(t)[len(t) // 2] for t in times]
+
+
+def host_calls_us(fn, calls: int, no_gc: bool = False) -> list[float]:
+    """Host time of each of ``calls`` back-to-back calls of ``fn``, µs (``time.perf_counter`` around each call;
+    nothing synchronises with the GPU, which runs behind). ``no_gc``: the garbage collector off meanwhile."""
+    if no_gc:
+        gc.disable()
+    try:
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        if no_gc:
+            gc.enable()
+    return times
+
+
+def median(values: list[float]) -> float:
+    """The median of ``values`` (the upper one of the middle two for an even count)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 def page_cache(k: torch.Tensor, v: torch.Tensor, batch: int, seqlen: int, page: int, perm: torch.Tensor):
