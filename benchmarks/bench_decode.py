@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
 import timing  # noqa: E402
-from timing import commit, copy_rate, pyplot, save_results, timed  # noqa: E402
+from timing import commit, copy_rate, host_calls_us, median, pyplot, save_results, timed  # noqa: E402
 from flashgen import AttentionSpec, Paged  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -46,22 +46,15 @@ def bench_flashgen(q, pool, batch, kv_len, page_size, gen, reps):
     cache = pool[: total * page_size * BYTES_PER_TOKEN // 2].view(total, 2, page_size, HKV, D)
     wrapper = flashgen.BatchDecodeWrapper(spec)
     indices = indices.cuda()
-    plan_times = []
-    for _ in range(21):  # the first plan allocates the wrapper's buffers: report the steady state (median)
-        t0 = time.perf_counter()
-        wrapper.plan(num_qo_heads=HQ, num_kv_heads=HKV, kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last)
-        plan_times.append((time.perf_counter() - t0) * 1e6)
-    plan_us = sorted(plan_times[1:])[10]
+    # the first plan allocates the wrapper's buffers: report the steady state (median of the next 20)
+    plan_times = host_calls_us(lambda: wrapper.plan(num_qo_heads=HQ, num_kv_heads=HKV, kv_indptr=indptr,
+                                                    kv_indices=indices, kv_last_page_len=last), 21)
     out = torch.empty_like(q)
     us = timed(lambda: wrapper.run(q, cache, out=out), reps)
     torch.cuda.synchronize()
-    n = 200
-    t0 = time.perf_counter()
-    for _ in range(n):
-        wrapper.run(q, cache, out=out)
-    host_us = (time.perf_counter() - t0) / n * 1e6
+    host_us = median(host_calls_us(lambda: wrapper.run(q, cache, out=out), 200))  # back to back, the GPU behind
     torch.cuda.synchronize()
-    return us, {"plan_us": plan_us, "run_host_us": host_us}
+    return us, {"plan_us": median(plan_times[1:]), "run_host_us": host_us}
 
 
 def bench_flashinfer(q, pool, batch, kv_len, page_size, gen, reps, use_tensor_cores):

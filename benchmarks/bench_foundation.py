@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO))
 import flashgen  # noqa: E402
 from flashgen import jit  # noqa: E402
 from flashgen.spec import MergeSpec  # noqa: E402
+from timing import commit, copy_rate, host_loop_us, timed  # noqa: E402
 
 NEW_PROCESS = """
 import time, torch
@@ -36,49 +37,12 @@ print((t2 - t1) * 1e3, jit.stats["compiles"], (t1 - t0) * 1e3)
 """
 
 
-def median_time_ms(fn, iters=50, warmup=5):
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def host_us(fn, n=2000):
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return best
-
-
-def copy_rate() -> float:
-    """Device copy rate (GB/s, bytes read + written) of a 2 GiB buffer."""
-    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / median_time_ms(lambda: dst.copy_(src)) / 1e6
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="foundation.json")
     parser.add_argument("--commit", default="")
     args = parser.parse_args()
-    results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-               "commit": args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                      text=True, cwd=REPO).stdout.strip()}
+    results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit(args.commit)}
 
     # cold compile (this machine's cores) then warm load from a fresh process
     t0 = time.perf_counter()
@@ -109,9 +73,9 @@ def main() -> None:
     fn = jit.build(spec, "merge_states")["merge_states"]
     stream = torch.cuda.current_stream().cuda_stream
     args_ = (v.data_ptr(), s.data_ptr(), v_out.data_ptr(), s_out.data_ptr(), 1, 2, 1, 128, 16)
-    results["launch_host_us"] = host_us(lambda: fn.launch((1, 1, 1), (256, 1, 1), 0, stream, *args_))
-    results["merge_states_call_host_us"] = host_us(lambda: flashgen.merge_states(v, s))
-    results["torch_add_host_us"] = host_us(lambda: torch.add(s, s))
+    results["launch_host_us"] = host_loop_us(lambda: fn.launch((1, 1, 1), (256, 1, 1), 0, stream, *args_))
+    results["merge_states_call_host_us"] = host_loop_us(lambda: flashgen.merge_states(v, s))
+    results["torch_add_host_us"] = host_loop_us(lambda: torch.add(s, s))
 
     # bandwidth: copy rate, then merge_states at a large size (bytes read + written)
     results["copy_GBps"] = copy_rate()
@@ -120,7 +84,7 @@ def main() -> None:
         tokens, states, heads, dim = 16384, 4, 32, 128
         v = torch.randn(tokens, states, heads, dim, device="cuda").to(dtype)
         s = torch.randn(tokens, states, heads, device="cuda")
-        ms = median_time_ms(lambda: flashgen.merge_states(v, s))
+        ms = timed(lambda: flashgen.merge_states(v, s), 50) / 1e3
         nbytes = v.numel() * v.element_size() + s.numel() * 4 + tokens * heads * (dim * v.element_size() + 4)
         gbps = nbytes / ms / 1e6
         rows.append({"dtype": str(dtype), "shape": [tokens, states, heads, dim], "us": ms * 1e3, "GBps": gbps,

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# One call on the H200 (device tool) that runs what a session needs, writing logs and results under $OUT:
+# One call on the H200 GPU machine that runs the steps named, writing logs and results under $OUT:
 #   bash benchmarks/gpu_session.sh [tests|tests-kv64|sanitize|sanitize-sm90|decode|prefill|sm90|profile-sm90|foundation|host ...]
 #   (default: tests)
 # Carry .whl (FlashInfer and its small deps, see the device README) to measure FlashInfer as a peer.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD FLASHGEN_CACHE_DIR=${FLASHGEN_CACHE_DIR:-/tmp/fgcache} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/benchmarks FLASHGEN_CACHE_DIR=${FLASHGEN_CACHE_DIR:-/tmp/fgcache} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site
+    && export PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/site
 fi
 COMMIT=${COMMIT:-unknown}
 for step in "${@:-tests}"; do
@@ -46,7 +46,7 @@ for step in "${@:-tests}"; do
       tail -2 "$OUT/racecheck-sm90.log" ;;
     profile-sm90)  # ncu of one 4x4096 causal call, flashgen sm90 and FlashInfer FA3
       ncu --set full --clock-control none -k regex:'prefill_sm90|Prefill' -c 2 -o "$OUT/sm90" \
-        python3 benchmarks/profile_prefill_sm90.py --batch 4 --seqlen 4096 --mask causal > "$OUT/ncu.log" 2>&1
+        python3 benchmarks/experiments/profile_prefill_sm90.py --batch 4 --seqlen 4096 --mask causal > "$OUT/ncu.log" 2>&1
       ncu --import "$OUT/sm90.ncu-rep" --page details --csv > "$OUT/sm90-ncu.csv" 2>&1; tail -3 "$OUT/ncu.log" ;;
     host)  # plan() and run() host time beside FlashInfer's, pinned to one core (PIN, default 3)
       python3 benchmarks/bench_host.py --out "$OUT/host.json" --pin "${PIN:-3}" --commit "$COMMIT" 2>&1 \

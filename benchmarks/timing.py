@@ -25,7 +25,7 @@ def timed(fn, reps: int) -> float:
     time also covers the host time of the peers' calls, so a peer with 100+ µs of Python overhead is
     still measured on the GPU). Warmed up first for WARMUP_MS of GPU time (the first configuration timed
     after seconds of host work, planning or building page tables, otherwise ran 2-4 % slow while the clocks
-    came back up: session 8, ab_trees.sh)."""
+    came back up; docs/performance.md, "Method")."""
     return timed_interleaved([fn], reps)[0]
 
 
@@ -62,7 +62,7 @@ def sm_clock() -> float | None:
 def timed_interleaved(fns: list, reps: int, clocks: list | None = None) -> list[float]:
     """Median µs of each of ``fns``, timed round-robin: each is warmed up as timed() does, then every rep times
     each function once, in turn, after an L2 flush. Under sustained tensor-core load the H200's clocks drift
-    by 5-10 % within seconds (session 9: the same kernel 712 then 648 TFLOP/s minutes apart in one process),
+    by 5-10 % within seconds (the same kernel 712 then 648 TFLOP/s seconds apart in one process, 2026-11-29),
     so peers timed one after another would each meet a different clock; interleaved, they meet the same.
     ``clocks``, if given, receives each function's median SM clock (MHz, read by NVML right after each timed
     call; None without NVML)."""
@@ -108,6 +108,21 @@ def host_calls_us(fn, calls: int, no_gc: bool = False) -> list[float]:
         if no_gc:
             gc.enable()
     return times
+
+
+def host_loop_us(fn, calls: int = 2000, repeats: int = 5) -> float:
+    """Host µs a call of ``fn``: ``calls`` back-to-back calls timed together, the best of ``repeats`` loops (a
+    synchronize after each, untimed). For calls of a few µs, where timing each call alone would add its own cost."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
 
 
 def median(values: list[float]) -> float:
