@@ -20,9 +20,9 @@ Host timings on the H200 machine move 1.5-2x between processes with the core the
 (docs/performance.md, "Host time"): ``--pin CPU`` pins the process to one core (os.sched_setaffinity, before
 CUDA starts; threads started later inherit it); compare trees by alternating processes pinned to the same core.
 Only flashgen's public API is used. FlashInfer is optional: where it does not import, only flashgen is timed.
-Carry the FlashInfer wheels the other benchmarks use (0.6.8.post1, the version the peers' anchor figures were
-measured with; see benchmarks/gpu_session.sh); the version imported is recorded in the JSON. Its fa3 backend
-builds its module on first use (minutes, once a machine).
+Carry FlashInfer's wheels to the GPU machine as for the other benchmarks (benchmarks/gpu_session.sh; the peers'
+anchor figures used 0.6.8.post1); the version imported is recorded in the JSON. Its fa3 backend builds its
+module on first use (minutes, once a machine).
 
     python3 benchmarks/bench_host.py --out benchmarks/results/host.json --pin 3
     python3 benchmarks/bench_host.py --decode-batches 8 --prefill-shapes 1x128 --peers fa2   # a quick look
