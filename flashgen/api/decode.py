@@ -15,7 +15,7 @@ from .device import current_stream
 from .kv_inputs import KVView, PageTable, kv_view, page_table
 from .portable import HOST_ARRAYS_HINT, RUNTIME_FIELDS, page_fields, split_kv_fields, table_extras
 from .staging import DeviceBuffer
-from .wrapper import Runtime, WrapperCore, graph_capacity, resolve_device, runtime_values
+from .wrapper import Runtime, WrapperCore, graph_capacity, resolve_device
 
 
 class BatchDecodeWrapper:
@@ -75,7 +75,7 @@ class BatchDecodeWrapper:
             raise PlanError(f"kv_lens: batch_size {batch} exceeds max_batch_size = {self.max_batch_size}")
         if not self._fp8 and k_scale != 1.0:
             raise PlanError("k_scale: per-tensor scales apply to fp8 K/V only")
-        runtime = runtime_values(self.spec, sm_scale, rope_theta, rope_scale, window_left, soft_cap)
+        runtime = self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap)
         # q.(k * k_scale) = (q.k) * k_scale: the K scale folds into sm_scale, before any logits transform
         runtime = runtime._replace(sm_scale=runtime.sm_scale * float(k_scale))
         self._impl.plan(table, num_qo_heads, num_kv_heads, runtime, float(v_scale), enable_split)

@@ -18,7 +18,7 @@ from .checks import check_tensor
 from .kv_inputs import kv_view, page_table
 from .portable import PortablePrefill
 from .sm90 import SM90Prefill
-from .wrapper import WrapperCore, graph_capacity, resolve_device, runtime_values
+from .wrapper import WrapperCore, graph_capacity, resolve_device
 
 
 class BatchPrefillWrapper:
@@ -94,7 +94,7 @@ class BatchPrefillWrapper:
             raise PlanError(f"qo_indptr: has {qo.size} entries, expected batch_size + 1 = {table.kv_lens.size + 1}")
         if custom_mask is not None and not isinstance(spec.mask, CustomMask):
             raise PlanError("custom_mask: this spec's mask is not CustomMask()")
-        runtime = runtime_values(spec, sm_scale, rope_theta, rope_scale, window_left, soft_cap)
+        runtime = self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap)
         rows = self._impl.plan(qo, table, num_qo_heads, num_kv_heads, runtime, custom_mask, enable_split)
         self._core.set_planned(rows, num_qo_heads, num_kv_heads, table)
 

@@ -55,6 +55,7 @@ class HostStaging:
         self._events: list[torch.cuda.Event | None] = [None, None]  # made once each, recorded at every upload
         self._recorded = [False, False]
         self._views: dict[int, np.ndarray] = {}
+        self._addresses: dict[tuple, tuple] = {}  # (schema id, device base) -> (schema, field addresses)
         self._turn = 0
 
     def _take(self, numel: int) -> torch.Tensor:
@@ -107,7 +108,13 @@ class HostStaging:
         self._recorded[self._turn] = True
         self._turn ^= 1
         base = dev.data_ptr()
-        addresses = {name: base + 4 * f.offset for name, f in plan.schema.items()}
+        key = (id(plan.schema), base)  # schemas are shared between plans of one shape, never mutated
+        cached = self._addresses.get(key)
+        if cached is None or cached[0] is not plan.schema:
+            if len(self._addresses) >= 64:
+                self._addresses.clear()
+            cached = self._addresses[key] = (plan.schema, {name: base + 4 * f.offset for name, f in plan.schema.items()})
+        addresses = dict(cached[1])
         for name, start in starts.items():
             addresses[name] = base + 4 * start
         addresses["base"] = base

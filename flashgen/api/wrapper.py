@@ -113,9 +113,13 @@ class Planned(NamedTuple):
 def kv_need(spec: AttentionSpec, table: PageTable) -> tuple[int, str]:
     if not isinstance(spec.kv_layout, Paged):
         total = int(table.kv_indptr_host[-1])
-        return total, f"kv_cache: {{}} tokens, fewer than kv_indptr[-1] = {total}"
+        return total, _RAGGED_SHORT.format(total)
     name = "block_table" if table.block_table is not None else "kv_indices"
-    return table.max_page + 1, f"{name}: page id {table.max_page} is outside kv_cache's {{}} pages"
+    return table.max_page + 1, _PAGED_SHORT.format(name, table.max_page)
+
+
+_RAGGED_SHORT = "kv_cache: {{}} tokens, fewer than kv_indptr[-1] = {}"
+_PAGED_SHORT = "{}: page id {} is outside kv_cache's {{}} pages"
 
 
 class WrapperCore:
@@ -139,6 +143,7 @@ class WrapperCore:
         self._kv_memo: dict[tuple, tuple] = {}
         self.dtype = TORCH_DTYPES[spec.dtype]
         self.planned: Planned | None = None
+        self._default_runtime: Runtime | None = None
 
     # ------------------------------------------------------------------------------------------ plan
 
@@ -155,11 +160,23 @@ class WrapperCore:
             self._counters = torch.zeros(max(numel, 1), dtype=torch.int32, device=self.device)
         return self._counters
 
+    def runtime(self, sm_scale, rope_theta, rope_scale, window_left, soft_cap) -> Runtime:
+        """``runtime_values`` of the spec, memoised for the defaults (what an inference loop passes each step)."""
+        if sm_scale is None and rope_theta is None and rope_scale is None and window_left is None and soft_cap is None:
+            if self._default_runtime is None:
+                self._default_runtime = runtime_values(self.spec)
+            return self._default_runtime
+        return runtime_values(self.spec, sm_scale, rope_theta, rope_scale, window_left, soft_cap)
+
     def set_planned(self, rows: int, num_qo_heads: int, num_kv_heads: int, table: PageTable) -> None:
         spec = self.spec
+        need, short = kv_need(spec, table)
+        planned = self.planned
+        if (planned is not None and planned.q_shape[0] == rows and planned.q_shape[1] == num_qo_heads
+                and planned.num_kv_heads == num_kv_heads and planned.kv_need == need and planned.kv_short == short):
+            return  # the same shapes as the last plan (a decode loop): keep its record
         self.planned = Planned(torch.Size((rows, num_qo_heads, spec.head_dim)),
-                               torch.Size((rows, num_qo_heads, spec.head_dim_vo)), num_kv_heads,
-                               *kv_need(spec, table))
+                               torch.Size((rows, num_qo_heads, spec.head_dim_vo)), num_kv_heads, need, short)
 
     # ------------------------------------------------------------------------------------------ run
 
