@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 import flashgen  # noqa: E402
 from timing import commit, matmul_rate, page_cache, pyplot, save_results, timed_interleaved  # noqa: E402
 from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError  # noqa: E402
-from flashgen.codegen import family  # noqa: E402
+from flashgen.kernels import family  # noqa: E402
 from flashgen.testing.masks import doc_mask  # noqa: E402
 
 HQ, HKV, TOKENS, WINDOW, DOCS = 32, 8, 16384, 1024, 8

@@ -4,18 +4,17 @@ Describe the attention in an ``AttentionSpec``; ``render`` gives the CUDA source
 (compiled with ninja + nvcc on a cache miss, cached on disk).
 """
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402,F401
 
 from .api import BatchDecodeWrapper, merge_state, merge_state_in_place, merge_states  # noqa: E402
 from .api import BatchPrefillWrapper, attention  # noqa: E402
 from .cache import CacheStore  # noqa: E402
-from .codegen import TemplateError  # noqa: E402
+from .kernels import TemplateError  # noqa: E402
 from .compile import CompileError, ToolchainError  # noqa: E402
 from .jit import Kernel, MissingKernelError, build, ensure_compiled, render  # noqa: E402
 from .spec import (  # noqa: E402
     ALiBi,
     AttentionSpec,
-    BlockSparse,
     Causal,
     CustomMask,
     MergeSpec,
@@ -30,6 +29,6 @@ from .spec import (  # noqa: E402
 __all__ = [
     "BatchDecodeWrapper", "BatchPrefillWrapper", "attention", "merge_state", "merge_state_in_place", "merge_states", "CacheStore", "TemplateError", "CompileError",
     "ToolchainError", "Kernel", "MissingKernelError", "build", "ensure_compiled", "render", "ALiBi",
-    "AttentionSpec", "BlockSparse", "Causal", "CustomMask", "MergeSpec", "NoMask", "Paged", "Ragged", "RoPE",
+    "AttentionSpec", "Causal", "CustomMask", "MergeSpec", "NoMask", "Paged", "Ragged", "RoPE",
     "SlidingWindow", "SpecError",
 ]

@@ -1,13 +1,15 @@
-"""Build-and-load: the one place that composes codegen, cache, compile and runtime.
+"""Build-and-load: the one place that composes kernels, cache, compile and runtime.
 
-Contract of ``build(spec, op)``:
-1. In-process fast path: a dict keyed by (op, spec, arch, device) returns the loaded ``Kernel`` (µs).
+Contract of ``build(spec, op, options=None)``:
+1. In-process fast path: a dict keyed by (op, spec, options, arch, device) returns the loaded ``Kernel`` (µs).
 2. Render the source from the spec and compute the content key (sources, header tree, nvcc version, arch,
    flags, flashgen version). Look the key up in the read-only extra caches, then the writable cache; a
    sound entry is loaded without taking a lock.
 3. On a miss: if ``FLASHGEN_DISABLE_JIT=1`` raise ``MissingKernelError`` naming the spec. Otherwise take the
    entry's file lock, look again (another process may have built it meanwhile), compile with ninja + nvcc
-   into a temporary folder and publish it atomically; then load it.
+   into a temporary folder and publish it atomically; then load it. The loaded ``Kernel`` carries the family's
+   ``LaunchConfig`` (``kernel.launch_config``: block, shared memory, tiles), and every entry point's maximum
+   dynamic shared memory is set to its ``smem_bytes``.
 Without nvcc, kernels already in a cache (an AOT cache shipped with a deployment) are still found: they
 are matched by their content key, which leaves the compiler out.
 """
@@ -20,9 +22,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__, knobs
+from . import knobs
+from ._version import __version__
 from .cache import CacheStore, Entry, KeyInputs, kernel_key, read_entry, read_header_tree
-from .codegen import EntryPoint, family, include_dir
+from .kernels import EntryPoint, LaunchConfig, family, include_dir
 from .compile import CUBIN, SOURCE, ToolchainError, choose_arch, find_nvcc, nvcc_flags, run_ninja, write_build_ninja
 
 
@@ -44,6 +47,7 @@ class BuildRequest:
     arch: str
     source: str
     entry_points: tuple[EntryPoint, ...]
+    launch: LaunchConfig
     content_key: str  # sources + headers + arch + flashgen version (no compiler)
     key: str | None  # content + nvcc version + flags; None when no nvcc is available
 
@@ -53,14 +57,16 @@ def _header_tree(path: str) -> dict[str, bytes]:
     return read_header_tree(Path(path))
 
 
-def render(spec: object, op: str) -> str:
-    """The CUDA source that ``build(spec, op)`` would compile."""
-    return family(op).render(spec)
+def render(spec: object, op: str, options: dict | None = None) -> str:
+    """The CUDA source that ``build(spec, op, options=options)`` would compile."""
+    return family(op, options).render(spec)
 
 
-def prepare(spec: object, op: str, arch: str | None = None, device: int | None = None) -> BuildRequest:
-    """Render and key (spec, op) for ``arch`` (default: ``FLASHGEN_CUDA_ARCH``, else ``device``'s arch)."""
-    fam = family(op)
+def prepare(spec: object, op: str, arch: str | None = None, device: int | None = None,
+            options: dict | None = None) -> BuildRequest:
+    """Render and key (spec, op) for ``arch`` (default: ``FLASHGEN_CUDA_ARCH``, else ``device``'s arch);
+    ``options``: the family's kernel options (they enter its uri)."""
+    fam = family(op, options)
     projected = fam.project(spec)
     arch = choose_arch(arch, device)
     source = fam.render(projected)
@@ -73,7 +79,7 @@ def prepare(spec: object, op: str, arch: str | None = None, device: int | None =
     except ToolchainError:
         key = None
     return BuildRequest(op, projected, fam.uri(projected), arch, source, fam.entry_points(projected),
-                        kernel_key(content), key)
+                        fam.launch(projected), kernel_key(content), key)
 
 
 def default_store() -> CacheStore:
@@ -110,9 +116,10 @@ def _compile(store: CacheStore, req: BuildRequest) -> Entry:
     return store.publish(build_dir, req.arch, req.uri, req.key, manifest, CUBIN)
 
 
-def ensure_compiled(spec: object, op: str, arch: str | None = None, store: CacheStore | None = None) -> Entry:
+def ensure_compiled(spec: object, op: str, arch: str | None = None, store: CacheStore | None = None,
+                    options: dict | None = None) -> Entry:
     """The cache entry for (spec, op, arch), compiling it on a miss. Needs nvcc, not a GPU."""
-    return _ensure(prepare(spec, op, arch), store or default_store())
+    return _ensure(prepare(spec, op, arch, options=options), store or default_store())
 
 
 def _ensure(req: BuildRequest, store: CacheStore) -> Entry:
@@ -136,7 +143,7 @@ def _ensure(req: BuildRequest, store: CacheStore) -> Entry:
 
 @dataclass
 class Kernel:
-    """A loaded kernel module: its entry points by name, ready to launch."""
+    """A loaded kernel module: its entry points by name, ready to launch, and how to launch them."""
 
     op: str
     uri: str
@@ -144,6 +151,8 @@ class Kernel:
     device: int
     entry: Entry
     functions: dict = field(default_factory=dict)
+    launch_config: LaunchConfig | None = None
+    params: dict = field(default_factory=dict)  # entry point name -> its ParamsLayout (pack by name: ``bind``)
 
     def __getitem__(self, name: str):
         return self.functions[name]
@@ -161,36 +170,41 @@ _loaded: dict[tuple, Kernel] = {}
 _load_lock = threading.Lock()
 
 
-def build(spec: object, op: str, device: int | None = None, arch: str | None = None) -> Kernel:
-    """A loaded ``Kernel`` for (spec, op) on ``device`` (default: torch's current device).
+def build(spec: object, op: str, device: int | None = None, arch: str | None = None,
+          options: dict | None = None) -> Kernel:
+    """A loaded ``Kernel`` for (spec, op) on ``device`` (default: torch's current device); ``options``: the
+    family's kernel options (``{"tiles": "kv32"}`` for ``prefill``), part of the kernel's uri and key.
 
     Example::
 
         kernel = flashgen.build(MergeSpec("bfloat16"), "merge_states")
-        kernel["merge_states"].launch(grid, block, 0, stream, *params)
+        kernel["merge_states"].launch(grid, kernel.launch_config.block, 0, stream, *params)
     """
     if device is None:
         import torch
 
         device = torch.cuda.current_device()
-    cache_key = (op, spec, arch, device)
+    cache_key = (op, spec, tuple(sorted(options.items())) if options else (), arch, device)
     kernel = _loaded.get(cache_key)
     if kernel is not None:
         return kernel
     with _load_lock:
         kernel = _loaded.get(cache_key)
         if kernel is None:
-            kernel = _load(spec, op, device, arch)
+            kernel = _load(spec, op, device, arch, options)
             _loaded[cache_key] = kernel
     return kernel
 
 
-def _load(spec: object, op: str, device: int, arch: str | None) -> Kernel:
+def _load(spec: object, op: str, device: int, arch: str | None, options: dict | None) -> Kernel:
     from .runtime import Module
 
-    req = prepare(spec, op, arch, device)
+    req = prepare(spec, op, arch, device, options)
     entry = _ensure(req, default_store())
     module = Module(entry.cubin, device)
     functions = {e.name: module.function(e.name, e.params.format, e.params.size) for e in req.entry_points}
-    return Kernel(op, req.uri, req.arch, device, entry, functions)
-
+    if req.launch.smem_bytes:
+        for function in functions.values():
+            function.set_max_dynamic_shared_memory(req.launch.smem_bytes)
+    return Kernel(op, req.uri, req.arch, device, entry, functions, req.launch,
+                  {e.name: e.params for e in req.entry_points})

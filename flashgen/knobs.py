@@ -1,7 +1,8 @@
 """Every environment variable flashgen reads, declared once and typed.
 
-Read at call time (not import time) so tests can scope them with ``monkeypatch.setenv``. A kernel loaded
-by ``build`` stays cached in its process by spec: set ``FLASHGEN_PREFILL_TILES`` before the first prefill.
+Read at call time (not import time) so tests can scope them with ``monkeypatch.setenv``. None of them
+shapes a kernel: a kernel-shaping choice is a family option that enters the kernel's uri and key
+(``BatchPrefillWrapper(spec, kernel_options={"tiles": "kv32"})``).
 
 | variable | meaning |
 |---|---|
@@ -10,8 +11,6 @@ by ``build`` stays cached in its process by spec: set ``FLASHGEN_PREFILL_TILES``
 | ``FLASHGEN_CUDA_ARCH`` | target arch (``sm_90a``, ``90a``, ``9.0a``), overriding the GPU's own |
 | ``FLASHGEN_DISABLE_JIT`` | ``1``: a cache miss raises ``MissingKernelError`` instead of compiling |
 | ``FLASHGEN_NVCC_THREADS`` | ``nvcc --threads`` value (default 1) |
-| ``FLASHGEN_PREFILL_TILES`` | portable prefill tiles: ``kv64`` (default), ``kv32``, ``warps=W,rows=R,kv=K[,...]`` (in the uri) |
-| ``FLASHGEN_SM90_PINGPONG`` | ``0``: the sm90 prefill's consumer warpgroups do not take turns (an A/B toggle; in the source) |
 | ``FLASHGEN_VERBOSE`` | ``1``: print each compile and its time to stderr |
 | ``CUDA_HOME`` / ``CUDA_PATH`` | where to look for ``bin/nvcc`` before ``PATH`` |
 """
@@ -47,16 +46,6 @@ def disable_jit() -> bool:
 
 def nvcc_threads() -> int:
     return int(os.environ.get("FLASHGEN_NVCC_THREADS", "1"))
-
-
-def prefill_tiles() -> str | None:
-    value = os.environ.get("FLASHGEN_PREFILL_TILES", "").strip()
-    return value or None
-
-
-
-def sm90_pingpong() -> bool:
-    return os.environ.get("FLASHGEN_SM90_PINGPONG", "").strip() != "0"
 
 
 def verbose() -> bool:

@@ -8,11 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 from flashgen import jit
 
 
-def build_all(jobs: list[tuple[str, object, str]], workers: int = 2) -> list[tuple[object, str]]:
-    """Compile ``(op, spec, arch)`` jobs into the current cache; returns ``(entry, ptxas report)`` per job."""
+def build_all(jobs: list[tuple[str, object, str]], workers: int = 2,
+              options: dict | None = None) -> list[tuple[object, str]]:
+    """Compile ``(op, spec, arch)`` jobs into the current cache (with the family's kernel ``options``);
+    returns ``(entry, ptxas report)`` per job."""
     def one(job):
         op, spec, arch = job
-        entry = jit.ensure_compiled(spec, op, arch)
+        entry = jit.ensure_compiled(spec, op, arch, options=options)
         return entry, (entry.path / "ptxas.log").read_text()
 
     with ThreadPoolExecutor(max_workers=workers) as pool:

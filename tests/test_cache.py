@@ -14,7 +14,7 @@ import pytest
 import flashgen
 from flashgen import jit
 from flashgen.cache import KeyInputs, kernel_key, read_entry
-from flashgen.codegen import render as render_module
+from flashgen.kernels import render as render_module
 from flashgen.compile import ToolchainError, toolchain
 from flashgen.spec import MergeSpec
 

@@ -4,8 +4,8 @@ import jinja2
 import pytest
 
 import flashgen
-from flashgen.codegen import ParamsLayout, Param, TemplateError, family, render_template
-from flashgen.codegen.render import environment
+from flashgen.kernels import ParamsLayout, Param, TemplateError, family, render_template
+from flashgen.kernels.render import environment
 from flashgen.spec import AttentionSpec, MergeSpec, SpecError
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from compile_checks import assert_sound_cubin, build_all
-from flashgen.codegen import family
+from flashgen.kernels import family
 from flashgen.spec import ALiBi, AttentionSpec, MergeSpec, Paged, Ragged, RoPE, SlidingWindow
 
 DECODE_SPECS = [

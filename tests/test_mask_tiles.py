@@ -389,16 +389,16 @@ def test_graph_mode_keeps_the_fixed_fields_in_place():
 def test_fixed_buffers_say_what_sized_them():
     """A CUDA-graph wrapper's buffers are sized by its first plan; a later plan that needs more gets an error
     naming the buffer and what to do (a mask's bits and tiles grow with the KV, not with max_batch_size)."""
-    from flashgen.api.prefill import _GRAPH_HINTS
+    from flashgen.api.portable import HOST_ARRAYS_HINT
     import torch
 
     from flashgen.api.staging import DeviceBuffer
 
     buf = DeviceBuffer(torch.int32, torch.device("cpu"), fixed=True)
-    first = buf.get(10, "tiles", _GRAPH_HINTS["tiles"])
-    assert buf.get(7, "tiles") is first  # fits: the same memory (a captured graph keeps its address)
-    with pytest.raises(PlanError, match=r"^tiles: needs 11 elements, more than the 10 .* the longest KV\)$"):
-        buf.get(11, "tiles", _GRAPH_HINTS["tiles"])
+    first = buf.get(10, "plan", HOST_ARRAYS_HINT)
+    assert buf.get(7, "plan") is first  # fits: the same memory (a captured graph keeps its address)
+    with pytest.raises(PlanError, match=r"^plan: needs 11 elements, more than the 10 .* pass them on the device\)$"):
+        buf.get(11, "plan", HOST_ARRAYS_HINT)
     with pytest.raises(PlanError, match=r"\(raise max_batch_size\)$"):
         buf.get(11, "kv_indptr")
     grows = DeviceBuffer(torch.int32, torch.device("cpu"), fixed=False)
@@ -408,7 +408,7 @@ def test_fixed_buffers_say_what_sized_them():
 
 def test_entry_encoding_matches_the_kernels_header():
     # the kernels decode entries with templates/include/flashgen/tile_entry.cuh: its constants are the planner's
-    from flashgen.codegen.render import include_dir
+    from flashgen.kernels.render import include_dir
     header = (include_dir() / "flashgen" / "tile_entry.cuh").read_text()
     line = re.search(r"constexpr int (ENTRY_SHIFT = \d+(?:, ENTRY_\w+ = \d+)*);", header).group(1)
     values = {name: int(v) for name, v in (item.split(" = ") for item in line.split(", "))}

@@ -15,9 +15,9 @@ import torch
 
 import flashgen
 from flashgen import ALiBi, AttentionSpec, Causal, CustomMask, Paged, Ragged, RoPE, SlidingWindow
-from flashgen.api.prefill import _select_backend
-from flashgen.codegen.rope_gather import attention_spec
-from flashgen.codegen.prefill import prefill_ctas_per_sm, prefill_tile_q, prefill_tiles
+from flashgen.api.backends import select as _select_backend
+from flashgen.kernels import ragged_twin as attention_spec
+from flashgen.kernels.prefill import prefill_ctas_per_sm, prefill_tile_q, prefill_tiles
 from flashgen.plan import PlanError, csr_to_block_table, plan_prefill
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import pack_custom_mask, reference_attention

@@ -11,7 +11,7 @@ import torch
 
 import flashgen
 from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SpecError
-from flashgen.api.prefill import _select_backend
+from flashgen.api.backends import select as _select_backend
 from flashgen.plan import PlanError
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import reference_attention
@@ -157,7 +157,7 @@ def run_and_check(wrapper, qo_lens, kv_lens, num_kv_heads, group, seed=0, extra_
 def test_soft_cap_must_be_positive(cap):
     """The kernels divide by the cap (sm90 folds 1 / cap into the scale): a zero, negative or NaN cap is refused
     at plan time, naming the argument."""
-    from flashgen.api.prefill import _runtime
+    from flashgen.api.wrapper import runtime_values as _runtime
 
     spec = AttentionSpec(128, kv_layout=Ragged(), soft_cap=30.0)
     assert _runtime(spec, None, None, None, None, None).soft_cap == 30.0

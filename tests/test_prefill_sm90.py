@@ -11,7 +11,6 @@ import torch
 
 import flashgen
 from flashgen import AttentionSpec, Causal, NoMask, Ragged
-from flashgen.api.sm90 import PrefillSM90
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import reference_attention
 from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
@@ -37,7 +36,7 @@ def run_and_check(spec, qo_lens, kv_lens, num_kv_heads, group, seed=0, **runtime
     gen = torch.Generator().manual_seed(seed)
     q, kv, table = random_batch(spec, qo_lens, kv_lens, num_kv_heads, group, generator=gen)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
-    runner = PrefillSM90(spec)
+    runner = flashgen.BatchPrefillWrapper(spec, backend="sm90")
     runner.plan(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"].numpy(), num_qo_heads=q.shape[1],
                 num_kv_heads=num_kv_heads, **runtime)
     out = torch.full_like(q, float("nan"), device="cuda")
@@ -111,10 +110,10 @@ def test_unsupported_specs_are_refused():
     from flashgen import Paged, RoPE, SpecError
 
     with pytest.raises(SpecError, match="head_dim"):
-        PrefillSM90(AttentionSpec(192, head_dim_vo=128, kv_layout=Paged(24)))
+        flashgen.BatchPrefillWrapper(AttentionSpec(192, head_dim_vo=128, kv_layout=Paged(24)), backend="sm90")
     with pytest.raises(SpecError, match="RoPE on the sm90 backend is not CUDA-graph safe"):  # the pre-pass: not yet
-        PrefillSM90(AttentionSpec(128, kv_layout=Ragged(), pos_encoding=RoPE()), use_cuda_graph=True, max_batch_size=4,
-                    max_total_q=64)
+        flashgen.BatchPrefillWrapper(AttentionSpec(128, kv_layout=Ragged(), pos_encoding=RoPE()), backend="sm90",
+                                     use_cuda_graph=True, max_batch_size=4, max_total_q=64)
 
 
 def test_q_and_out_tensor_maps_are_memoised():
@@ -122,7 +121,7 @@ def test_q_and_out_tensor_maps_are_memoised():
     not 16-byte aligned (a TMA map's address)."""
     spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal())
     q, kv, table = random_batch(spec, [40], [40], 2, 4, generator=torch.Generator().manual_seed(4))
-    runner = PrefillSM90(spec)
+    runner = flashgen.BatchPrefillWrapper(spec, backend="sm90")
     runner.plan(qo_indptr=[0, 40], kv_indptr=table["kv_indptr"].numpy(), num_qo_heads=8, num_kv_heads=2)
     q, kv = q.cuda(), tuple(x.cuda() for x in kv)
     out = torch.empty_like(q)

@@ -5,7 +5,6 @@ import time
 
 import pytest
 
-import flashgen.codegen.prefill_sm90  # noqa: F401  (registers the family)
 from flashgen import jit
 from flashgen.spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
 
@@ -74,7 +73,7 @@ def test_sm90_params_struct_packs_tensor_maps():
     """The tensor maps first (q, o, k, v); 12 pointers, 12 scalars (the group size with its fast divider's magic
     and shift, then the q / o TMA flags), then the custom mask's 4 pointers (the runner's argument tuple in this
     order); the struct 128-byte aligned (CUtensorMap), rendered alignas(128)."""
-    from flashgen.codegen import family
+    from flashgen.kernels import family
 
     (entry,) = family("prefill_sm90").entry_points(SM90_SPECS[0])
     layout = entry.params
@@ -97,8 +96,8 @@ def test_sm90_params_struct_of_a_gathered_cache():
     """A gathered page size (sm90_gather) takes the cache's k, v and element strides (the runner's kv_args)
     where the K and V tensor maps were, after the q map (and the o map where the variant stages O, as at head_dim
     64 but not 128); the rest of the struct is the same fields in the same order."""
-    from flashgen.codegen import family
-    from flashgen.codegen.prefill_sm90 import sm90_gather
+    from flashgen.kernels import family
+    from flashgen.kernels.prefill_sm90 import sm90_gather
 
     assert [sm90_gather(ps, 128) for ps in (1, 5, 12, 24, 48, 96, 8, 16, 128, 256, 384)] == [True] * 6 + [False] * 5
     assert [sm90_gather(ps, 256) for ps in (32, 64, 96, 128, 12)] == [False, False, True, False, True]
@@ -123,7 +122,7 @@ def test_sm90_o_staging_only_where_it_fits():
     """The staged epilogue (O through shared memory, TMA stores) where its 8 warp areas fit beside two Q buffers
     and the KV stages within 227 KB: head_dim 64 and 128, not 128 with a gathered cache, not 256. The plan then
     picks the TMA paths by the GQA group (sm90_qo_tma)."""
-    from flashgen.codegen.prefill_sm90 import SMEM_LIMIT, sm90_o_staged, sm90_qo_tma, sm90_smem_bytes
+    from flashgen.kernels.prefill_sm90 import SMEM_LIMIT, sm90_o_staged, sm90_qo_tma, sm90_smem_bytes
 
     assert [sm90_o_staged(d, g) for d, g in ((64, False), (64, True), (128, False), (128, True), (256, False))] == [
         True, True, True, False, False]
@@ -146,7 +145,6 @@ def test_sm90_o_staging_only_where_it_fits():
     AttentionSpec(256, kv_layout=Paged(1), pos_encoding=RoPE()),
 ], ids=lambda s: s.uri)
 def test_rope_gather_compiles_without_spills(cache_dir, spec):
-    import flashgen.codegen.rope_gather  # noqa: F401  (registers the family)
 
     entry = jit.ensure_compiled(spec, "rope_gather", "sm_90a")
     report = (entry.path / "ptxas.log").read_text()
@@ -155,8 +153,8 @@ def test_rope_gather_compiles_without_spills(cache_dir, spec):
 
 
 def test_rope_specs_run_on_sm90_through_the_pre_pass():
-    from flashgen.codegen.prefill_sm90 import check_sm90_backend
-    from flashgen.codegen.rope_gather import attention_spec
+    from flashgen.api.backends import check_sm90 as check_sm90_backend
+    from flashgen.kernels import ragged_twin as attention_spec
 
     spec = AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE(), soft_cap=30.0)
     check_sm90_backend(spec)

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
-import flashgen.api.prefill as api_prefill  # noqa: E402
+import flashgen.api.portable as api_prefill  # noqa: E402
 import flashgen.plan.split_kv as split_kv  # noqa: E402
 from flashgen.plan import plan_prefill  # noqa: E402
 from bench_prefill_mixed import BATCHES, D, HKV, HQ, bench_flashinfer, visible_pairs  # noqa: E402

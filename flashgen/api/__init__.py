@@ -1,4 +1,4 @@
-"""User-facing operations: merge states, batch decode; prefill as it arrives."""
+"""User-facing operations: the batch decode and prefill wrappers, attention(), merging attention states."""
 
 from .decode import BatchDecodeWrapper
 from .merge import merge_state, merge_state_in_place, merge_states

@@ -10,6 +10,7 @@ import torch
 
 from ..plan import PlanError
 from ..plan.mask_tiles import mask_bit_offsets
+from .staging import extra_offsets
 
 
 class MaskBits(NamedTuple):
@@ -51,3 +52,29 @@ def custom_mask_bits(custom_mask, qo: np.ndarray, kv_lens: np.ndarray) -> MaskBi
     if packed.dtype != np.uint8 or packed.ndim != 1 or packed.size < need:
         raise PlanError(f"custom_mask: expected uint8 [{need}] packed bits, got {packed.dtype} {packed.shape}")
     return MaskBits(offsets, packed, None)
+
+
+def mask_extras(plan_numel: int, bits: MaskBits, indptr: np.ndarray, entries: np.ndarray, extras: dict,
+                pages_host: np.ndarray | None, max_batch_size: int | None) -> dict:
+    """``extras`` followed by a custom mask's arrays, as ``HostStaging.upload`` appends them after a plan of
+    ``plan_numel`` elements: per-request bit offsets and per-item ``tile_indptr`` (fixed lengths in CUDA-graph
+    mode), the host page ids if any, then the tile lists ``entries`` and a host mask's bits. The last two move
+    when re-planning changes the lengths before them, so ``tile_indptr`` and a host mask's bit offsets count
+    from the start of the device plan buffer (the kernels get its address as ``tiles`` and ``custom_mask``),
+    whose address never changes in CUDA-graph mode. A device mask is read in place."""
+    offsets = bits.offsets
+    if max_batch_size is not None:
+        offsets = np.concatenate([offsets, np.zeros(max_batch_size - offsets.size, np.int64)])
+    out = {**extras, "mask_offset": offsets.astype("<i8").view(np.int32), "tile_indptr": indptr}
+    if pages_host is not None:
+        out["pages"] = pages_host
+    out["tiles"] = entries
+    if bits.host is not None:  # int32 words, the tail zero-filled (the kernel reads whole aligned words)
+        words = np.zeros(-(-bits.host.size // 4) * 4, np.uint8)
+        words[: bits.host.size] = bits.host
+        out["mask"] = words.view("<i4")
+    starts, _ = extra_offsets(plan_numel, {name: values.size for name, values in out.items()})
+    out["tile_indptr"] = (indptr + starts["tiles"]).astype(np.int32)
+    if bits.host is not None:
+        out["mask_offset"] = (offsets + np.int64(starts["mask"]) * 32).astype("<i8").view(np.int32)
+    return out

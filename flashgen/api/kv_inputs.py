@@ -126,9 +126,10 @@ def page_table(spec: AttentionSpec, *, kv_indptr=None, kv_indices=None, kv_last_
         if indptr[-1] > indices.numel():
             raise PlanError(f"kv_indptr[-1] = {int(indptr[-1])} > len(kv_indices) = {indices.numel()}")
         return PageTable(lens, indptr, indices, None)
-    lens = validate_csr(kv_indptr, indices, kv_last_page_len, page_size, num_pages)
-    indptr = validate_indptr("kv_indptr", kv_indptr)
-    return PageTable(lens, indptr, indices, None, int(indices.numpy()[: indptr[-1]].max(initial=-1)))
+    host = indices.numpy()
+    lens = validate_csr(kv_indptr, host, kv_last_page_len, page_size, num_pages)
+    indptr = host_array("kv_indptr", kv_indptr)  # validated by validate_csr
+    return PageTable(lens, indptr, indices, None, int(host[: indptr[-1]].max(initial=-1)))
 
 
 def _seq_lens_fit(seq_lens: object, shape: tuple[int, int], page_size: int) -> np.ndarray:

@@ -10,29 +10,34 @@ from .checks import check_shape, check_tensor
 from .device import current_stream
 
 V_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_BLOCK_THREADS = 256
 _functions: dict[tuple[torch.dtype, int], tuple] = {}
 
 
 def _entry(dtype: torch.dtype, device: torch.device):
-    """(merge_state, merge_states, stream) for tensors of ``dtype`` on ``device``."""
+    """(merge_state, merge_states, block, stream) for tensors of ``dtype`` on ``device``."""
     index = device.index
     found = _functions.get((dtype, index))
     if found is None:
         from ..jit import build
 
         kernel = build(MergeSpec(str(dtype)), "merge_states", device=index)
-        found = _functions[(dtype, index)] = (kernel["merge_state"], kernel["merge_states"])
-    return found[0], found[1], current_stream(index)
+        found = _functions[(dtype, index)] = (kernel["merge_state"], kernel["merge_states"],
+                                              kernel.launch_config.block)
+    return found[0], found[1], found[2], current_stream(index)
 
 
-def _launch_shape(num_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(threads_per_row, blocks): a power-of-two lane group per row, 16-byte vectors per lane."""
+def _check_vectors(head_dim: int, dtype: torch.dtype) -> int:
     vec = 16 // dtype.itemsize
     if head_dim % vec:
         raise ValueError(f"head_dim: expected a multiple of {vec} for {dtype} (16-byte vectors), got {head_dim}")
+    return vec
+
+
+def _launch_shape(num_rows: int, head_dim: int, dtype: torch.dtype, block_threads: int) -> tuple[int, int]:
+    """(threads_per_row, blocks): a power-of-two lane group per row, 16-byte vectors per lane."""
+    vec = _check_vectors(head_dim, dtype)
     threads_per_row = min(32, 1 << max(0, (head_dim // vec - 1).bit_length()))
-    rows_per_block = _BLOCK_THREADS // threads_per_row
+    rows_per_block = block_threads // threads_per_row
     return threads_per_row, max(1, min((num_rows + rows_per_block - 1) // rows_per_block, 2**31 - 1))
 
 
@@ -76,9 +81,10 @@ def _launch_pair(v_a, s_a, v_b, s_b, v_out, s_out, mask) -> None:
     tokens, heads, head_dim = v_a.shape
     if tokens * heads == 0:
         return
-    threads_per_row, blocks = _launch_shape(tokens * heads, head_dim, v_a.dtype)
-    fn, _, stream = _entry(v_a.dtype, v_a.device)
-    fn.launch((blocks, 1, 1), (_BLOCK_THREADS, 1, 1), 0, stream,
+    _check_vectors(head_dim, v_a.dtype)
+    fn, _, block, stream = _entry(v_a.dtype, v_a.device)
+    threads_per_row, blocks = _launch_shape(tokens * heads, head_dim, v_a.dtype, block[0])
+    fn.launch((blocks, 1, 1), block, 0, stream,
               v_a.data_ptr(), s_a.data_ptr(), v_b.data_ptr(), s_b.data_ptr(), v_out.data_ptr(), s_out.data_ptr(),
               0 if mask is None else mask.data_ptr(), tokens * heads, heads, head_dim, threads_per_row)
 
@@ -101,9 +107,10 @@ def merge_states(v: torch.Tensor, s: torch.Tensor):
     s_out = torch.empty((tokens, heads), dtype=torch.float32, device=v.device)
     if tokens * heads == 0:
         return v_out, s_out
-    threads_per_row, blocks = _launch_shape(tokens * heads, head_dim, v.dtype)
-    _, fn, stream = _entry(v.dtype, v.device)
-    fn.launch((blocks, 1, 1), (_BLOCK_THREADS, 1, 1), 0, stream,
+    _check_vectors(head_dim, v.dtype)
+    _, fn, block, stream = _entry(v.dtype, v.device)
+    threads_per_row, blocks = _launch_shape(tokens * heads, head_dim, v.dtype, block[0])
+    fn.launch((blocks, 1, 1), block, 0, stream,
               v.data_ptr(), s.data_ptr(), v_out.data_ptr(), s_out.data_ptr(), tokens, num_states, heads,
               head_dim, threads_per_row)
     return v_out, s_out

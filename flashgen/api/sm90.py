@@ -1,8 +1,8 @@
 """Hopper prefill (``prefill_sm90``) behind ``BatchPrefillWrapper(backend="sm90")``: TMA descriptors built on
 the host, plan buffers and the launch.
 
-``BatchPrefillWrapper`` selects it by itself (``backend="auto"``) on a compute-capability 9.0 GPU for what
-``PrefillSM90Family.check`` accepts (Ragged or paged KV, NoMask / Causal / SlidingWindow / CustomMask, fp16 /
+``BatchPrefillWrapper`` selects it by itself (``backend="auto"``, ``backends.select``) on a compute-capability
+9.0 GPU for what ``PrefillSM90Family.check`` accepts (Ragged or paged KV, NoMask / Causal / SlidingWindow / CustomMask, fp16 /
 bf16, head_dim == head_dim_vo in 64 / 128 / 256); it plans every request unsplit (one item per (request,
 128-row q tile), its whole KV). A custom mask becomes a tile list per item (``plan.mask_tiles``): a host mask
 is classified on the host (fully masked tiles skipped, fully visible ones unmasked); a device mask is read
@@ -16,36 +16,37 @@ import ctypes
 import numpy as np
 import torch
 
-from ..codegen.prefill_sm90 import (THREADS, TILE_Q, sm90_gather, sm90_kernels, sm90_o_staged, sm90_qo_tma,
-                                     sm90_smem_bytes, sm90_tile_kv)
-from ..codegen.rope_gather import BLOCK_THREADS as ROPE_THREADS
+from ..kernels import sm90_qo_tma
 from ..plan import PlanError, plan_prefill
 from ..plan.mask_tiles import plan_mask_tiles
 from ..spec import AttentionSpec, CustomMask, Paged, RoPE
-from .custom_mask import custom_mask_bits
+from .backends import kernels_for
+from .custom_mask import custom_mask_bits, mask_extras
 from .device import current_stream
 from .fastdiv import fast_div
-from .kv_inputs import TORCH_DTYPES, KVView, PageTable, device_page_ids
-from .prefill import BatchPrefillWrapper, Runtime
-from .staging import DeviceBuffer, HostStaging, extra_offsets
+from .kv_inputs import TORCH_DTYPES, KVView, PageTable
+from .portable import HOST_ARRAYS_HINT, page_fields, table_extras
+from .staging import DeviceBuffer
+from .wrapper import Runtime, WrapperCore
 
 _TMA_DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", torch.float16: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"}
 TMA_BOX_COLS = 64  # 64 16-bit values = the 128-byte swizzle span; a head_dim of 128 is two boxes
-O_WARP_ROWS = 16  # packed rows of a consumer warp: one TMA store box of O
+O_WARP_ROWS = 16  # packed rows of a consumer warp: one TMA store box of O (the kernel's O_WARP_ROWS)
 NO_MAP = bytes(128)  # a CUtensorMap param the kernel does not read (q_tma / o_tma off)
 MAPS_HELD = 64  # q / out tensor maps memoised (by address, shape, strides, group) before the memo starts over
 
 
-def kv_tensor_map(spec: AttentionSpec, kv: KVView, t: torch.Tensor) -> bytes:
+def kv_tensor_map(spec: AttentionSpec, kv: KVView, t: torch.Tensor, tile_kv: int) -> bytes:
     """The 128-byte TMA descriptor of ``t`` (K or V of ``kv``: fp16/bf16, rows contiguous, 16-byte aligned
     strides) as a 4-D tensor, innermost first, dims ordered by stride: paged NHD ``{head_dim, kv_heads,
     page_size, pages}``, paged HND ``{head_dim, page_size, kv_heads, pages}``, ragged ``{head_dim, kv_heads,
-    rows, 1}``. Boxes are one head's 64 columns of ``min(page_size, tile_kv)`` rows (ragged: ``tile_kv`` rows),
+    rows, 1}``. Boxes are one head's 64 columns of ``min(page_size, tile_kv)`` rows (ragged: ``tile_kv`` rows, the
+    kernel's KV tile, ``launch_config.tile_kv``),
     landing 128B-swizzled. The map is bounded by the tensor's own size, never a plan's: it is a kernel
     parameter, captured by value in a CUDA graph, so it must not depend on the plan; rows past the end read
     zeros.
 
-    >>> desc = kv_tensor_map(spec, kv_view(spec, (k, v), 8), k)   # pack into a CUtensorMap params field
+    >>> desc = kv_tensor_map(spec, kv_view(spec, (k, v), 8), k, 128)   # pack into a CUtensorMap params field
     """
     from cuda.bindings import driver as cu
 
@@ -53,7 +54,7 @@ def kv_tensor_map(spec: AttentionSpec, kv: KVView, t: torch.Tensor) -> bytes:
 
     ensure_context(t.device.index)
     u64, u32 = cu.cuuint64_t, cu.cuuint32_t
-    elem, tile_kv = t.element_size(), sm90_tile_kv(spec.head_dim)
+    elem = t.element_size()
     if isinstance(spec.kv_layout, Paged):
         ps = spec.kv_layout.page_size
         heads = t.shape[2] if spec.kv_layout.order == "NHD" else t.shape[1]
@@ -108,31 +109,42 @@ def qo_tensor_map(t: torch.Tensor, group: int, tokens: int) -> bytes:
 
 
 class SM90Prefill:
-    """The ``prefill_sm90`` kernel behind ``BatchPrefillWrapper(backend="sm90")``: plan buffers, tensor maps,
-    launch. ``graph``: ``(max_batch_size, max_total_q)`` of a CUDA-graph wrapper (the plan buffer is sized at
-    the first plan and never moves; padding items have ``request_idx = -1``, which the kernel skips), or None.
-    """
+    """The ``prefill_sm90`` kernel behind ``BatchPrefillWrapper(backend="sm90")``: plan, tensor maps, params by
+    name, launch. In CUDA-graph mode the plan buffer is sized at the first plan and never moves; padding items
+    have ``request_idx = -1``, which the kernel skips."""
 
-    def __init__(self, spec: AttentionSpec, device: torch.device, num_sms: int, graph: tuple[int, int] | None):
-        self.spec, self.device, self.num_sms = spec, device, num_sms
-        self.max_batch_size, self.max_total_q = graph or (None, None)
+    def __init__(self, core: WrapperCore, options: dict | None = None):
+        spec = core.spec
+        self.core, self.spec, self.device, self.num_sms = core, spec, core.device, core.num_sms
+        self.max_batch_size = core.max_batch_size
         # RoPE: the rope_gather pre-pass writes rotated q, rotated K and V (ragged) into scratch, and the kernel of
-        # the spec's ragged twin attends over it (check_sm90_backend refuses RoPE in CUDA-graph mode)
+        # the spec's ragged twin attends over it (backends.check_sm90 refuses RoPE in CUDA-graph mode)
         self.rope = isinstance(spec.pos_encoding, RoPE)
-        self._kernels = dict(sm90_kernels(spec))  # {"prefill_sm90": its spec[, "rope_gather": spec]}: what runs
+        self._kernels = dict(kernels_for(spec, "sm90"))  # {"prefill_sm90": its spec[, "rope_gather": spec]}
         self.kernel_spec = self._kernels["prefill_sm90"]
-        self._scratch = DeviceBuffer(TORCH_DTYPES[spec.dtype], device, False) if self.rope else None
-        self._plan_buf = DeviceBuffer(torch.int32, device, graph is not None)
-        self._staging = HostStaging(device)
-        self._tile_kv = sm90_tile_kv(spec.head_dim)
-        # pages TMA cannot take: the kernel gathers them from the cache's addresses and strides, no tensor maps
-        layout = self.kernel_spec.kv_layout
-        self.gather = isinstance(layout, Paged) and sm90_gather(layout.page_size, spec.head_dim)
-        self._o_staged = sm90_o_staged(spec.head_dim, self.gather)  # the kernel takes an O tensor map
+        self._scratch = DeviceBuffer(TORCH_DTYPES[spec.dtype], core.device, False) if self.rope else None
         self._maps: dict[tuple, bytes] = {}  # q / out tensor maps (_qo_map)
         self._kernel = None
         self._mask_held: torch.Tensor | None = None  # a device custom mask, read in place
+        self._page_ids_held: torch.Tensor | None = None  # a device page table, read in place
         self._empty: dict[tuple, torch.Tensor] = {}  # one-row stand-ins for an empty K / V (a map needs an address)
+
+    def _load(self) -> None:
+        from ..jit import build
+
+        index = self.device.index
+        if self.rope:
+            rope = build(self._kernels["rope_gather"], "rope_gather", device=index)
+            self._rope_fn, self._rope_block = rope["rope_gather"], rope.launch_config.block
+            self._rope_params = rope.params["rope_gather"].bind(
+                ("q", "k", "v", "stride_page", "stride_token", "stride_head"))
+        self._kernel = build(self.kernel_spec, "prefill_sm90", device=index)
+        self._fn = self._kernel["prefill_sm90"]
+        cfg = self._launch = self._kernel.launch_config
+        self.gather, self._o_staged, self._tile_kv = cfg.gather, cfg.o_staged, cfg.tile_kv
+        layout = self._kernel.params["prefill_sm90"]
+        names = layout.names()
+        self._params = layout.bind(names[: names.index("lse") + 1])  # tensor maps, K / V, q, o, lse: at run()
 
     def plan(self, qo: np.ndarray, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime,
              custom_mask, enable_split: bool) -> int:
@@ -141,95 +153,63 @@ class SM90Prefill:
         if not runtime.sm_scale > 0:
             raise PlanError(f"sm_scale: the sm90 backend needs sm_scale > 0, got {runtime.sm_scale} "
                             "(backend='portable' takes any value)")
-        graph = self.max_batch_size is not None
-        options = {"max_batch_size": self.max_batch_size, "max_total_q": self.max_total_q} if graph else {}
-        plan = self._staging.plan(lambda host: plan_prefill(
-            qo, table.kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, tile_rows=TILE_Q,
+        core = self.core
+        if self._kernel is None:
+            self._load()
+        options = {"max_batch_size": core.max_batch_size, "max_total_q": core.max_total_q} if core.fixed else {}
+        plan = core.staging.plan(lambda host: plan_prefill(
+            qo, table.kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, tile_rows=self._launch.tile_q,
             kv_granularity=self._tile_kv, num_sms=self.num_sms, enable_split=False, host_buffer=host, **options))
-        # token offsets (ragged) or page offsets (CSR); a block table needs none
-        indptr = (table.kv_indptr_host if table.kv_indptr_host is not None else np.zeros(qo.size, np.int64)).astype(np.int32)
-        if graph:  # a fixed length keeps the whole upload, and so every address, the same from plan to plan
-            indptr = np.concatenate([indptr, np.full(self.max_batch_size + 1 - indptr.size, indptr[-1], np.int32)])
-        ids = table.block_table if table.block_table is not None else table.kv_indices
-        extras = {"kv_indptr": indptr}
-        # host page ids travel with the plan after the fixed-length fields
-        pages_host = ids.to(torch.int32).contiguous().numpy().ravel() if ids is not None and not ids.is_cuda else None
+        extras, pages_host = table_extras(table, core.max_batch_size)
+        if "kv_indptr" not in extras:  # a block table needs no offsets; the kernel reads a (zero) array anyway
+            extras["kv_indptr"] = np.zeros(qo.size if not core.fixed else core.max_batch_size + 1, np.int32)
         if self.rope:  # the kernel reads the ragged scratch; the pre-pass reads the cache through its own table
-            extras = {"kv_indptr": np.concatenate([[0], np.cumsum(table.kv_lens)]).astype(np.int32),
-                      "src_indptr": indptr}
+            extras = {"kv_indptr": _ragged_indptr(table.kv_lens, extras["kv_indptr"].size),
+                      "src_indptr": extras["kv_indptr"]}
         custom = isinstance(self.spec.mask, CustomMask)
         if custom:
             extras = self._mask_extras(plan, qo, table.kv_lens, custom_mask, extras, pages_host)
         elif pages_host is not None:
             extras["pages"] = pages_host
-        # host page ids and mask data travel with the plan: their size follows the batch's KV, not max_batch_size
-        hint = ("page ids or a custom mask on the host travel with the plan: make the first plan the one with the "
-                "most page ids and mask bits, or pass them on the device" if set(extras) - {"kv_indptr", "src_indptr"}
-                else "raise max_batch_size")
-        views = self._staging.upload(plan, extras, self._plan_buf, hint)
-        if ids is None:
-            pages, bt_stride, self._page_ids_held = 0, 0, None
-        elif ids.is_cuda:
-            (pages, bt_stride), self._page_ids_held = device_page_ids(ids, self.device), ids
-        else:
-            pages, bt_stride, self._page_ids_held = views["pages"].data_ptr(), (ids.shape[1] if ids.dim() == 2 else 0), None
-        block_table = table.block_table is not None
-        if self._kernel is None:
-            self._load_kernel()
+        hint = HOST_ARRAYS_HINT if set(extras) - {"kv_indptr", "src_indptr"} else "raise max_batch_size"
+        addresses = core.upload(plan, extras, hint)
+        tables, self._page_ids_held = page_fields(table, core.device, addresses)
         if self.rope:
-            self._plan_rope(views, int(qo[-1]), int(table.kv_lens.sum()), int(table.kv_lens.size), num_qo_heads,
-                            num_kv_heads, runtime,
-                            (0 if block_table else pages, pages if block_table else 0, bt_stride))
-            pages, block_table, bt_stride = 0, False, 0  # the kernel's KV is the ragged scratch
+            self._plan_rope(addresses, int(qo[-1]), int(table.kv_lens.sum()), int(table.kv_lens.size), num_qo_heads,
+                            num_kv_heads, runtime, tables)
+            tables.update(kv_indices=0, block_table=0, block_table_stride=0)  # the kernel's KV: the ragged scratch
+        tables["kv_indptr"] = addresses["kv_indptr"]
         # persistent CTAs, one an SM, walk the capacity x num_kv_heads work items (the kernel strides over them)
         self._grid = (max(1, min(plan.info.capacity * num_kv_heads, self.num_sms)), 1, 1)
-        base = self._plan_buf.tensor.data_ptr()  # tile_indptr and host mask offsets count from here
-        mask_args = (0, 0, 0, 0) if not custom else (
-            self._mask_held.data_ptr() if self._mask_held is not None else base,
-            views["mask_offset"].data_ptr(), views["tile_indptr"].data_ptr(), base)
-        # the params struct after (tma_q[, tma_o], tma_k, tma_v or a gathered cache's k, v and strides; q, o, lse)
-        group = num_qo_heads // num_kv_heads
-        self._group = group
+        base = addresses["base"]  # tile_indptr and host mask offsets count from here
+        group = self._group = num_qo_heads // num_kv_heads
         self._q_tma, self._o_tma = sm90_qo_tma(group, self._o_staged)
-        self._args = tuple(views[n].data_ptr() for n in ("qo_indptr", "kv_indptr", "kv_len", "request_idx",
-                                                         "qo_tile_idx", "kv_start", "kv_end")) + (
-            0 if block_table else pages, pages if block_table else 0,
-            num_qo_heads, group, *fast_div(group), int(self._q_tma), int(self._o_tma), runtime.sm_scale,
-            plan.info.capacity, num_kv_heads, bt_stride,
-            runtime.window_left, runtime.soft_cap) + mask_args
-        self._keep = plan
+        magic, shift = fast_div(group)
+        fields = {name: addresses[name] for name in ("qo_indptr", "kv_len", "request_idx", "qo_tile_idx",
+                                                      "kv_start", "kv_end")}
+        fields.update(tables, num_qo_heads=num_qo_heads, group_size=group, group_magic=magic, group_shift=shift,
+                      q_tma=int(self._q_tma), o_tma=int(self._o_tma), sm_scale=runtime.sm_scale,
+                      num_items=plan.info.capacity, num_kv_heads=num_kv_heads, window_left=runtime.window_left,
+                      soft_cap=runtime.soft_cap)
+        fields.update(custom_mask=(self._mask_held.data_ptr() if self._mask_held is not None else base) if custom else 0,
+                      mask_offset=addresses["mask_offset"] if custom else 0,
+                      tile_indptr=addresses["tile_indptr"] if custom else 0, tiles=base if custom else 0)
+        self._params.pack(fields)
         return plan.info.max_total_q
 
     def _mask_extras(self, plan, qo: np.ndarray, kv_lens: np.ndarray, custom_mask, extras: dict,
                      pages_host: np.ndarray | None) -> dict:
-        """``extras`` followed by a custom mask's: per-request bit offsets and per-item ``tile_indptr`` (fixed
-        lengths in CUDA-graph mode), the host page ids if any, then the tile lists (``plan_mask_tiles``, which
-        re-orders the plan's items) and a host mask's bits. The last two move when re-planning changes the
-        lengths before them, so tile_indptr and a host mask's bit offsets count from the start of the device
-        plan buffer, whose address never changes in CUDA-graph mode. A device mask is held and read in place."""
+        """``extras`` followed by a custom mask's (``custom_mask.mask_extras``): a host mask is classified into
+        tile lists (``plan_mask_tiles``, which re-orders the plan's items); a device mask is held and read in
+        place, every tile partial."""
         bits = custom_mask_bits(custom_mask, qo, kv_lens)
         self._mask_held = bits.device
         indptr, entries = plan_mask_tiles(plan, bits.host, bits.offsets, kv_lens, tile_kv=self._tile_kv)
-        offsets = bits.offsets
-        if self.max_batch_size is not None:
-            offsets = np.concatenate([offsets, np.zeros(self.max_batch_size - offsets.size, np.int64)])
-        out = {**extras, "mask_offset": offsets.astype("<i8").view(np.int32), "tile_indptr": indptr}
-        if pages_host is not None:
-            out["pages"] = pages_host
-        out["tiles"] = entries
-        if bits.host is not None:  # int32 words, the tail zero-filled (the kernel reads whole aligned words)
-            words = np.zeros(-(-bits.host.size // 4) * 4, np.uint8)
-            words[: bits.host.size] = bits.host
-            out["mask"] = words.view("<i4")
-        starts, _ = extra_offsets(plan.numel, {name: values.size for name, values in out.items()})
-        out["tile_indptr"] = (indptr + starts["tiles"]).astype(np.int32)
-        if bits.host is not None:
-            out["mask_offset"] = (offsets + np.int64(starts["mask"]) * 32).astype("<i8").view(np.int32)
-        return out
+        return mask_extras(plan.numel, bits, indptr, entries, extras, pages_host, self.max_batch_size)
 
-    def _plan_rope(self, views, total_q: int, total_kv: int, batch: int, num_qo_heads: int, num_kv_heads: int,
-                   runtime: Runtime, tables: tuple[int, int, int]) -> None:
-        """Scratch for rotated q, K and V; the scratch K / V tensor maps; the pre-pass's plan-side arguments."""
+    def _plan_rope(self, addresses: dict[str, int], total_q: int, total_kv: int, batch: int, num_qo_heads: int,
+                   num_kv_heads: int, runtime: Runtime, tables: dict) -> None:
+        """Scratch for rotated q, K and V; the scratch K / V tensor maps; the pre-pass's plan-time params."""
         d = self.spec.head_dim
         q_n, kv_n = total_q * num_qo_heads * d, max(total_kv, 1) * num_kv_heads * d
         flat = self._scratch.get(q_n + 2 * kv_n + 64, "rope scratch")  # 64: 128-byte alignment of each part
@@ -240,30 +220,24 @@ class SM90Prefill:
         k_out = flat[k_at: k_at + kv_n].view(max(total_kv, 1), num_kv_heads, d)
         v_out = flat[v_at: v_at + kv_n].view(max(total_kv, 1), num_kv_heads, d)
         view = KVView(k_out, v_out, 0, num_kv_heads * d, d, k_out.shape[0])
-        self._scratch_maps = (kv_tensor_map(self.kernel_spec, view, k_out), kv_tensor_map(self.kernel_spec, view, v_out))
+        self._scratch_maps = (kv_tensor_map(self.kernel_spec, view, k_out, self._tile_kv),
+                              kv_tensor_map(self.kernel_spec, view, v_out, self._tile_kv))
         pairs = (total_q * num_qo_heads + total_kv * num_kv_heads) * (d // 2)
-        self._rope_grid = (max(1, -(-pairs // ROPE_THREADS)), 1, 1)
-        self._rope_outs = (self._q_out.data_ptr(), k_out.data_ptr(), v_out.data_ptr())
-        self._rope_tables = (views["qo_indptr"].data_ptr(), views["src_indptr"].data_ptr(), tables[0], tables[1],
-                             views["kv_len"].data_ptr(), views["kv_indptr"].data_ptr())
-        self._rope_scalars = (total_q, total_kv, tables[2], batch, num_qo_heads, num_kv_heads,
-                              runtime.rope_rcp_scale, runtime.rope_log2_theta)
-
-    def _load_kernel(self) -> None:
-        from ..jit import build
-
-        if self.rope:
-            self._rope_fn = build(self._kernels["rope_gather"], "rope_gather", device=self.device.index)["rope_gather"]
-        self._kernel = build(self.kernel_spec, "prefill_sm90", device=self.device.index)
-        self._fn = self._kernel["prefill_sm90"]
-        self._smem = sm90_smem_bytes(self.spec.head_dim, gather=self.gather)
-        self._fn.set_max_dynamic_shared_memory(self._smem)
+        self._rope_grid = (max(1, -(-pairs // self._rope_block[0])), 1, 1)
+        self._rope_params.pack({
+            "q_out": self._q_out.data_ptr(), "k_out": k_out.data_ptr(), "v_out": v_out.data_ptr(),
+            "qo_indptr": addresses["qo_indptr"], "kv_indptr": addresses["src_indptr"],
+            "kv_indices": tables["kv_indices"], "block_table": tables["block_table"], "kv_len": addresses["kv_len"],
+            "kv_out_indptr": addresses["kv_indptr"], "total_q": total_q, "total_kv_out": total_kv,
+            "block_table_stride": tables["block_table_stride"], "batch": batch, "num_qo_heads": num_qo_heads,
+            "num_kv_heads": num_kv_heads, "rope_rcp_scale": runtime.rope_rcp_scale,
+            "rope_log2_theta": runtime.rope_log2_theta})
 
     def kv_args(self, kv: KVView) -> tuple:
         """The TMA descriptors of K and V, bounded by the tensors' own size (the wrapper memoises them); for a
-        gathered page size (``sm90_gather``) or RoPE, the cache's addresses and element strides (k, v,
-        stride_page, stride_token, stride_head: the kernel's params, or with RoPE the pre-pass's, the kernel then
-        reading the scratch)."""
+        gathered page size (``launch_config.gather``) or RoPE, the cache's addresses and element strides (k, v,
+        stride_page, stride_token, stride_head: the kernel's params, or with RoPE the pre-pass's, the kernel
+        then reading the scratch)."""
         if self.rope or self.gather:
             return (kv.k.data_ptr(), kv.v.data_ptr(), kv.stride_page, kv.stride_token, kv.stride_head)
         if kv.k.shape[0] == 0:  # a map needs an address: an empty cache is read through a one-row stand-in
@@ -271,8 +245,9 @@ class SM90Prefill:
             if key not in self._empty:
                 self._empty[key] = torch.zeros((1, *kv.k.shape[1:]), dtype=kv.k.dtype, device=kv.k.device)
             stand_in = self._empty[key]
-            return kv_tensor_map(self.spec, kv, stand_in), kv_tensor_map(self.spec, kv, stand_in)
-        return kv_tensor_map(self.spec, kv, kv.k), kv_tensor_map(self.spec, kv, kv.v)
+            return (kv_tensor_map(self.spec, kv, stand_in, self._tile_kv),
+                    kv_tensor_map(self.spec, kv, stand_in, self._tile_kv))
+        return kv_tensor_map(self.spec, kv, kv.k, self._tile_kv), kv_tensor_map(self.spec, kv, kv.v, self._tile_kv)
 
     def _qo_map(self, t: torch.Tensor, tokens: int) -> bytes:
         """``qo_tensor_map`` of q or out for the planned group, memoised by what it depends on, so that run() of
@@ -288,26 +263,21 @@ class SM90Prefill:
     def launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         stream = current_stream(self.device.index)
         if self.rope:  # the kernel reads the rotated q in the scratch
-            self._rope_fn.launch(self._rope_grid, (ROPE_THREADS, 1, 1), 0, stream, q.data_ptr(), kv[0], kv[1],
-                                 *self._rope_outs, *self._rope_tables, *kv[2:], *self._rope_scalars)
+            rope = self._rope_params
+            rope.set(q.data_ptr(), kv[0], kv[1], *kv[2:])
+            self._rope_fn.launch_params(self._rope_grid, self._rope_block, 0, stream, rope.address)
             kv, q = self._scratch_maps, self._q_out
-        maps = (self._qo_map(q, TILE_Q // self._group) if self._q_tma else NO_MAP,)
+        maps = (self._qo_map(q, self._launch.tile_q // self._group) if self._q_tma else NO_MAP,)
         if self._o_staged:
             maps += (self._qo_map(out, O_WARP_ROWS // self._group) if self._o_tma else NO_MAP,)
-        self._fn.launch(self._grid, (THREADS, 1, 1), self._smem, stream, *maps, *kv,
-                        q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0, *self._args)
+        params = self._params
+        params.set(*maps, *kv, q.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr())
+        self._fn.launch_params(self._grid, self._launch.block, self._launch.smem_bytes, stream, params.address)
 
 
-class PrefillSM90(BatchPrefillWrapper):
-    """``BatchPrefillWrapper(spec, backend="sm90")``: the Hopper kernel or an error, never the portable one.
-
-    Example::
-
-        runner = PrefillSM90(AttentionSpec(128, kv_layout=Ragged(), mask=Causal()))
-        runner.plan(qo_indptr=[0, 100, 612], kv_indptr=[0, 100, 612], num_qo_heads=32, num_kv_heads=8)
-        out, lse = runner.run(q, (k, v), return_lse=True)  # q [612, 32, 128] bf16 -> out [612, 32, 128], lse fp32
-    """
-
-    def __init__(self, spec: AttentionSpec, device: torch.device | int | None = None, num_sms: int | None = None,
-                 **options):
-        super().__init__(spec, device=device, num_sms=num_sms, backend="sm90", **options)
+def _ragged_indptr(kv_lens: np.ndarray, size: int) -> np.ndarray:
+    """Token offsets of the ragged scratch (the RoPE pre-pass's output), ``size`` long (padded in graph mode)."""
+    out = np.zeros(size, np.int64)
+    np.cumsum(kv_lens, out=out[1: kv_lens.size + 1])
+    out[kv_lens.size + 1:] = out[kv_lens.size]
+    return out

@@ -1,5 +1,6 @@
 """Wrapper buffers: device buffers that grow (or stay fixed for CUDA graphs), and plan uploads through pinned
-host buffers reused in turn (one host-to-device copy per plan, no device sync)."""
+host buffers reused in turn (one host-to-device copy per plan, no device sync). Every backend uploads its plan
+and the arrays that travel with it (kv_indptr, host page ids, custom-mask bits and tile lists) this way."""
 
 from __future__ import annotations
 
@@ -51,13 +52,15 @@ class HostStaging:
     def __init__(self, device: torch.device):
         self.device = device
         self._buffers: list[torch.Tensor | None] = [None, None]
-        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._events: list[torch.cuda.Event | None] = [None, None]  # made once each, recorded at every upload
+        self._recorded = [False, False]
+        self._views: dict[int, np.ndarray] = {}
+        self._addresses: dict[tuple, tuple] = {}  # (schema id, device base) -> (schema, field addresses)
         self._turn = 0
 
     def _take(self, numel: int) -> torch.Tensor:
-        event = self._events[self._turn]
-        if event is not None:
-            event.synchronize()
+        if self._recorded[self._turn]:
+            self._events[self._turn].synchronize()
         buf = self._buffers[self._turn]
         if buf is None or buf.numel() < numel:
             buf = self._buffers[self._turn] = torch.empty(max(numel, 4096), dtype=torch.int32, pin_memory=True)
@@ -76,27 +79,50 @@ class HostStaging:
         raise PlanError("host_buffer: the plan did not fit a staging buffer of 4**8 times the initial size")
 
     def upload(self, plan: Plan, extras: dict[str, np.ndarray], device_buffer,
-               hint: str = "raise max_batch_size") -> dict[str, torch.Tensor]:
+               hint: str = "raise max_batch_size", reserve: int = 0) -> dict[str, int]:
         """Append ``extras`` (int32-convertible 1-D arrays) after the plan in its host buffer and copy both to
-        the device in one async copy; returns device views of every plan field and extra. The extras land
-        where ``extra_offsets`` says. ``hint``: how to make room, for the error of a fixed (CUDA-graph) buffer
-        that a later plan outgrows (extras sized by the batch's KV, not by max_batch_size, need their own)."""
+        the device in one async copy; returns the device address of every plan field and extra (and
+        ``"base"``, the buffer's start). The extras land where ``extra_offsets`` says. ``hint``: how to make
+        room, for the error of a fixed (CUDA-graph) buffer that a later plan outgrows (extras sized by the
+        batch's KV, not by max_batch_size, need their own); ``reserve``: int32 elements the first sizing of a
+        fixed buffer adds (room for what later plans may append)."""
         starts, offset = extra_offsets(plan.numel, {name: values.size for name, values in extras.items()})
-        spans = {name: (starts[name], values.size) for name, values in extras.items()}
         host = self._buffers[self._turn]
         if host.numel() < offset:  # grow, keeping the plan already written
             grown = torch.empty(offset * 2, dtype=torch.int32, pin_memory=True)
             grown[: plan.numel].copy_(host[: plan.numel])
             host = self._buffers[self._turn] = grown
-        flat = host.numpy()
-        for name, (start, size) in spans.items():
-            flat[start: start + size] = extras[name]
+        if extras:
+            flat = self._flat(host)
+            for name, values in extras.items():
+                start = starts[name]
+                flat[start: start + values.size] = values
+        if device_buffer.tensor is None and device_buffer.fixed:
+            device_buffer.get(offset + reserve, "plan", hint)
         dev = device_buffer.get(offset, "plan", hint)
         dev[:offset].copy_(host[:offset], non_blocking=True)
-        event = torch.cuda.Event()
+        event = self._events[self._turn]
+        if event is None:
+            event = self._events[self._turn] = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        self._events[self._turn] = event
+        self._recorded[self._turn] = True
         self._turn ^= 1
-        views = {name: dev[f.offset: f.offset + f.length] for name, f in plan.schema.items()}
-        views.update({name: dev[start: start + size] for name, (start, size) in spans.items()})
-        return views
+        base = dev.data_ptr()
+        key = (id(plan.schema), base)  # schemas are shared between plans of one shape, never mutated
+        cached = self._addresses.get(key)
+        if cached is None or cached[0] is not plan.schema:
+            if len(self._addresses) >= 64:
+                self._addresses.clear()
+            cached = self._addresses[key] = (plan.schema, {name: base + 4 * f.offset for name, f in plan.schema.items()})
+        addresses = dict(cached[1])
+        for name, start in starts.items():
+            addresses[name] = base + 4 * start
+        addresses["base"] = base
+        return addresses
+
+    def _flat(self, host: torch.Tensor) -> np.ndarray:
+        """The numpy view of a staging buffer (made once per buffer)."""
+        cached = self._views.get(host.data_ptr())
+        if cached is None or cached.size != host.numel():
+            cached = self._views[host.data_ptr()] = host.numpy()
+        return cached

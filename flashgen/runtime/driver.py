@@ -88,6 +88,16 @@ class Function:
         attr = getattr(_cu.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name.upper()}")
         return check(_cu.cuFuncGetAttribute(attr, self.handle), f"cuFuncGetAttribute({self.name})")
 
+    def launch_params(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, stream: int,
+                      params_address: int) -> None:
+        """Launch with a params struct packed elsewhere: ``params_address`` is the address of a one-pointer
+        array pointing at it (``BoundParams.address``)."""
+        handle = _streams.get(stream) or stream_handle(stream)
+        err = self._launch(self.handle, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_mem,
+                           handle, params_address, 0)[0]
+        if err != _SUCCESS:
+            check((err,), f"cuLaunchKernel({self.name})")
+
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, stream: int,
                *params) -> None:
         """Launch with the params struct's fields in declaration order (pointers as integer addresses)."""

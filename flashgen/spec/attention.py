@@ -20,7 +20,7 @@ from .parts import (
     canonical_dtype,
 )
 
-HEAD_DIMS = (64, 96, 128, 192, 256)
+HEAD_DIMS = (64, 128, 192, 256)  # the head dims some kernel family takes
 
 
 def _names(classes: tuple[type, ...]) -> str:

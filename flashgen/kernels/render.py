@@ -7,7 +7,6 @@ from pathlib import Path
 
 import jinja2
 
-from .. import __file__ as _package_file
 
 
 class TemplateError(RuntimeError):
@@ -16,7 +15,7 @@ class TemplateError(RuntimeError):
 
 def templates_dir() -> Path:
     """The templates folder: ``flashgen/templates`` in a wheel, the checkout's ``templates/`` otherwise."""
-    package = Path(_package_file).resolve().parent
+    package = Path(__file__).resolve().parent.parent  # flashgen/
     for candidate in (package / "templates", package.parent / "templates"):
         if (candidate / "include" / "flashgen").is_dir():
             return candidate

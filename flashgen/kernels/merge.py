@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..spec import AttentionSpec, MergeSpec
-from .family import EntryPoint, KernelFamily, register, struct
+from .family import EntryPoint, KernelFamily, LaunchConfig, struct
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 BLOCK_THREADS = 256
@@ -24,6 +24,10 @@ class MergeStatesFamily(KernelFamily):
     def context(self, spec: MergeSpec) -> dict:
         return {"DTypeV": CPP_TYPES[spec.dtype], "BLOCK_THREADS": BLOCK_THREADS}
 
+    def launch(self, spec: MergeSpec) -> LaunchConfig:
+        """Both entry points: ``BLOCK_THREADS`` threads, rows spread over lane groups (``api/merge.py``)."""
+        return LaunchConfig(block=(BLOCK_THREADS, 1, 1))
+
     def entry_points(self, spec: MergeSpec) -> tuple[EntryPoint, ...]:
         v = CPP_TYPES[spec.dtype]
         pair = struct(
@@ -43,6 +47,3 @@ class MergeStatesFamily(KernelFamily):
             ("int32_t", "head_dim"), ("int32_t", "threads_per_row"),
         )
         return (EntryPoint("merge_state", pair), EntryPoint("merge_states", many))
-
-
-register(MergeStatesFamily())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..spec import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, ALiBi, SlidingWindow, SpecError
-from .family import AttentionFamily, EntryPoint, register, struct
+from .family import AttentionFamily, EntryPoint, LaunchConfig, struct
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float8_e4m3fn": "__nv_fp8_e4m3",
              "float8_e5m2": "__nv_fp8_e5m2"}
@@ -11,6 +11,7 @@ KV_BYTES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 DECODE_HEAD_DIMS = (64, 128, 256)
 NUM_WARPS = 4
 TILE_KV = NUM_WARPS * 16  # KV tokens per pipeline stage
+TILE_Q = 16  # packed q rows of a work item: one m16 tile (a decode request's GQA group)
 SMEM_TARGET = 113 * 1024  # two CTAs per SM on Hopper (227 KB)
 
 
@@ -73,8 +74,7 @@ class DecodeFamily(AttentionFamily):
 
     def context(self, spec: AttentionSpec) -> dict:
         paged = isinstance(spec.kv_layout, Paged)
-        kv_bytes = KV_BYTES[spec.kv_dtype]
-        stages = decode_stages(spec.head_dim, spec.head_dim_vo, kv_bytes)
+        launch = self.launch(spec)
         return {
             "DTypeQ": CPP_TYPES[spec.dtype],
             "DTypeKV": CPP_TYPES[spec.kv_dtype],
@@ -83,14 +83,22 @@ class DecodeFamily(AttentionFamily):
             "HEAD_DIM_VO": spec.head_dim_vo,
             "PAGE_SIZE": spec.kv_layout.page_size if paged else 1,
             "NUM_WARPS": NUM_WARPS,
-            "STAGES": stages,
-            "SMEM_BYTES": decode_smem_bytes(spec.head_dim, spec.head_dim_vo, stages, kv_bytes),
+            "STAGES": launch.stages,
+            "SMEM_BYTES": launch.smem_bytes,
             "PAGED": _flag(paged),
             "ROPE": _flag(isinstance(spec.pos_encoding, RoPE)),
             "ALIBI": _flag(isinstance(spec.pos_encoding, ALiBi)),
             "SOFT_CAP": _flag(spec.soft_cap is not None),
             "WINDOW": _flag(isinstance(spec.mask, SlidingWindow)),
         }
+
+    def launch(self, spec: AttentionSpec) -> LaunchConfig:
+        kv_bytes = KV_BYTES[spec.kv_dtype]
+        stages = decode_stages(spec.head_dim, spec.head_dim_vo, kv_bytes)
+        return LaunchConfig(block=(NUM_WARPS * 32, 1, 1),
+                            smem_bytes=decode_smem_bytes(spec.head_dim, spec.head_dim_vo, stages, kv_bytes),
+                            tile_q=TILE_Q, tile_kv=TILE_KV,
+                            ctas_per_sm=decode_ctas_per_sm(spec.head_dim, spec.head_dim_vo, kv_bytes), stages=stages)
 
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
         q, kv = CPP_TYPES[spec.dtype], CPP_TYPES[spec.kv_dtype]
@@ -109,6 +117,3 @@ class DecodeFamily(AttentionFamily):
             ("float", "v_scale"),
         )
         return (EntryPoint("decode", decode),)
-
-
-register(DecodeFamily())

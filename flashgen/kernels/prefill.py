@@ -1,17 +1,17 @@
 """The prefill family: batch prefill / append over ragged or paged KV on tensor cores (sm_80+, mma.sync).
 
-Python decides the tiles (``prefill_tiles``; the ``FLASHGEN_PREFILL_TILES`` knob picks a preset): a CTA of
-``NUM_WARPS`` warps, each owning ``16 * MMA_Q`` packed q rows (token x q head of one GQA group), streams KV
-tiles of ``TILE_KV`` tokens through a ``STAGES``-deep cp.async pipeline. The tiles are part of the uri.
+Python decides the tiles (``prefill_tiles``; the family option ``tiles`` picks a preset, e.g.
+``BatchPrefillWrapper(spec, kernel_options={"tiles": "kv32"})``): a CTA of ``NUM_WARPS`` warps, each owning
+``16 * MMA_Q`` packed q rows (token x q head of one GQA group), streams KV tiles of ``TILE_KV`` tokens through a
+``STAGES``-deep cp.async pipeline. The tiles are part of the uri.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import knobs
 from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
-from .family import AttentionFamily, EntryPoint, register, struct
+from .family import AttentionFamily, EntryPoint, LaunchConfig, struct
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 PREFILL_HEAD_DIMS = (64, 128, 192, 256)  # rows of whole 128-byte lines (the swizzle needs 8k chunks)
@@ -63,11 +63,12 @@ def _kv64(widest: int) -> PrefillTiles:
 
 PRESETS = {"kv32": _kv32, "kv64": _kv64}
 DEFAULT_PRESET = "kv64"  # +17-23 % over kv32 (2026-11-29); its whole GPU test file passed on the H200 (gpu-tests-26abfb1.log)
+_GRAMMAR = "one of kv32, kv64 or warps=W,rows=R,kv=K[,stages=S][,ctas=C]"
 _KEYS = {"warps": "num_warps", "rows": "mma_q", "kv": "tile_kv", "stages": "stages", "ctas": "ctas_per_sm"}
 
 
 def parse_tiles(value: str | None, widest: int) -> PrefillTiles:
-    """The tiles ``FLASHGEN_PREFILL_TILES`` asks for at head width ``widest``: a preset name (default
+    """The tiles the ``tiles`` option asks for at head width ``widest``: a preset name (default
     ``DEFAULT_PRESET``), or ``warps=W,rows=R,kv=K[,stages=S][,ctas=C]`` for every head dim (an experiment).
 
     Example: ``parse_tiles("warps=8,rows=16,kv=64,ctas=2", 128)`` == ``PrefillTiles(8, 1, 64, None, 2)``.
@@ -79,58 +80,57 @@ def parse_tiles(value: str | None, widest: int) -> PrefillTiles:
     for item in value.split(","):
         key, _, number = item.partition("=")
         if key.strip() not in _KEYS or not number.strip().isdigit():
-            raise SpecError(f"FLASHGEN_PREFILL_TILES: got {value!r}, expected one of {', '.join(PRESETS)} or "
-                            "warps=W,rows=R,kv=K[,stages=S][,ctas=C]")
+            raise SpecError(f"kernel_options['tiles']: got {value!r}, expected {_GRAMMAR}")
         fields[_KEYS[key.strip()]] = int(number)
     if not {"num_warps", "mma_q", "tile_kv"} <= fields.keys():
-        raise SpecError(f"FLASHGEN_PREFILL_TILES: got {value!r}, warps, rows and kv are required")
+        raise SpecError(f"kernel_options['tiles']: got {value!r}, warps, rows and kv are required")
     rows, kv = fields["mma_q"], fields["tile_kv"]
     if rows not in (16, 32) or kv not in (16, 32, 48, 64) or kv > 32 * fields["num_warps"]:
-        raise SpecError(f"FLASHGEN_PREFILL_TILES: got {value!r}; rows must be 16 or 32, kv 16, 32, 48 or 64 "
+        raise SpecError(f"kernel_options['tiles']: got {value!r}; rows must be 16 or 32, kv 16, 32, 48 or 64 "
                         "and at most 32 x warps")
     fields["mma_q"] = rows // 16
     return PrefillTiles(**fields)
 
 
-def tiles_for(head_dim: int, head_dim_vo: int) -> PrefillTiles:
-    """The tile configuration of (head_dim, head_dim_vo) under the ``FLASHGEN_PREFILL_TILES`` knob."""
-    return parse_tiles(knobs.prefill_tiles(), max(head_dim, head_dim_vo))
+def tiles_for(head_dim: int, head_dim_vo: int, tiles: str | None = None) -> PrefillTiles:
+    """The tile configuration of (head_dim, head_dim_vo) under the ``tiles`` option (None: the default)."""
+    return parse_tiles(tiles, max(head_dim, head_dim_vo))
 
 
-def prefill_tiles(head_dim: int, head_dim_vo: int) -> tuple[int, int, int]:
+def prefill_tiles(head_dim: int, head_dim_vo: int, tiles: str | None = None) -> tuple[int, int, int]:
     """``(NUM_WARPS, MMA_Q, TILE_KV)``: warps per CTA, 16-row mma tiles per warp, KV tokens per stage."""
-    t = tiles_for(head_dim, head_dim_vo)
+    t = tiles_for(head_dim, head_dim_vo, tiles)
     return t.num_warps, t.mma_q, t.tile_kv
 
 
-def prefill_tile_q(head_dim: int, head_dim_vo: int) -> int:
+def prefill_tile_q(head_dim: int, head_dim_vo: int, tiles: str | None = None) -> int:
     """Packed q rows of one CTA tile (the planner's ``tile_rows``)."""
-    num_warps, mma_q, _ = prefill_tiles(head_dim, head_dim_vo)
+    num_warps, mma_q, _ = prefill_tiles(head_dim, head_dim_vo, tiles)
     return num_warps * 16 * mma_q
 
 
-def prefill_smem_bytes(head_dim: int, head_dim_vo: int, stages: int, elem: int = 2) -> int:
+def prefill_smem_bytes(head_dim: int, head_dim_vo: int, stages: int, elem: int = 2, tiles: str | None = None) -> int:
     """Dynamic shared memory of one CTA: the Q tile, ``stages`` K/V tiles, two rings of KV row offsets (Layout)."""
-    tile_kv = prefill_tiles(head_dim, head_dim_vo)[2]
-    return (prefill_tile_q(head_dim, head_dim_vo) * head_dim * elem
+    tile_kv = prefill_tiles(head_dim, head_dim_vo, tiles)[2]
+    return (prefill_tile_q(head_dim, head_dim_vo, tiles) * head_dim * elem
             + stages * tile_kv * (head_dim + head_dim_vo) * elem + 2 * tile_kv * 8)
 
 
-def prefill_static_smem_bytes(head_dim: int, head_dim_vo: int) -> int:
+def prefill_static_smem_bytes(head_dim: int, head_dim_vo: int, tiles: str | None = None) -> int:
     """An upper bound of the static shared memory (``RowInfo``: a float4 of softmax statistics a thread and
     mma tile, a query position and an ALiBi slope a row; 512 bytes of scalars). d=128: 4 KB + 1 KB + 0.5 KB."""
-    num_warps, mma_q, _ = prefill_tiles(head_dim, head_dim_vo)
-    return 16 * mma_q * 32 * num_warps + 8 * prefill_tile_q(head_dim, head_dim_vo) + 512
+    num_warps, mma_q, _ = prefill_tiles(head_dim, head_dim_vo, tiles)
+    return 16 * mma_q * 32 * num_warps + 8 * prefill_tile_q(head_dim, head_dim_vo, tiles) + 512
 
 
-def prefill_ctas_per_sm(head_dim: int, head_dim_vo: int) -> int:
+def prefill_ctas_per_sm(head_dim: int, head_dim_vo: int, tiles: str | None = None) -> int:
     """CTAs per SM (the launch bound's minimum): 8-warp CTAs of ~185-250 registers a thread fill the register
     file alone; 4-warp CTAs (<= 255 registers) fit two. Used by the planner (slots = SMs x this) and by
     ``prefill_stages``."""
-    return tiles_for(head_dim, head_dim_vo).ctas
+    return tiles_for(head_dim, head_dim_vo, tiles).ctas
 
 
-def prefill_stages(head_dim: int, head_dim_vo: int) -> int:
+def prefill_stages(head_dim: int, head_dim_vo: int, tiles: str | None = None) -> int:
     """Pipeline depth: 3 stages when they fit the CTAs of one SM (227 KB, 1 KB reserved per CTA, the static
     shared memory), else 2.
 
@@ -139,22 +139,22 @@ def prefill_stages(head_dim: int, head_dim_vo: int) -> int:
     Q 16 KB + 3 x 8 KB = 41 KB -> 3. head_dim 192, one 8-warp CTA: Q 48 KB + 3 x 40 KB = 169 KB -> 3.
     head_dim 256, two CTAs: Q 32 KB + 3 x 32 KB = 129 KB -> 2 (97 KB).
     """
-    stages = tiles_for(head_dim, head_dim_vo).stages
+    stages = tiles_for(head_dim, head_dim_vo, tiles).stages
     if stages is not None:
         return stages
-    budget = ((227 * 1024) // prefill_ctas_per_sm(head_dim, head_dim_vo) - 1024
-              - prefill_static_smem_bytes(head_dim, head_dim_vo))
-    return 3 if prefill_smem_bytes(head_dim, head_dim_vo, 3) <= budget else 2
+    budget = ((227 * 1024) // prefill_ctas_per_sm(head_dim, head_dim_vo, tiles) - 1024
+              - prefill_static_smem_bytes(head_dim, head_dim_vo, tiles))
+    return 3 if prefill_smem_bytes(head_dim, head_dim_vo, 3, tiles=tiles) <= budget else 2
 
 
-def prefill_q_in_regs(head_dim: int, head_dim_vo: int) -> bool:
+def prefill_q_in_regs(head_dim: int, head_dim_vo: int, tiles: str | None = None) -> bool:
     """Q fragments in registers (loaded once) rather than re-read from shared memory for every KV tile: when
     the Q tile is narrow and Q, O and the scores together stay within 160 fp32 registers a thread.
 
     Worked example: head_dim 64, two m16 tiles a warp: Q 32 + O 64 + S 32 = 128 -> registers; head_dim 128
     (Q 64 + O 128 + S 32) -> shared memory.
     """
-    _, mma_q, tile_kv = prefill_tiles(head_dim, head_dim_vo)
+    _, mma_q, tile_kv = prefill_tiles(head_dim, head_dim_vo, tiles)
     regs = mma_q * (head_dim // 4 + head_dim_vo // 2 + tile_kv // 2)
     return head_dim * mma_q <= 128 and regs <= 160
 
@@ -162,7 +162,7 @@ def prefill_q_in_regs(head_dim: int, head_dim_vo: int) -> bool:
 def prefill_late_copies(spec: AttentionSpec) -> bool:
     """Whether a tile's cp.async copies of the next tile go after the softmax (in the basic block of the exp2 and
     P V) rather than after Q K^T: ragged KV without a custom mask. Measured on the H200 at d=128 against
-    FlashInfer FA2 in the same runs (session 11, ``benchmarks/results/s11/``): ragged none +1 % (0.99 -> 1.00-1.01x
+    FlashInfer FA2 in the same runs (2026-11, ``benchmarks/results/s11/``): ragged none +1 % (0.99 -> 1.00-1.01x
     FA2), window +0.5-1 %, causal even, and the loop-top barrier waits half as long (ncu stall samples). Paged
     copies, which read their row offsets from shared memory first, lost 1-8 % there (window and causal most), and
     a custom mask's element pass (its bit loads) between Q K^T and the softmax lost 1.5-3 %: both keep the copies
@@ -171,19 +171,45 @@ def prefill_late_copies(spec: AttentionSpec) -> bool:
             and spec.head_dim == spec.head_dim_vo == 128)
 
 
-def _tiles_tag(head_dim: int, head_dim_vo: int) -> str:
+def _tiles_tag(head_dim: int, head_dim_vo: int, tiles: str | None = None) -> str:
     """``w4r32kv64s2c2``: the tiles as the uri names them (warps, rows a warp, KV tile, stages, CTAs/SM)."""
-    warps, mma_q, tile_kv = prefill_tiles(head_dim, head_dim_vo)
-    return (f"w{warps}r{16 * mma_q}kv{tile_kv}s{prefill_stages(head_dim, head_dim_vo)}"
-            f"c{prefill_ctas_per_sm(head_dim, head_dim_vo)}")
+    warps, mma_q, tile_kv = prefill_tiles(head_dim, head_dim_vo, tiles)
+    return (f"w{warps}r{16 * mma_q}kv{tile_kv}s{prefill_stages(head_dim, head_dim_vo, tiles)}"
+            f"c{prefill_ctas_per_sm(head_dim, head_dim_vo, tiles)}")
 
 
 class PrefillFamily(AttentionFamily):
+    """Option ``tiles``: a preset name (``kv64``, the default; ``kv32``) or ``warps=W,rows=R,kv=K[,stages=S]
+    [,ctas=C]`` (``parse_tiles``); the uri names the resulting tiles, so every choice is its own kernel."""
+
     op = "prefill"
     template = "prefill.cu.j2"
 
+    def __init__(self, tiles: str | None = None):
+        self.tiles = tiles
+        self.options = (("tiles", tiles),) if tiles is not None else ()
+
+    def configure(self, options: dict) -> "PrefillFamily":
+        unknown = set(options) - {"tiles"}
+        if unknown:
+            raise SpecError(f"kernel_options: got {sorted(unknown)}, prefill takes 'tiles' ({_GRAMMAR})")
+        tiles = options.get("tiles")
+        if tiles is not None:
+            if not isinstance(tiles, str):
+                raise SpecError(f"kernel_options['tiles']: got {tiles!r}, expected {_GRAMMAR}")
+            parse_tiles(tiles, 128)  # refuse a malformed value here, naming the option
+        return PrefillFamily(tiles)
+
     def uri(self, spec: AttentionSpec) -> str:
-        return f"{self.op}_{spec.uri}_{_tiles_tag(spec.head_dim, spec.head_dim_vo)}"
+        return f"{self.op}_{spec.uri}_{_tiles_tag(spec.head_dim, spec.head_dim_vo, self.tiles)}"
+
+    def launch(self, spec: AttentionSpec) -> LaunchConfig:
+        d, dv, tiles = spec.head_dim, spec.head_dim_vo, self.tiles
+        num_warps, _, tile_kv = prefill_tiles(d, dv, tiles)
+        stages = prefill_stages(d, dv, tiles)
+        return LaunchConfig(block=(num_warps * 32, 1, 1), smem_bytes=prefill_smem_bytes(d, dv, stages, tiles=tiles),
+                            tile_q=prefill_tile_q(d, dv, tiles), tile_kv=tile_kv,
+                            ctas_per_sm=prefill_ctas_per_sm(d, dv, tiles), stages=stages)
 
     def check(self, spec: AttentionSpec) -> None:
         for name in ("head_dim", "head_dim_vo"):
@@ -201,8 +227,8 @@ class PrefillFamily(AttentionFamily):
     def context(self, spec: AttentionSpec) -> dict:
         paged = isinstance(spec.kv_layout, Paged)
         d, dv = spec.head_dim, spec.head_dim_vo
-        num_warps, mma_q, tile_kv = prefill_tiles(d, dv)
-        stages = prefill_stages(d, dv)
+        num_warps, mma_q, tile_kv = prefill_tiles(d, dv, self.tiles)
+        launch = self.launch(spec)
         return {
             "DTypeQ": CPP_TYPES[spec.dtype],
             "DTypeKV": CPP_TYPES[spec.kv_dtype],
@@ -213,10 +239,10 @@ class PrefillFamily(AttentionFamily):
             "NUM_WARPS": num_warps,
             "MMA_Q": mma_q,
             "TILE_KV": tile_kv,
-            "STAGES": stages,
-            "CTAS_PER_SM": prefill_ctas_per_sm(d, dv),
-            "SMEM_BYTES": prefill_smem_bytes(d, dv, stages),
-            "Q_IN_REGS": _flag(prefill_q_in_regs(d, dv)),
+            "STAGES": launch.stages,
+            "CTAS_PER_SM": launch.ctas_per_sm,
+            "SMEM_BYTES": launch.smem_bytes,
+            "Q_IN_REGS": _flag(prefill_q_in_regs(d, dv, self.tiles)),
             "LATE_COPIES": _flag(prefill_late_copies(spec)),
             "PAGED": _flag(paged),
             "ROPE": _flag(isinstance(spec.pos_encoding, RoPE)),
@@ -244,6 +270,3 @@ class PrefillFamily(AttentionFamily):
             ("float", "sm_scale"), ("float", "soft_cap"), ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"),
         )
         return (EntryPoint("prefill", prefill),)
-
-
-register(PrefillFamily())

@@ -8,16 +8,16 @@ at d <= 128), the K and V producer warps gather other page sizes row by row with
 are skipped, fully visible ones run without the element mask), no positional encoding or ``ALiBi()`` (not RoPE
 yet), soft-cap, any GQA group (packed rows), unsplit plans (``enable_split=False``: every item covers its whole
 KV).
-The kernel is ``templates/include/flashgen/sm90/prefill_sm90.cuh``; the runner ``flashgen.api.sm90``.
+The kernel is ``templates/include/flashgen/sm90/prefill_sm90.cuh``; the runner ``flashgen.api.sm90``. Its two
+consumer warpgroups always take turns issuing their GEMMs (the ping-pong; ``PINGPONG`` stays a template
+constant, always true).
 """
 
 from __future__ import annotations
 
-from .. import knobs
-from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
-from .family import AttentionFamily, EntryPoint, family, register, struct
+from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError
+from .family import AttentionFamily, EntryPoint, LaunchConfig, struct
 from .prefill import CPP_TYPES  # fp16 / bf16, as the portable prefill
-from .rope_gather import attention_spec
 
 SM90_HEAD_DIMS = (64, 128, 256)
 TILE_Q = 128  # two consumer warpgroups of 64 packed rows
@@ -28,6 +28,7 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 x 40 + 256 x 232 = 64512 <= 65536 
 # addresses ahead in the plain split (8 spilled 8-24 bytes in 40 producer registers)
 GATHER_PRODUCER_REGS, GATHER_CONSUMER_REGS = 56, 224
 THREADS = 384
+O_WARP_ROWS = 16  # packed rows of a consumer warp: one TMA store box of O
 SMEM_LIMIT = 227 * 1024
 
 
@@ -115,7 +116,7 @@ def sm90_qo_tma(group: int, o_staged: bool) -> tuple[bool, bool]:
     >>> [sm90_qo_tma(g, True) for g in (1, 4, 7, 32)]
     [(True, True), (True, True), (False, False), (True, False)]
     """
-    return TILE_Q % group == 0, o_staged and 16 % group == 0
+    return TILE_Q % group == 0, o_staged and O_WARP_ROWS % group == 0
 
 
 def sm90_smem_bytes(head_dim: int, elem: int = 2, gather: bool = False) -> int:
@@ -176,8 +177,15 @@ class PrefillSM90Family(AttentionFamily):
             "GATHER": "true" if _gathered(spec) else "false",
             "O_STAGED": "true" if sm90_o_staged(d, _gathered(spec)) else "false",
             "UNIFORM_WG": "true" if sm90_uniform_wg(d) else "false",
-            "PINGPONG": "true" if knobs.sm90_pingpong() else "false",
+            "PINGPONG": "true",
         }
+
+    def launch(self, spec: AttentionSpec) -> LaunchConfig:
+        """One persistent CTA an SM (the grid is at most ``num_sms``), a producer and two consumer warpgroups."""
+        d, gather = spec.head_dim, _gathered(spec)
+        return LaunchConfig(block=(THREADS, 1, 1), smem_bytes=sm90_smem_bytes(d, gather=gather), tile_q=TILE_Q,
+                            tile_kv=sm90_tile_kv(d), ctas_per_sm=1, stages=STAGES, gather=gather,
+                            o_staged=sm90_o_staged(d, gather))
 
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
         q = CPP_TYPES[spec.dtype]
@@ -209,28 +217,7 @@ class PrefillSM90Family(AttentionFamily):
         return (EntryPoint("prefill_sm90", params),)
 
 
-register(PrefillSM90Family())
-
 
 def _gathered(spec: AttentionSpec) -> bool:
     return isinstance(spec.kv_layout, Paged) and sm90_gather(spec.kv_layout.page_size, spec.head_dim)
 
-
-def sm90_kernels(spec: AttentionSpec) -> tuple[tuple[str, AttentionSpec], ...]:
-    """The (op, spec) kernels the sm90 backend runs for ``spec``: ``prefill_sm90`` of the spec itself, or for a
-    RoPE spec the ``rope_gather`` pre-pass and ``prefill_sm90`` of its ragged twin. An AOT build of a RoPE spec
-    needs both (``flashgen build`` expands a plan's ``prefill_sm90`` items with this)."""
-    if isinstance(spec.pos_encoding, RoPE):
-        return (("rope_gather", spec), ("prefill_sm90", attention_spec(spec)))
-    return (("prefill_sm90", spec),)
-
-
-def check_sm90_backend(spec: AttentionSpec, graph: bool = False) -> None:
-    """Raise ``SpecError`` unless the sm90 backend runs ``spec``: the kernel itself, or for a RoPE spec the
-    ``rope_gather`` pre-pass followed by the kernel of its ragged twin (``rope_gather.attention_spec``); that
-    pair is not CUDA-graph safe yet (``graph``): the pre-pass grid and totals depend on the plan."""
-    if graph and isinstance(spec.pos_encoding, RoPE):
-        raise SpecError("pos_encoding: RoPE on the sm90 backend is not CUDA-graph safe yet (use_cuda_graph=True); "
-                        "backend='portable' runs it in a graph")
-    for op, kernel_spec in sm90_kernels(spec):
-        family(op).check(kernel_spec)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..spec import AttentionSpec, NoMask, Paged, Ragged, RoPE, SpecError
-from .family import EntryPoint, KernelFamily, register, struct
+from .family import EntryPoint, KernelFamily, LaunchConfig, struct
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 BLOCK_THREADS = 256
@@ -44,6 +44,10 @@ class RopeGatherFamily(KernelFamily):
         return {"DType": CPP_TYPES[spec.dtype], "HEAD_DIM": spec.head_dim, "PAGED": "true" if paged else "false",
                 "PAGE_SIZE": spec.kv_layout.page_size if paged else 1, "BLOCK_THREADS": BLOCK_THREADS}
 
+    def launch(self, spec: AttentionSpec) -> LaunchConfig:
+        """``BLOCK_THREADS`` threads, one (row, rotation pair) a thread: the grid covers the pairs of q and K."""
+        return LaunchConfig(block=(BLOCK_THREADS, 1, 1))
+
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
         t, i32 = CPP_TYPES[spec.dtype], "const int32_t*"
         params = struct(
@@ -60,9 +64,6 @@ class RopeGatherFamily(KernelFamily):
         return (EntryPoint("rope_gather", params),)
 
 
-def attention_spec(spec: AttentionSpec) -> AttentionSpec:
+def ragged_twin(spec: AttentionSpec) -> AttentionSpec:
     """The sm90 kernel's spec behind a RoPE spec: the same attention over the ragged, rotated scratch."""
     return replace(spec, kv_layout=Ragged(), pos_encoding=None)
-
-
-register(RopeGatherFamily())

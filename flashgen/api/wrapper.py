@@ -1,0 +1,224 @@
+"""The wrapper core under every plan/run wrapper (decode, prefill; cascade, sparse and cache writes to come).
+
+A wrapper is this core plus a backend (``backends.Backend``): the core owns what every kernel shares — the
+device and its SM count, the runtime values (``Runtime``), q / out / lse checks, the memo of validated KV
+caches, the counters of in-kernel split merges, and the plan upload (``HostStaging``: the plan and its extra
+arrays written into one of two reused pinned buffers, one async copy into one reused device buffer); a
+backend owns its planner call, its params and its launch.
+
+Cost model of ``plan()`` (host time on the H200 host; measured 2026-12): the planner itself (``flashgen.plan``)
+is 15-60 µs; every torch call costs several µs there (a ``non_blocking`` ``copy_`` of a pinned tensor ~5 µs,
+``torch.empty`` on the device ~3-5 µs, ``torch.zeros`` more, ``pin_memory()`` tens of µs, a
+``get_device_properties`` ~10 µs) against ~0.1 µs for a dict or attribute access and ~1 µs for a small numpy
+write. So a plan makes one torch call in the steady state — the upload's ``copy_`` — plus the event that
+guards the staging buffer; device buffers, counters and pinned buffers are sized on the first plan and grow
+only when a batch outgrows them; device facts are read once per process; the params struct is packed once,
+by name (``BoundParams``). ``run()`` (~8-10 µs) checks q / out with attribute compares, looks the cache up in
+the memo, writes the run-time params and launches.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..plan import Plan, PlanError
+from ..spec import AttentionSpec, Paged, RoPE, SlidingWindow
+from .checks import check_tensor
+from .kv_inputs import TORCH_DTYPES, KVView, PageTable
+from .staging import DeviceBuffer, HostStaging
+
+KV_MEMO_HELD = 256  # validated caches remembered before the memo starts over (a loop has one per layer)
+
+
+def resolve_device(device: torch.device | int | None) -> torch.device:
+    """``device`` as ``cuda:<index>`` (default: torch's current device)."""
+    if isinstance(device, torch.device) and device.index is not None:
+        return device
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+
+
+@functools.lru_cache(maxsize=None)
+def device_sms(index: int) -> int:
+    """Streaming multiprocessors of GPU ``index`` (read once per process)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+class Runtime(NamedTuple):
+    """Runtime values of a plan (numbers that do not change the kernel), in the kernels' units."""
+
+    window_left: int
+    sm_scale: float
+    soft_cap: float
+    rope_rcp_scale: float
+    rope_log2_theta: float
+
+
+def runtime_values(spec: AttentionSpec, sm_scale=None, rope_theta=None, rope_scale=None, window_left=None,
+                   soft_cap=None) -> Runtime:
+    """The plan's runtime values, defaulting to the spec's, checked (``PlanError`` names the argument).
+
+    >>> runtime_values(AttentionSpec(128, mask=SlidingWindow(64))).window_left
+    64
+    """
+    rope = spec.pos_encoding if isinstance(spec.pos_encoding, RoPE) else RoPE()
+    theta = rope.theta if rope_theta is None else rope_theta
+    scale = rope.scale if rope_scale is None else rope_scale
+    window = spec.mask.left if isinstance(spec.mask, SlidingWindow) and window_left is None else (window_left or 0)
+    if spec.soft_cap is None and soft_cap is not None:
+        raise PlanError("soft_cap: this spec has no soft-cap (set AttentionSpec.soft_cap to enable it)")
+    cap = spec.soft_cap if soft_cap is None else soft_cap
+    if spec.soft_cap is not None and not float(cap) > 0.0:
+        raise PlanError(f"soft_cap: got {cap}, expected a positive value (the logits are capped at +-soft_cap)")
+    scale_qk = float(spec.default_sm_scale if sm_scale is None else sm_scale)
+    if not math.isfinite(scale_qk):
+        raise PlanError(f"sm_scale: got {sm_scale}, expected a finite number")
+    if int(window) < 0:
+        raise PlanError(f"window_left: got {window_left}, expected >= 0 (keys visible to the left of a query)")
+    if not float(theta) > 0.0 or not float(scale) > 0.0:
+        raise PlanError(f"rope_theta / rope_scale: got {theta} / {scale}, expected positive values")
+    return Runtime(int(window), scale_qk, float(cap or 0.0), 1.0 / float(scale), math.log2(float(theta)))
+
+
+def kv_key(kv_cache, num_kv_heads: int) -> tuple | None:
+    """Memo key of a cache: what its validation and kernel arguments depend on (addresses, shapes, strides,
+    dtypes); None for anything that is not one tensor or a pair of tensors (validated every time)."""
+    if type(kv_cache) is tuple or type(kv_cache) is list:
+        if len(kv_cache) == 2:
+            k, v = kv_cache
+            if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+                return (num_kv_heads, k.data_ptr(), v.data_ptr(), k.shape, v.shape, k.stride(), v.stride(),
+                        k.dtype, v.dtype)
+        return None
+    if isinstance(kv_cache, torch.Tensor):
+        return (num_kv_heads, kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
+    return None
+
+
+class Planned(NamedTuple):
+    """What run() checks against the current plan."""
+
+    q_shape: torch.Size
+    out_shape: torch.Size
+    num_kv_heads: int
+    kv_need: int  # tokens (ragged) or pages (paged, host page ids) the cache must hold
+    kv_short: str  # the error when it holds fewer (formatted with the number it holds)
+
+
+def kv_need(spec: AttentionSpec, table: PageTable) -> tuple[int, str]:
+    if not isinstance(spec.kv_layout, Paged):
+        total = int(table.kv_indptr_host[-1])
+        return total, _RAGGED_SHORT.format(total)
+    name = "block_table" if table.block_table is not None else "kv_indices"
+    return table.max_page + 1, _PAGED_SHORT.format(name, table.max_page)
+
+
+_RAGGED_SHORT = "kv_cache: {{}} tokens, fewer than kv_indptr[-1] = {}"
+_PAGED_SHORT = "{}: page id {} is outside kv_cache's {{}} pages"
+
+
+class WrapperCore:
+    """Device, capacity, buffers, KV memo and run-time checks of one wrapper; ``backend`` plans and launches.
+
+    ``graph``: ``(max_batch_size, max_total_q)`` of a CUDA-graph wrapper (every buffer sized once, at the first
+    plan, and never moved), or None.
+    """
+
+    def __init__(self, spec: AttentionSpec, device: torch.device, num_sms: int | None,
+                 graph: tuple[int, int] | None, align: int):
+        self.spec, self.device = spec, device
+        self.num_sms = num_sms or device_sms(device.index)
+        self.graph = graph
+        self.fixed = graph is not None
+        self.max_batch_size, self.max_total_q = graph or (None, None)
+        self.align = align  # byte alignment run() requires of q and out (0: none)
+        self.staging = HostStaging(device)
+        self.plan_buffer = DeviceBuffer(torch.int32, device, self.fixed)
+        self._counters: torch.Tensor | None = None
+        self._kv_memo: dict[tuple, tuple] = {}
+        self.dtype = TORCH_DTYPES[spec.dtype]
+        self.planned: Planned | None = None
+        self._default_runtime: Runtime | None = None
+
+    # ------------------------------------------------------------------------------------------ plan
+
+    def upload(self, plan: Plan, extras: dict[str, np.ndarray], hint: str = "raise max_batch_size",
+               reserve: int = 0) -> dict[str, torch.Tensor]:
+        """The plan and ``extras`` to the device in one async copy (``HostStaging.upload``); device views."""
+        return self.staging.upload(plan, extras, self.plan_buffer, hint, reserve)
+
+    def counters(self, numel: int, hint: str) -> torch.Tensor:
+        """A zeroed int32 buffer of at least ``numel`` (the split merges' semaphores; kernels leave it zero)."""
+        if self._counters is None or self._counters.numel() < numel:
+            if self._counters is not None and self.fixed:
+                raise PlanError(f"counters: needs {numel}, more than sized by the first plan ({hint})")
+            self._counters = torch.zeros(max(numel, 1), dtype=torch.int32, device=self.device)
+        return self._counters
+
+    def runtime(self, sm_scale, rope_theta, rope_scale, window_left, soft_cap) -> Runtime:
+        """``runtime_values`` of the spec, memoised for the defaults (what an inference loop passes each step)."""
+        if sm_scale is None and rope_theta is None and rope_scale is None and window_left is None and soft_cap is None:
+            if self._default_runtime is None:
+                self._default_runtime = runtime_values(self.spec)
+            return self._default_runtime
+        return runtime_values(self.spec, sm_scale, rope_theta, rope_scale, window_left, soft_cap)
+
+    def set_planned(self, rows: int, num_qo_heads: int, num_kv_heads: int, table: PageTable) -> None:
+        spec = self.spec
+        need, short = kv_need(spec, table)
+        planned = self.planned
+        if (planned is not None and planned.q_shape[0] == rows and planned.q_shape[1] == num_qo_heads
+                and planned.num_kv_heads == num_kv_heads and planned.kv_need == need and planned.kv_short == short):
+            return  # the same shapes as the last plan (a decode loop): keep its record
+        self.planned = Planned(torch.Size((rows, num_qo_heads, spec.head_dim)),
+                               torch.Size((rows, num_qo_heads, spec.head_dim_vo)), num_kv_heads, need, short)
+
+    # ------------------------------------------------------------------------------------------ run
+
+    def outputs(self, q: torch.Tensor, out: torch.Tensor | None, return_lse: bool):
+        """Check q (and out, if given) against the plan; ``(out, lse or None)``."""
+        planned = self.planned
+        if planned is None:
+            raise RuntimeError("run: call plan() first")
+        if (q.shape != planned.q_shape or q.dtype != self.dtype or not q.is_contiguous() or q.device != self.device
+                or (self.align and q.data_ptr() % self.align)):
+            self._bad_tensor("q", q, planned.q_shape, self.dtype)
+        if out is None:
+            out = torch.empty(planned.out_shape, dtype=q.dtype, device=q.device)
+        elif (out.shape != planned.out_shape or out.dtype != q.dtype or not out.is_contiguous()
+              or out.device != q.device or (self.align and out.data_ptr() % self.align)):
+            self._bad_tensor("out", out, planned.out_shape, q.dtype)
+        lse = torch.empty(planned.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        return out, lse
+
+    def _bad_tensor(self, name: str, t, shape: torch.Size, dtype: torch.dtype) -> None:
+        check_tensor(name, t, dtypes=(dtype,), ndim=3, device=self.device, align=self.align)
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+
+    def kv_args(self, kv_cache, view, backend_args) -> tuple:
+        """The backend's kernel arguments for a cache (``backend_args(KVView)``), validated on first sight
+        (``view(spec, kv_cache, num_kv_heads)``) and then memoised by ``kv_key``: the memo holds no tensors."""
+        planned = self.planned
+        key = kv_key(kv_cache, planned.num_kv_heads)
+        hit = self._kv_memo.get(key)
+        if hit is None:
+            kv: KVView = view(self.spec, kv_cache, planned.num_kv_heads)
+            if kv.k.device != self.device:
+                raise ValueError(f"kv_cache: expected tensors on {self.device}, got them on {kv.k.device}")
+            hit = (kv.num_pages, backend_args(kv))
+            if key is not None:
+                if len(self._kv_memo) >= KV_MEMO_HELD:
+                    self._kv_memo.clear()
+                self._kv_memo[key] = hit
+        if hit[0] < planned.kv_need:
+            raise ValueError(planned.kv_short.format(hit[0]))
+        return hit[1]
+
+
+def graph_capacity(use_cuda_graph: bool, max_batch_size: int | None, max_total_q: int | None) -> tuple | None:
+    return (max_batch_size, max_total_q) if use_cuda_graph else None

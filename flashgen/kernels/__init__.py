@@ -1,0 +1,26 @@
+"""Kernel families: spec -> template context -> rendered CUDA source, and each family's launch contract.
+Imports ``spec`` only.
+
+Every family is registered here, by op name, and nowhere else: ``decode``, ``prefill`` (portable, mma.sync),
+``prefill_sm90`` (Hopper, wgmma + TMA), ``rope_gather`` (the Hopper prefill's RoPE pre-pass) and
+``merge_states``. Code above this package (``jit``, ``api``, ``cli``) uses only the names exported here.
+"""
+
+from .decode import DecodeFamily
+from .family import EntryPoint, KernelFamily, LaunchConfig, family, launch_config, ops, register
+from .merge import MergeStatesFamily
+from .params import BoundParams, Param, ParamsLayout
+from .prefill import PrefillFamily
+from .prefill_sm90 import PrefillSM90Family, sm90_qo_tma
+from .render import TemplateError, include_dir, render_template, templates_dir
+from .rope_gather import RopeGatherFamily, ragged_twin
+
+for _family in (DecodeFamily(), PrefillFamily(), PrefillSM90Family(), RopeGatherFamily(), MergeStatesFamily()):
+    register(_family)
+del _family
+
+__all__ = [
+    "EntryPoint", "KernelFamily", "LaunchConfig", "family", "launch_config", "ops", "register", "BoundParams",
+    "Param", "ParamsLayout", "TemplateError", "include_dir", "render_template", "templates_dir", "sm90_qo_tma",
+    "ragged_twin",
+]

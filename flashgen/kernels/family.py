@@ -1,0 +1,140 @@
+"""Kernel families: what an ``op`` name means to the code generator.
+
+A family turns a spec into everything its template needs (the context), names its entry points, declares
+each entry point's params struct, and states how its kernel is launched (``launch(spec) -> LaunchConfig``:
+block, shared memory, tiles), so that nothing above it re-derives those. ``kernels/__init__.py`` registers
+every family by op name; ``render`` and ``build`` look them up here. A family may take options that shape
+its kernel (``configure``): they enter its uri, so the kernel key, never an environment variable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..spec import AttentionSpec, SpecError
+from .params import Param, ParamsLayout
+from .render import render_template
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How a family's kernel is launched, and the tile sizes the planner must use for it.
+
+    ``block``: threads of a CTA; ``smem_bytes``: its dynamic shared memory (set as the function's maximum
+    at load); ``tile_q``: packed q rows a CTA tile covers (the planner's ``tile_rows``); ``tile_kv``: KV tokens
+    a pipeline stage holds (the planner's ``kv_granularity``); ``ctas_per_sm``: CTAs resident on one SM (the
+    planner fills ``num_sms * ctas_per_sm`` slots); ``stages``: pipeline depth. Hopper prefill only:
+    ``gather`` (paged K/V gathered row by row, so K/V are passed as addresses and strides, not tensor maps)
+    and ``o_staged`` (the params carry an O tensor map).
+    """
+
+    block: tuple[int, int, int]
+    smem_bytes: int = 0
+    tile_q: int = 0
+    tile_kv: int = 0
+    ctas_per_sm: int = 1
+    stages: int = 0
+    gather: bool = False
+    o_staged: bool = False
+
+    @property
+    def threads(self) -> int:
+        return self.block[0] * self.block[1] * self.block[2]
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    """An ``extern "C" __global__`` function of a family and the params struct it takes."""
+
+    name: str
+    params: ParamsLayout
+
+
+class KernelFamily:
+    """Base class. Subclasses set ``op`` and ``template`` and implement ``context``, ``entry_points`` and
+    ``launch`` (``project``, ``check`` and ``configure`` have defaults)."""
+
+    op: str = ""
+    template: str = ""
+    options: tuple[tuple[str, str], ...] = ()  # what ``configure`` was given, sorted (part of the kernel key)
+
+    def configure(self, options: dict) -> "KernelFamily":
+        """This family with kernel-shaping ``options`` (``{"tiles": "kv32"}``); a family that takes none
+        refuses any. The options must enter ``uri`` wherever they change the source."""
+        raise SpecError(f"kernel_options: {self.op} takes no options, got {dict(options)!r}")
+
+    def project(self, spec: object) -> object:
+        """The spec this family compiles: reduce a general spec to the fields the family depends on."""
+        return spec
+
+    def check(self, spec: object) -> None:
+        """Raise ``SpecError`` for specs this family cannot compile (names the field and why)."""
+
+    def context(self, spec: object) -> dict:
+        raise NotImplementedError
+
+    def entry_points(self, spec: object) -> tuple[EntryPoint, ...]:
+        raise NotImplementedError
+
+    def launch(self, spec: object) -> LaunchConfig:
+        """Block, shared memory and tiles of the kernel of (projected, checked) ``spec``."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------ shared
+
+    def uri(self, spec: object) -> str:
+        return f"{self.op}_{spec.uri}"
+
+    def render(self, spec: object) -> str:
+        spec = self.project(spec)
+        self.check(spec)
+        context = dict(self.context(spec))
+        context["uri"] = self.uri(spec)
+        entries = self.entry_points(spec)
+        structs = {e.params.struct_name: e.params for e in entries}
+        context["structs"] = [layout.context() for layout in structs.values()]
+        context["entry_points"] = [{"name": e.name, "struct_name": e.params.struct_name} for e in entries]
+        return render_template(self.template, context, self.uri(spec))
+
+
+class AttentionFamily(KernelFamily):
+    """A family compiled from an ``AttentionSpec`` (decode, prefill, prefill_sm90): ``project`` refuses
+    anything else; subclasses that drop fields call it first."""
+
+    def project(self, spec: object) -> AttentionSpec:
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
+        return spec
+
+
+_FAMILIES: dict[str, KernelFamily] = {}
+
+
+def register(family: KernelFamily) -> KernelFamily:
+    _FAMILIES[family.op] = family
+    return family
+
+
+def family(op: str, options: dict | None = None) -> KernelFamily:
+    """The family registered as ``op``, configured with ``options`` (kernel-shaping choices) when given."""
+    if op not in _FAMILIES:
+        raise SpecError(f"op: got {op!r}, expected one of {', '.join(sorted(_FAMILIES))}")
+    return _FAMILIES[op].configure(options) if options else _FAMILIES[op]
+
+
+def launch_config(spec: object, op: str, options: dict | None = None) -> LaunchConfig:
+    """``family(op, options).launch`` of the projected, checked ``spec``: what ``build`` carries on the
+    loaded ``Kernel`` as ``launch_config``, available without building (planning, tests)."""
+    fam = family(op, options)
+    projected = fam.project(spec)
+    fam.check(projected)
+    return fam.launch(projected)
+
+
+def ops() -> tuple[str, ...]:
+    return tuple(sorted(_FAMILIES))
+
+
+def struct(name: str, *fields: tuple[str, str]) -> ParamsLayout:
+    """``struct("MergeParams", ("const float*", "s"), ...)``: a params layout from (ctype, name) pairs."""
+    return ParamsLayout.of(name, tuple(Param(n, t) for t, n in fields))
