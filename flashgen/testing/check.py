@@ -5,7 +5,8 @@
 calls ``run(out)``, computes the fp64 reference and the same-dtype reference once, and asserts ``out`` and
 ``lse`` with ``tolerance.assert_attention_close``. ``assert_matches_reference`` is the comparing half alone,
 for outputs a test already holds (a captured CUDA graph's, poisoned before each replay, or a wrapper's own
-allocation). Imports torch and ``flashgen.testing`` only: never the wrappers or a compiled kernel.
+allocation); ``assert_merge_close`` checks merged states against ``merge_states_ref``. Imports torch and
+``flashgen.testing`` only: never the wrappers or a compiled kernel.
 """
 
 from __future__ import annotations
@@ -103,3 +104,39 @@ def check_attention(run: Callable[[torch.Tensor], object], spec: AttentionSpec, 
     assert_matches_reference(spec, q, kv, out[:n], None if out_lse is None else out_lse[:n], kv_dtype=kv_dtype,
                              **reference_kwargs)
     return out, out_lse
+
+
+def assert_merge_close(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor) -> None:
+    """Assert merged states against ``merge_state_ref`` / ``merge_states_ref`` (fp64).
+
+    ``out [tokens, heads, head_dim]`` (fp16, bf16 or fp32), ``lse [tokens, heads]`` fp32, on any device; the
+    references on the same device. No NaN; ``-inf`` exactly where the reference has it (every partial empty),
+    and there ``out = 0``; ``|lse - ref| < 1e-5 * (1 + max|ref|)`` elsewhere; ``max|out - ref| <= 2 * max|ref
+    rounded to out's dtype - ref| + 1e-5 * max|ref|`` (the fp32 merge rounded once to the output dtype).
+    """
+    if out.shape != ref_out.shape or lse.shape != ref_lse.shape:
+        raise AssertionError(f"out, lse: shapes {tuple(out.shape)}, {tuple(lse.shape)} vs reference "
+                             f"{tuple(ref_out.shape)}, {tuple(ref_lse.shape)}")
+    if torch.isnan(out).any() or torch.isnan(lse).any():
+        name, t = ("out", out) if torch.isnan(out).any() else ("lse", lse)
+        raise AssertionError(f"{name}: NaN at {tuple(int(i) for i in torch.nonzero(torch.isnan(t))[0])} "
+                             f"({int(torch.isnan(t).sum())} NaNs)")
+    wrong = lse.isneginf() != ref_lse.isneginf()
+    if wrong.any():
+        where = tuple(int(i) for i in torch.nonzero(wrong)[0])
+        raise AssertionError(f"lse: {float(lse[where])} at {where}, reference {float(ref_lse[where])} (-inf marks "
+                             f"a row whose partials are all empty; {int(wrong.sum())} rows differ)")
+    finite = ref_lse.isfinite()
+    if finite.any():
+        lse_err = (lse.double()[finite] - ref_lse[finite]).abs().max().item()
+        bound = 1e-5 * (1 + ref_lse[finite].abs().max().item())
+        if not lse_err < bound:
+            raise AssertionError(f"lse: max |lse - fp64| = {lse_err:.3e} exceeds {bound:.3e}")
+    err_same = (ref_out.to(out.dtype).double() - ref_out).abs().max().item() if ref_out.numel() else 0.0
+    err = (out.double() - ref_out).abs().max().item() if ref_out.numel() else 0.0
+    bound = 2 * err_same + 1e-5 * (ref_out.abs().max().item() if ref_out.numel() else 0.0)
+    if not err <= bound:
+        raise AssertionError(f"out: max |out - fp64| = {err:.3e} exceeds the bound {bound:.3e} = 2 * {err_same:.3e} "
+                             f"(rounding the fp64 merge to {out.dtype}) + 1e-5 * max|ref|")
+    if not bool(torch.all(out[~finite] == 0)):
+        raise AssertionError("out: not 0 in a row whose partials are all empty (lse -inf)")
