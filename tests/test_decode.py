@@ -10,9 +10,8 @@ import torch
 import flashgen
 from flashgen import ALiBi, AttentionSpec, Paged, Ragged, RoPE, SlidingWindow
 from flashgen.plan import PlanError, csr_to_block_table
+from flashgen.testing.check import assert_matches_reference, check_attention
 from flashgen.testing.layouts import random_batch
-from flashgen.testing.reference import reference_attention
-from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
 from graph_replay import fill_pools
 
 pytestmark = pytest.mark.cuda
@@ -27,24 +26,21 @@ def to_cuda(kv):
     return tuple(x.cuda() for x in kv) if isinstance(kv, tuple) else kv.cuda()
 
 
-def check(spec, q, kv, table, out, lse=None, **runtime):
-    qo_indptr = list(range(q.shape[0] + 1))
-    ref, ref_lse = reference_attention(spec, q, kv, qo_indptr=qo_indptr, **table, **runtime)
-    low, low_lse = same_dtype_reference(spec, q, kv, qo_indptr=qo_indptr, **table, **runtime)
-    assert_attention_close(out.cpu(), ref, low)
-    if lse is not None:
-        assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+def decode_indptr(q):
+    """One query token a request."""
+    return list(range(q.shape[0] + 1))
 
 
-def run_decode(spec, q, kv, table, num_kv_heads, *, device_pages=True, return_lse=True, plan_kwargs=None, **runtime):
+def run_and_check(spec, q, kv, table, num_kv_heads, *, device_pages=True, plan_kwargs=None, **runtime):
+    """Plan, run into NaN-poisoned out / lse and check against the fp64 reference; returns (out, lse)."""
     wrapper = flashgen.BatchDecodeWrapper(spec)
     tab = dict(table)
     if device_pages and "kv_indices" in tab:
         tab["kv_indices"] = tab["kv_indices"].cuda()
     wrapper.plan(num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads, **tab, **runtime, **(plan_kwargs or {}))
-    out = torch.full((q.shape[0], q.shape[1], spec.head_dim_vo), float("nan"), dtype=q.dtype, device="cuda")
-    result = wrapper.run(q.cuda(), to_cuda(kv), out=out, return_lse=return_lse)
-    return result if return_lse else (result, None)
+    q_gpu, kv_gpu = q.cuda(), to_cuda(kv)
+    return check_attention(lambda out: wrapper.run(q_gpu, kv_gpu, out=out, return_lse=True), spec, q, kv,
+                           qo_indptr=decode_indptr(q), **table, **runtime)
 
 
 MIXED = [0, 1, 17, 300, 1000, 64, 2049, 5]
@@ -57,8 +53,7 @@ MIXED = [0, 1, 17, 300, 1000, 64, 2049, 5]
 def test_paged_csr(page_size, group, order, combined):
     spec = AttentionSpec(128, kv_layout=Paged(page_size, order))
     q, kv, table = make_batch(spec, MIXED, 2, group, combined=combined)
-    out, lse = run_decode(spec, q, kv, table, 2)
-    check(spec, q, kv, table, out, lse)
+    run_and_check(spec, q, kv, table, 2)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 33])
@@ -71,8 +66,8 @@ def test_paged_block_table(page_size):
     bt = {"block_table": block_table, "seq_lens": seq_lens}
     wrapper = flashgen.BatchDecodeWrapper(spec)
     wrapper.plan(num_qo_heads=8, num_kv_heads=2, block_table=block_table.cuda(), seq_lens=seq_lens)
-    out = wrapper.run(q.cuda(), to_cuda(kv))
-    check(spec, q, kv, bt, out)
+    out = wrapper.run(q.cuda(), to_cuda(kv))  # the wrapper's own out
+    assert_matches_reference(spec, q, kv, out, qo_indptr=decode_indptr(q), **bt)
 
 
 @pytest.mark.parametrize("spec_kwargs,runtime", [
@@ -90,16 +85,14 @@ def test_paged_block_table(page_size):
 def test_options(spec_kwargs, runtime):
     spec = AttentionSpec(128, kv_layout=Paged(16), **spec_kwargs)
     q, kv, table = make_batch(spec, MIXED, 2, 4)
-    out, lse = run_decode(spec, q, kv, table, 2, **runtime)
-    check(spec, q, kv, table, out, lse, **runtime)
+    run_and_check(spec, q, kv, table, 2, **runtime)
 
 
 @pytest.mark.parametrize("head_dim,group", [(64, 4), (256, 2), (64, 16), (128, 20)])
 def test_head_dims_and_large_groups(head_dim, group):
     spec = AttentionSpec(head_dim, kv_layout=Paged(16))
     q, kv, table = make_batch(spec, [700, 3, 1], 1, group)
-    out, lse = run_decode(spec, q, kv, table, 1)
-    check(spec, q, kv, table, out, lse)
+    run_and_check(spec, q, kv, table, 1)
 
 
 @pytest.mark.parametrize("kv_dtype,dtype,page_size", [("float8_e4m3fn", "bfloat16", 16), ("float8_e5m2", "float16", 1),
@@ -113,37 +106,29 @@ def test_fp8_kv_with_scales(kv_dtype, dtype, page_size):
     wrapper = flashgen.BatchDecodeWrapper(spec)
     wrapper.plan(num_qo_heads=8, num_kv_heads=2, k_scale=k_scale, v_scale=v_scale,
                  **dict(table, kv_indices=table["kv_indices"].cuda()))
-    out = torch.full((q.shape[0], 8, 128), float("nan"), dtype=q.dtype, device="cuda")
-    out, lse = wrapper.run(q.cuda(), to_cuda(kv8), out=out, return_lse=True)
+    q_gpu, kv8_gpu = q.cuda(), to_cuda(kv8)
     kv_ref = (kv8[0].double() * k_scale, kv8[1].double() * v_scale)  # what the fp8 cache means
-    qo_indptr = list(range(q.shape[0] + 1))
-    ref, ref_lse = reference_attention(spec, q, kv_ref, qo_indptr=qo_indptr, **table)
-    low, low_lse = same_dtype_reference(spec, q, kv_ref, qo_indptr=qo_indptr, **table)
-    assert_attention_close(out.cpu(), ref, low, kv_dtype=fp8)
-    assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, kv_dtype=fp8, name="lse")
+    check_attention(lambda out: wrapper.run(q_gpu, kv8_gpu, out=out, return_lse=True), spec, q, kv_ref,
+                    kv_dtype=fp8, qo_indptr=decode_indptr(q), **table)
 
 
 def test_ragged():
     spec = AttentionSpec(128, kv_layout=Ragged())
     q, kv, table = make_batch(spec, MIXED, 2, 4)
-    out, lse = run_decode(spec, q, kv, table, 2)
-    check(spec, q, kv, table, out, lse)
+    run_and_check(spec, q, kv, table, 2)
 
 
 def test_host_page_ids_are_validated_and_copied():
     spec = AttentionSpec(128, kv_layout=Paged(16))
     q, kv, table = make_batch(spec, [40, 100], 2, 4)
-    out, lse = run_decode(spec, q, kv, table, 2, device_pages=False)
-    check(spec, q, kv, table, out, lse)
+    run_and_check(spec, q, kv, table, 2, device_pages=False)
 
 
 def test_split_and_unsplit_agree():
     spec = AttentionSpec(128, kv_layout=Paged(16))
     q, kv, table = make_batch(spec, [16000, 3, 900], 2, 4)
-    split, lse_split = run_decode(spec, q, kv, table, 2)
-    whole, lse_whole = run_decode(spec, q, kv, table, 2, plan_kwargs={"enable_split": False})
-    check(spec, q, kv, table, split, lse_split)
-    check(spec, q, kv, table, whole, lse_whole)
+    split, _ = run_and_check(spec, q, kv, table, 2)
+    whole, _ = run_and_check(spec, q, kv, table, 2, plan_kwargs={"enable_split": False})
     torch.testing.assert_close(split.float(), whole.float(), atol=2e-2, rtol=0)
 
 
@@ -172,8 +157,10 @@ def test_cuda_graph_replay_after_replanning():
     for lens in ([9000, 2, 700, 33, 1, 64, 4000, 12, 5, 6, 7, 8], [1], [5000, 17, 1, 300], [0] * 16):
         q, kv, table = load(lens)
         out.fill_(float("nan"))
+        lse.fill_(float("nan"))
         graph.replay()
-        check(spec, q, kv, table, out[: len(lens)], lse[: len(lens)])
+        n = len(lens)
+        assert_matches_reference(spec, q, kv, out[:n], lse[:n], qo_indptr=decode_indptr(q), **table)
 
 
 def test_bad_arguments_are_named():

@@ -4,16 +4,11 @@ import pytest
 import torch
 
 import flashgen
+from flashgen.testing.check import assert_merge_close, poison_allocator
 from flashgen.testing.reference import merge_state_ref, merge_states_ref
 
 pytestmark = pytest.mark.cuda
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-
-
-def _poison_allocator(shape, dtype):
-    """Fill a freed block of this size with NaN so the next allocation of it starts poisoned."""
-    junk = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-    del junk
 
 
 def _states(tokens, num_states, heads, dim, dtype, empty_every=5):
@@ -26,30 +21,16 @@ def _states(tokens, num_states, heads, dim, dtype, empty_every=5):
     return v, s
 
 
-def _check(out, lse, ref_v, ref_s, dtype):
-    assert not out.isnan().any() and not lse.isnan().any()
-    assert torch.equal(lse.isneginf(), ref_s.isneginf())
-    finite = ref_s.isfinite()
-    if finite.any():
-        lse_err = (lse.double()[finite] - ref_s[finite]).abs().max().item()
-        assert lse_err < 1e-5 * (1 + ref_s[finite].abs().max().item())
-    # the same math in the output dtype (fp32 merge, rounded once) bounds the kernel's error
-    same = ref_v.to(dtype).double()
-    err_same = (same - ref_v).abs().max().item()
-    err = (out.double() - ref_v).abs().max().item()
-    assert err <= 2 * err_same + 1e-5 * ref_v.abs().max().item(), f"max error {err:.3e} vs same-dtype {err_same:.3e}"
-    assert torch.all(out[~finite] == 0)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,num_states,heads,dim", [(1, 1, 1, 64), (257, 2, 32, 128), (77, 7, 3, 256),
                                                          (5, 33, 4, 64), (9, 3, 2, 192), (3, 0, 2, 64)])
 def test_merge_states(dtype, tokens, num_states, heads, dim):
     v, s = _states(tokens, num_states, heads, dim, dtype)
-    _poison_allocator((tokens, heads, dim), dtype)
+    poison_allocator((tokens, heads, dim), dtype)
+    poison_allocator((tokens, heads), torch.float32)
     out, lse = flashgen.merge_states(v, s)
     ref_v, ref_s = merge_states_ref(v, s)
-    _check(out, lse, ref_v, ref_s, dtype)
+    assert_merge_close(out, lse, ref_v, ref_s)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -59,10 +40,11 @@ def test_merge_state_pair(dtype, tokens, heads, dim):
         pytest.skip("head_dim not a multiple of the vector width")
     v, s = _states(tokens, 2, heads, dim, dtype, empty_every=3)
     v_a, v_b, s_a, s_b = v[:, 0].contiguous(), v[:, 1].contiguous(), s[:, 0].contiguous(), s[:, 1].contiguous()
-    _poison_allocator((tokens, heads, dim), dtype)
+    poison_allocator((tokens, heads, dim), dtype)
+    poison_allocator((tokens, heads), torch.float32)
     out, lse = flashgen.merge_state(v_a, s_a, v_b, s_b)
     ref_v, ref_s = merge_state_ref(v_a, s_a, v_b, s_b)
-    _check(out, lse, ref_v, ref_s, dtype)
+    assert_merge_close(out, lse, ref_v, ref_s)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -80,7 +62,7 @@ def test_merge_state_in_place(dtype, use_mask):
     keep = ~mask if mask is not None else torch.zeros(tokens, dtype=torch.bool, device="cuda")
     torch.testing.assert_close(v_a[keep].double(), ref_v[keep], equal_nan=True, rtol=0, atol=0)
     merged = ~keep
-    _check(v_a[merged], s_a[merged], ref_v[merged], ref_s[merged], dtype)
+    assert_merge_close(v_a[merged], s_a[merged], ref_v[merged], ref_s[merged])
 
 
 def test_merge_states_in_a_cuda_graph():
@@ -95,9 +77,11 @@ def test_merge_states_in_a_cuda_graph():
         static_v.copy_(fresh_v)
         static_s.copy_(fresh_s)
         out.fill_(float("nan"))
+        lse.fill_(float("nan"))
         graph.replay()
         ref_v, ref_s = merge_states_ref(fresh_v, fresh_s)
-        _check(out, lse, ref_v, ref_s, torch.bfloat16)
+        assert out.dtype == torch.bfloat16
+        assert_merge_close(out, lse, ref_v, ref_s)
 
 
 def test_bad_arguments_name_the_argument():

@@ -19,9 +19,9 @@ from flashgen.api.backends import select as _select_backend
 from flashgen.kernels import ragged_twin as attention_spec
 from flashgen.kernels.prefill import prefill_ctas_per_sm, prefill_tile_q, prefill_tiles
 from flashgen.plan import PlanError, csr_to_block_table, plan_prefill
+from flashgen.testing.check import assert_matches_reference, check_attention
 from flashgen.testing.layouts import random_batch
-from flashgen.testing.reference import pack_custom_mask, reference_attention
-from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
+from flashgen.testing.reference import pack_custom_mask
 from graph_replay import REPLAN_BATCHES, fill_pools, replay_after_replanning
 
 pytestmark = pytest.mark.cuda
@@ -98,17 +98,9 @@ def to_cuda(kv):
     return tuple(x.cuda() for x in kv) if isinstance(kv, tuple) else kv.cuda()
 
 
-def check(spec, q, kv, table, qo_indptr, out, lse=None, custom_mask=None, **runtime):
-    kw = dict(qo_indptr=qo_indptr, custom_mask=custom_mask, **table, **runtime)
-    ref, ref_lse = reference_attention(spec, q, kv, **kw)
-    low, low_lse = same_dtype_reference(spec, q, kv, **kw)
-    assert_attention_close(out.cpu(), ref, low)
-    if lse is not None:
-        assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
-
-
 def run_prefill(spec, q, kv, table, qo_indptr, num_kv_heads, *, custom_mask=None, plan_kwargs=None,
                 backend="portable", **runtime):
+    """Plan, run into NaN-poisoned out / lse and check against the fp64 reference; returns (out, lse)."""
     wrapper = flashgen.BatchPrefillWrapper(spec, backend=backend)
     assert wrapper.backend == backend
     tab = dict(table)
@@ -117,17 +109,16 @@ def run_prefill(spec, q, kv, table, qo_indptr, num_kv_heads, *, custom_mask=None
     mask = pack_custom_mask(custom_mask) if custom_mask is not None else None
     wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads, custom_mask=mask, **tab,
                  **runtime, **(plan_kwargs or {}))
-    out = torch.full((q.shape[0], q.shape[1], spec.head_dim_vo), float("nan"), dtype=q.dtype, device="cuda")
-    return wrapper.run(q.cuda(), to_cuda(kv), out=out, return_lse=True)
+    q_gpu, kv_gpu = q.cuda(), to_cuda(kv)
+    return check_attention(lambda out: wrapper.run(q_gpu, kv_gpu, out=out, return_lse=True), spec, q, kv,
+                           qo_indptr=qo_indptr, custom_mask=custom_mask, **table, **runtime)
 
 
 def run_and_check(spec, qo_lens, kv_lens, heads, group, *, combined=False, plan_kwargs=None, backend="portable",
                   **runtime):
     q, kv, table, qo_indptr, mask = make_batch(spec, qo_lens, kv_lens, heads, group, combined=combined)
-    out, lse = run_prefill(spec, q, kv, table, qo_indptr, heads, custom_mask=mask, plan_kwargs=plan_kwargs,
-                           backend=backend, **runtime)
-    check(spec, q, kv, table, qo_indptr, out, lse, custom_mask=mask, **runtime)
-    return out, lse
+    return run_prefill(spec, q, kv, table, qo_indptr, heads, custom_mask=mask, plan_kwargs=plan_kwargs,
+                       backend=backend, **runtime)
 
 
 @pytest.mark.parametrize("spec,backend", with_backends([(s,) for s in LAYOUT_MASKS], lambda c: c[0].uri))
@@ -150,10 +141,8 @@ def test_head_dims_and_groups(spec, group, backend):
 def test_split_and_unsplit_agree(spec):
     qo_lens, kv_lens = [200, 7], [6000, 40]
     q, kv, table, qo_indptr, mask = make_batch(spec, qo_lens, kv_lens, 1, 4)
-    split, lse_split = run_prefill(spec, q, kv, table, qo_indptr, 1, custom_mask=mask)
-    whole, lse_whole = run_prefill(spec, q, kv, table, qo_indptr, 1, custom_mask=mask, plan_kwargs={"enable_split": False})
-    check(spec, q, kv, table, qo_indptr, split, lse_split, custom_mask=mask)
-    check(spec, q, kv, table, qo_indptr, whole, lse_whole, custom_mask=mask)
+    split, _ = run_prefill(spec, q, kv, table, qo_indptr, 1, custom_mask=mask)
+    whole, _ = run_prefill(spec, q, kv, table, qo_indptr, 1, custom_mask=mask, plan_kwargs={"enable_split": False})
     torch.testing.assert_close(split.float(), whole.float(), atol=2e-2, rtol=0)
 
 
@@ -173,9 +162,9 @@ def test_last_wave_tiles_split(num_sms, qo_lens, kv_lens, layout):
     assert (plan.numpy("chunk_idx")[:n] >= 0).any() and (plan.numpy("num_chunks")[: len(qo_lens)] == 1).all()
     wrapper = flashgen.BatchPrefillWrapper(spec, backend="portable", num_sms=num_sms)
     wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=8, num_kv_heads=2, **table)
-    out = torch.full((q.shape[0], 8, 128), float("nan"), dtype=q.dtype, device="cuda")
-    out, lse = wrapper.run(q.cuda(), to_cuda(kv), out=out, return_lse=True)
-    check(spec, q, kv, table, qo_indptr, out, lse)
+    q_gpu, kv_gpu = q.cuda(), to_cuda(kv)
+    check_attention(lambda out: wrapper.run(q_gpu, kv_gpu, out=out, return_lse=True), spec, q, kv,
+                    qo_indptr=qo_indptr, **table)
 
 
 def test_block_table():
@@ -184,8 +173,8 @@ def test_block_table():
     block_table, seq_lens = csr_to_block_table(table["kv_indptr"], table["kv_indices"], table["kv_last_page_len"], 16)
     wrapper = flashgen.BatchPrefillWrapper(spec, backend="portable")
     wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=8, num_kv_heads=2, block_table=block_table.cuda(), seq_lens=seq_lens)
-    out = wrapper.run(q.cuda(), to_cuda(kv))
-    check(spec, q, kv, {"block_table": block_table, "seq_lens": seq_lens}, qo_indptr, out)
+    out = wrapper.run(q.cuda(), to_cuda(kv))  # the wrapper's own out
+    assert_matches_reference(spec, q, kv, out, qo_indptr=qo_indptr, block_table=block_table, seq_lens=seq_lens)
 
 
 def test_cuda_graph_replay_after_replanning():
@@ -207,7 +196,8 @@ def test_cuda_graph_replay_after_replanning():
 
     def check_replay(loaded, out, lse):
         q, kv, table, qo_indptr = loaded
-        check(spec, q, kv, table, qo_indptr, out[: q.shape[0]], lse[: q.shape[0]])
+        n = q.shape[0]
+        assert_matches_reference(spec, q, kv, out[:n], lse[:n], qo_indptr=qo_indptr, **table)
 
     replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check_replay,
                             ([100, 3], [2000, 50]), REPLAN_BATCHES[:4])
@@ -221,8 +211,7 @@ def test_attention_one_shot(head_dim):
     v = torch.randn(700, 2, 128, dtype=torch.bfloat16, device="cuda")
     out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
     spec = AttentionSpec(head_dim, head_dim_vo=128, kv_layout=Ragged(), mask=Causal())
-    table = {"kv_indptr": [0, 700]}
-    check(spec, q.cpu(), (k.cpu(), v.cpu()), table, [0, 300], out, lse)
+    assert_matches_reference(spec, q.cpu(), (k.cpu(), v.cpu()), out, lse, qo_indptr=[0, 300], kv_indptr=[0, 700])
 
 
 def test_bad_arguments_are_named():

@@ -13,9 +13,8 @@ import flashgen
 from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SpecError
 from flashgen.api.backends import select as _select_backend
 from flashgen.plan import PlanError
+from flashgen.testing.check import assert_matches_reference, check_attention
 from flashgen.testing.layouts import random_batch
-from flashgen.testing.reference import reference_attention
-from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
 from graph_replay import REPLAN_BATCHES, fill_pools, replay_after_replanning
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -133,24 +132,15 @@ def make_batch(spec, qo_lens, kv_lens, num_kv_heads, group, seed=0, extra_rows=0
     return q, (k, v), np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32), table["kv_indptr"].numpy()
 
 
-def check(spec, q, kv, qo_indptr, kv_indptr, out, lse, **runtime):
-    kw = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, **runtime)
-    ref, ref_lse = reference_attention(spec, q, kv, **kw)
-    low, low_lse = same_dtype_reference(spec, q, kv, **kw)
-    assert_attention_close(out.cpu(), ref, low)
-    assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
-
-
 def run_and_check(wrapper, qo_lens, kv_lens, num_kv_heads, group, seed=0, extra_rows=0, **runtime):
     spec = wrapper.spec
     q, kv, qo_indptr, kv_indptr = make_batch(spec, qo_lens, kv_lens, num_kv_heads, group, seed, extra_rows)
     wrapper.plan(qo_indptr=qo_indptr, kv_indptr=kv_indptr, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads,
                  **runtime)
-    out = torch.full_like(q, float("nan"), device="cuda")
-    out, lse = wrapper.run(q.cuda(), tuple(x.cuda() for x in kv), out=out, return_lse=True)
-    torch.cuda.synchronize()
+    q_gpu, kv_gpu = q.cuda(), tuple(x.cuda() for x in kv)
     runtime.pop("enable_split", None)  # a planning choice, not a runtime value of the attention
-    check(spec, q, kv, qo_indptr, kv_indptr, out, lse, **runtime)
+    check_attention(lambda out: wrapper.run(q_gpu, kv_gpu, out=out, return_lse=True), spec, q, kv,
+                    qo_indptr=qo_indptr, kv_indptr=kv_indptr, **runtime)
 
 
 @pytest.mark.parametrize("cap", [0.0, -1.0, float("nan")])
@@ -203,7 +193,8 @@ def test_cuda_graph_replay_after_replanning():
 
     def check_replay(loaded, out, lse):
         q, kv, qo_indptr, kv_indptr = loaded
-        check(spec, q, kv, qo_indptr, kv_indptr, out[: q.shape[0]], lse[: q.shape[0]])
+        n = q.shape[0]
+        assert_matches_reference(spec, q, kv, out[:n], lse[:n], qo_indptr=qo_indptr, kv_indptr=kv_indptr)
 
     out, _ = replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check_replay,
                                      ([100, 3], [2000, 50], 0),
@@ -224,7 +215,7 @@ def test_attention_one_shot_runs_sm90(causal):
     out, lse = flashgen.attention(q, k, v, causal=causal, return_lse=True)
     spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal() if causal else NoMask())
     assert _WRAPPERS[(spec, q.device.index)].backend == "sm90"
-    check(spec, q.cpu(), (k.cpu(), v.cpu()), [0, 300], [0, 700], out, lse)
+    assert_matches_reference(spec, q.cpu(), (k.cpu(), v.cpu()), out, lse, qo_indptr=[0, 300], kv_indptr=[0, 700])
 
 
 @hopper

@@ -11,9 +11,8 @@ import torch
 
 import flashgen
 from flashgen import AttentionSpec, Causal, NoMask, Ragged
+from flashgen.testing.check import check_attention
 from flashgen.testing.layouts import random_batch
-from flashgen.testing.reference import reference_attention
-from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
 
 pytestmark = [pytest.mark.cuda, pytest.mark.hopper]
 
@@ -39,15 +38,9 @@ def run_and_check(spec, qo_lens, kv_lens, num_kv_heads, group, seed=0, **runtime
     runner = flashgen.BatchPrefillWrapper(spec, backend="sm90")
     runner.plan(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"].numpy(), num_qo_heads=q.shape[1],
                 num_kv_heads=num_kv_heads, **runtime)
-    out = torch.full_like(q, float("nan"), device="cuda")
-    out, lse = runner.run(q.cuda(), tuple(x.cuda() for x in kv), out=out, return_lse=True)
-    torch.cuda.synchronize()
-    kw = dict(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"], **runtime)
-    ref, ref_lse = reference_attention(spec, q, kv, **kw)
-    low, low_lse = same_dtype_reference(spec, q, kv, **kw)
-    assert_attention_close(out.cpu(), ref, low)
-    assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
-    return out, lse
+    q_gpu, kv_gpu = q.cuda(), tuple(x.cuda() for x in kv)
+    return check_attention(lambda out: runner.run(q_gpu, kv_gpu, out=out, return_lse=True), spec, q, kv,
+                           qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"], **runtime)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.uri)
@@ -81,15 +74,9 @@ def test_q_rows_past_the_batch_hold_nan(group):
                  num_kv_heads=heads)
     pool_q = torch.full((max_q, heads * group, 64), float("nan"), dtype=q.dtype, device="cuda")
     pool_q[: q.shape[0]] = q.cuda()
-    out = torch.full_like(pool_q, float("nan"))
-    out, lse = wrapper.run(pool_q, tuple(x.cuda() for x in kv), out=out, return_lse=True)
-    torch.cuda.synchronize()
-    kw = dict(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"])
-    ref, ref_lse = reference_attention(spec, q, kv, **kw)
-    low, low_lse = same_dtype_reference(spec, q, kv, **kw)
-    n = q.shape[0]
-    assert_attention_close(out[:n].cpu(), ref, low)
-    assert_attention_close(lse[:n].cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+    kv_gpu = tuple(x.cuda() for x in kv)
+    check_attention(lambda out: wrapper.run(pool_q, kv_gpu, out=out, return_lse=True), spec, q, kv, rows=max_q,
+                    qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"])
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -14,10 +14,9 @@ import torch
 
 import flashgen
 from flashgen import AttentionSpec, CustomMask, Paged, Ragged
+from flashgen.testing.check import assert_matches_reference, check_attention
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.masks import as_form, doc_mask, make_masks
-from flashgen.testing.reference import reference_attention
-from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
 from graph_replay import fill_pools, replay_after_replanning
 
 pytestmark = [pytest.mark.cuda, pytest.mark.hopper]
@@ -53,18 +52,13 @@ def run_and_check(spec, qo_lens, kv_lens, num_kv_heads=2, group=4, *, kind="rand
     pages = {k: (v.numpy() if k != "kv_indices" else v) for k, v in table.items()}
     wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads,
                  custom_mask=as_form(masks, form), **pages, **runtime)
+    q_dev = q.cuda()
     kv_dev = kv.cuda() if isinstance(kv, torch.Tensor) else tuple(x.cuda() for x in kv)
-    out = torch.full_like(q, float("nan"), device="cuda")
-    out, lse = wrapper.run(q.cuda(), kv_dev, out=out, return_lse=True)
-    torch.cuda.synchronize()
     ref_kv = kv
     if poison is not None:
         ref_kv = tuple(torch.nan_to_num(x, nan=0.0) for x in kv)  # the reference multiplies 0 by every row
-    kw = dict(qo_indptr=qo_indptr, custom_mask=masks, **table, **runtime)
-    ref, ref_lse = reference_attention(spec, q, ref_kv, **kw)
-    low, low_lse = same_dtype_reference(spec, q, ref_kv, **kw)
-    assert_attention_close(out.cpu(), ref, low)
-    assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+    out, lse = check_attention(lambda out: wrapper.run(q_dev, kv_dev, out=out, return_lse=True), spec, q, ref_kv,
+                               qo_indptr=qo_indptr, custom_mask=masks, **table, **runtime)
     return out.cpu(), lse.cpu(), masks
 
 
@@ -105,14 +99,10 @@ def test_document_mask_long(layout):
     wrapper = flashgen.BatchPrefillWrapper(spec, backend="sm90")
     pages = {k: (v.numpy() if k != "kv_indices" else v) for k, v in table.items()}
     wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=8, num_kv_heads=2, custom_mask=masks, **pages)
+    q_dev = q.cuda()
     kv_dev = kv.cuda() if isinstance(kv, torch.Tensor) else tuple(x.cuda() for x in kv)
-    out, lse = wrapper.run(q.cuda(), kv_dev, out=torch.full_like(q, float("nan"), device="cuda"), return_lse=True)
-    torch.cuda.synchronize()
-    kw = dict(qo_indptr=qo_indptr, custom_mask=masks, **table)
-    ref, ref_lse = reference_attention(spec, q, kv, **kw)
-    low, low_lse = same_dtype_reference(spec, q, kv, **kw)
-    assert_attention_close(out.cpu(), ref, low)
-    assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+    check_attention(lambda out: wrapper.run(q_dev, kv_dev, out=out, return_lse=True), spec, q, kv,
+                    qo_indptr=qo_indptr, custom_mask=masks, **table)
 
 
 def test_fully_masked_tiles_are_never_read():
@@ -135,12 +125,9 @@ def test_ragged_rows_past_the_batch_hold_nan():
     wrapper = flashgen.BatchPrefillWrapper(spec, backend="sm90")
     wrapper.plan(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"].numpy(), num_qo_heads=8, num_kv_heads=2,
                  custom_mask=masks)
-    out = wrapper.run(q.cuda(), (torch.cat([k, pad]).cuda(), torch.cat([v, pad]).cuda()),
-                      out=torch.full_like(q, float("nan"), device="cuda"))
-    torch.cuda.synchronize()
-    kw = dict(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"], custom_mask=masks)
-    assert_attention_close(out.cpu(), reference_attention(spec, q, (k, v), **kw)[0],
-                           same_dtype_reference(spec, q, (k, v), **kw)[0])
+    q_dev, kv_dev = q.cuda(), (torch.cat([k, pad]).cuda(), torch.cat([v, pad]).cuda())
+    check_attention(lambda out: wrapper.run(q_dev, kv_dev, out=out), spec, q, (k, v), lse=False,
+                    qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"], custom_mask=masks)
 
 
 @pytest.mark.parametrize("case", ["soft_cap", "alibi+soft_cap"])
@@ -175,11 +162,8 @@ def test_cuda_graph_replay_after_replanning():
     def check(loaded, out, lse):
         q, kv, qo_indptr, kv_indptr, masks = loaded
         n = q.shape[0]
-        kw = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, custom_mask=masks)
-        ref, ref_lse = reference_attention(spec, q, kv, **kw)
-        low, low_lse = same_dtype_reference(spec, q, kv, **kw)
-        assert_attention_close(out[:n].cpu(), ref, low)
-        assert_attention_close(lse[:n].cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+        assert_matches_reference(spec, q, kv, out[:n], lse[:n], qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                                 custom_mask=masks)
 
     batches = (([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900], "doc"), ([1], [1], "ones"),
                ([100, 3], [2000, 50], "empty_rows"), ([75] * 8, [75] * 8, "random0.05"))

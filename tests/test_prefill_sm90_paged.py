@@ -12,9 +12,8 @@ import torch
 
 import flashgen
 from flashgen import AttentionSpec, Causal, NoMask, Paged
+from flashgen.testing.check import assert_matches_reference, check_attention
 from flashgen.testing.layouts import random_batch
-from flashgen.testing.reference import reference_attention
-from flashgen.testing.tolerance import assert_attention_close, same_dtype_reference
 from graph_replay import REPLAN_BATCHES, fill_pools, replay_after_replanning
 
 pytestmark = [pytest.mark.cuda, pytest.mark.hopper]
@@ -50,15 +49,10 @@ def run_and_check(spec, qo_lens, kv_lens, num_kv_heads=2, group=4, *, combined=F
         key = "kv_indices" if form == "csr" else "block_table"
         pages[key] = pages[key].to(torch.int32).cuda()
     wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads, **pages, **runtime)
+    q_dev = q.cuda()
     kv_dev = kv.cuda() if isinstance(kv, torch.Tensor) else tuple(x.cuda() for x in kv)
-    out = torch.full_like(q, float("nan"), device="cuda")
-    out, lse = wrapper.run(q.cuda(), kv_dev, out=out, return_lse=True)
-    torch.cuda.synchronize()
-    kw = dict(qo_indptr=qo_indptr, **ref_pages, **runtime)
-    ref, ref_lse = reference_attention(spec, q, kv, **kw)
-    low, low_lse = same_dtype_reference(spec, q, kv, **kw)
-    assert_attention_close(out.cpu(), ref, low)
-    assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+    check_attention(lambda out: wrapper.run(q_dev, kv_dev, out=out, return_lse=True), spec, q, kv,
+                    qo_indptr=qo_indptr, **ref_pages, **runtime)
 
 
 @pytest.mark.parametrize("page_size", [8, 16, 64, 128, 256])
@@ -99,12 +93,9 @@ def test_ragged_rows_past_the_batch_hold_nan():
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     wrapper = flashgen.BatchPrefillWrapper(spec, backend="sm90")
     wrapper.plan(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"].numpy(), num_qo_heads=8, num_kv_heads=2)
-    out = wrapper.run(q.cuda(), (k_buf.cuda(), v_buf.cuda()), out=torch.full_like(q, float("nan"), device="cuda"))
-    torch.cuda.synchronize()
-    kw = dict(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"])
-    ref, _ = reference_attention(spec, q, (k, v), **kw)
-    low, _ = same_dtype_reference(spec, q, (k, v), **kw)
-    assert_attention_close(out.cpu(), ref, low)
+    q_dev, kv_dev = q.cuda(), (k_buf.cuda(), v_buf.cuda())
+    check_attention(lambda out: wrapper.run(q_dev, kv_dev, out=out), spec, q, (k, v), lse=False,
+                    qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"])
 
 
 @pytest.mark.parametrize("layout", ["ragged", "paged16"])
@@ -246,11 +237,7 @@ def test_gathered_cuda_graph_replay_after_replanning(page_size):
     def check(loaded, out, lse):
         q, kv, table, qo_indptr = loaded
         n = q.shape[0]
-        kw = dict(qo_indptr=qo_indptr, **table)
-        ref, ref_lse = reference_attention(spec, q, kv, **kw)
-        low, low_lse = same_dtype_reference(spec, q, kv, **kw)
-        assert_attention_close(out[:n].cpu(), ref, low)
-        assert_attention_close(lse[:n].cpu(), ref_lse, low_lse, dtype=q.dtype, name="lse")
+        assert_matches_reference(spec, q, kv, out[:n], lse[:n], qo_indptr=qo_indptr, **table)
 
     replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check,
                             (*REPLAN_BATCHES[0], 0), [(*b, seed) for seed, b in enumerate(REPLAN_BATCHES, start=1)])
