@@ -1,7 +1,7 @@
 // Prefill epilogue: normalise each warp's rows and write them (output, or an fp32 partial of a split
 // request), and the split-KV merge by the last CTA of a tile.
 #pragma once
-#include <flashgen/prefill_tiles.cuh>
+#include <flashgen/prefill/tiles.cuh>
 
 namespace flashgen::prefill {
 

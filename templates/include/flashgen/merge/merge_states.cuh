@@ -8,7 +8,7 @@
 // makes the in-place merge (s_out == s_a) race-free.
 #pragma once
 #include <cmath>
-#include <flashgen/vec.cuh>
+#include <flashgen/common/vec.cuh>
 
 namespace flashgen {
 

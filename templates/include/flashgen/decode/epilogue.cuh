@@ -1,0 +1,179 @@
+// Decode epilogue: the warps' online-softmax states merged through shared memory and written, to the output or,
+// for an item of a split request, to its fp32 partial; the last item of the request then merges the partials.
+//
+// Config: DTypeO, HEAD_DIM_VO, NUM_WARPS (and what decode/tiles.cuh reads).
+#pragma once
+#include <flashgen/common/logits.cuh>
+#include <flashgen/common/mma.cuh>
+#include <flashgen/decode/tiles.cuh>
+
+namespace flashgen::decode {
+
+// An item's place among its request's split-KV partials, read at the kernel's start (its loads overlap the
+// start chain rather than sitting between the stream's end and the partial's write)
+struct SplitInfo {
+  int chunk;       // the item's chunk (-1: the request is not split)
+  int first;       // the request's first partial row (merge_indptr)
+  int num_chunks;  // the request's partials
+};
+
+__device__ __forceinline__ int atomic_add_acq_rel(int* address, int value) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(address), "r"(value) : "memory");
+  return old;
+}
+
+// Split-KV finish without a second launch: every item of a (token, head group) publishes its partial, then
+// counts itself in; the last to arrive merges all partials into the output and resets the counter (so
+// the next run, or a CUDA-graph replay, starts from zero).
+template <class C, class Params>
+__device__ __forceinline__ void merge_if_last(const Params& p, uint8_t* smem, const SplitInfo& si, int token,
+                                              int q_head0, int rows_valid) {
+  __shared__ int is_last;
+  using DTypeO = typename C::DTypeO;
+  constexpr int DV = C::HEAD_DIM_VO;
+  // the CTA's partial, ordered before thread 0's release by the barrier (release is cumulative), so no thread
+  // fences on its own; thread 0's acquire, ordered before the other threads' loads by the second barrier,
+  // makes every other item's partial visible to the merge (the pattern of CUTLASS's split-K semaphore)
+  __syncthreads();
+  int* counter = p.counters + int64_t(token) * p.num_qo_heads + q_head0;
+  const int num_chunks = si.num_chunks;
+  if (threadIdx.x == 0) is_last = atomic_add_acq_rel(counter, 1) == num_chunks - 1;
+  __syncthreads();
+  if (!is_last) return;
+  // One warp per row, each lane 4 columns of every 128. The partials come a batch of MERGE_BATCH chunks at a
+  // time: the lane's 16 bytes of each chunk's row by cp.async into the warp's slice of the (now idle) pipeline
+  // buffers, issued together with the batch's lse loads, so a batch costs one round trip to L2 (the weights need
+  // the lse max, the copies do not) without holding the batch in registers. Each lane reads back only what it
+  // copied, so a wait_group orders it; no barrier. Batches after the first rescale the running sums (online, as
+  // in the kernel). An empty partial was written as zeros with lse -inf: weight 0 times 0.
+  using L = Layout<C>;
+  constexpr int CB = L::MERGE_COL_BLOCKS, KB = L::MERGE_BATCH;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t stride = p.num_qo_heads, first = si.first;
+  float4* stage = reinterpret_cast<float4*>(smem + L::K_OFFSET) + warp * KB * CB * 32 + lane;  // [KB][CB][32 lanes]
+  for (int r = warp; r < rows_valid; r += C::NUM_WARPS) {
+    const int64_t head = q_head0 + r;
+    const float* lse_col = p.tmp_lse + first * stride + head;
+    const float* o_col = p.tmp_o + (first * stride + head) * DV + lane * 4;
+    float4 acc[CB];
+#pragma unroll
+    for (int cb = 0; cb < CB; ++cb) acc[cb] = make_float4(0.f, 0.f, 0.f, 0.f);
+    float m = -INFINITY, sum = 0.f;
+    for (int k0 = 0; k0 < num_chunks; k0 += KB) {
+#pragma unroll
+      for (int j = 0; j < KB; ++j)
+#pragma unroll
+        for (int cb = 0; cb < CB; ++cb) {
+          const bool ok = k0 + j < num_chunks && cb * 128 + lane * 4 < DV;
+          cp_async_16(stage + (j * CB + cb) * 32, ok ? o_col + (k0 + j) * stride * DV + cb * 128 : o_col, !ok);
+        }
+      cp_async_commit();
+      const float lse_k = lane < KB && k0 + lane < num_chunks ? __ldcg(lse_col + (k0 + lane) * stride) : -INFINITY;
+      float mb = lse_k;
+#pragma unroll
+      for (int x = 16; x > 0; x /= 2) mb = fmaxf(mb, __shfl_xor_sync(0xffffffff, mb, x));
+      const float m_new = fmaxf(m, mb), m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float corr = expf(m - m_use);  // 0 on the first batch (m = -inf)
+      const float w_lane = expf(lse_k - m_use);
+      float wsum = w_lane;
+#pragma unroll
+      for (int x = 16; x > 0; x /= 2) wsum += __shfl_xor_sync(0xffffffff, wsum, x);
+      sum = sum * corr + wsum;
+      m = m_new;
+#pragma unroll
+      for (int cb = 0; cb < CB; ++cb) {
+        acc[cb].x *= corr; acc[cb].y *= corr; acc[cb].z *= corr; acc[cb].w *= corr;
+      }
+      cp_async_wait<0>();
+#pragma unroll
+      for (int j = 0; j < KB; ++j) {
+        const float w = __shfl_sync(0xffffffff, w_lane, j);
+#pragma unroll
+        for (int cb = 0; cb < CB; ++cb) {
+          const float4 x = stage[(j * CB + cb) * 32];
+          acc[cb].x += w * x.x; acc[cb].y += w * x.y; acc[cb].z += w * x.z; acc[cb].w += w * x.w;
+        }
+      }
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+    for (int cb = 0; cb < CB; ++cb) {
+      const int col = cb * 128 + lane * 4;
+      if (col < DV) {
+        const uint2 packed = make_uint2(pack2<DTypeO>(acc[cb].x * inv, acc[cb].y * inv), pack2<DTypeO>(acc[cb].z * inv, acc[cb].w * inv));
+        *reinterpret_cast<uint2*>(p.o + (int64_t(token) * stride + head) * DV + col) = packed;
+      }
+    }
+    if (lane == 0 && p.lse != nullptr) p.lse[int64_t(token) * stride + head] = sum > 0.f ? m + logf(sum) : -INFINITY;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *counter = 0;
+}
+
+// the warps' (m, l, O) merged through shared memory (the pipeline's, free now) and written: to out and lse,
+// or for an item of a split request to its partial row, the last item of the request merging them all
+template <class C, class Params>
+__device__ __forceinline__ void write_states(const Params& p, uint8_t* smem, const SplitInfo& si, int token,
+                                             int q_head0, int rows_valid, float (&o)[C::HEAD_DIM_VO / 8][4],
+                                             float (&m)[2], float (&l)[2]) {
+  using L = Layout<C>;
+  using DTypeO = typename C::DTypeO;
+  constexpr int DV = C::HEAD_DIM_VO;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  float* o_part = reinterpret_cast<float*>(smem + L::K_OFFSET);      // [NUM_WARPS][16][DV]
+  float* ml_part = o_part + C::NUM_WARPS * 16 * DV;                  // [NUM_WARPS][16][2]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
+    const int r = g + 8 * h;
+    if (t4 == 0) {
+      ml_part[(warp * 16 + r) * 2] = m[h];
+      ml_part[(warp * 16 + r) * 2 + 1] = l[h];
+    }
+#pragma unroll
+    for (int j = 0; j < DV / 8; ++j) {
+      *reinterpret_cast<float2*>(o_part + (warp * 16 + r) * DV + 8 * j + 2 * t4) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+    }
+  }
+  __syncthreads();
+
+  const bool split = si.chunk >= 0;
+  const int64_t out_row = split ? int64_t(si.first + si.chunk) : int64_t(token);
+  constexpr int COLS = 8;  // output columns per thread job
+  for (int job = tid; job < 16 * DV / COLS; job += L::THREADS) {
+    const int r = job / (DV / COLS), col = (job % (DV / COLS)) * COLS;
+    if (r >= rows_valid) continue;
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < C::NUM_WARPS; ++w) m_all = fmaxf(m_all, ml_part[(w * 16 + r) * 2]);
+    float acc[COLS] = {}, l_all = 0.f;
+    if (m_all != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < C::NUM_WARPS; ++w) {
+        const float wgt = exp2f(ml_part[(w * 16 + r) * 2] - m_all);
+        l_all += wgt * ml_part[(w * 16 + r) * 2 + 1];
+#pragma unroll
+        for (int i = 0; i < COLS; ++i) acc[i] += wgt * o_part[(w * 16 + r) * DV + col + i];
+      }
+    }
+    const float inv = l_all > 0.f ? p.v_scale / l_all : 0.f;  // fp8 V: its per-tensor scale
+#pragma unroll
+    for (int i = 0; i < COLS; ++i) acc[i] *= inv;
+    const float lse = l_all > 0.f ? (m_all + log2f(l_all)) * LN2 : -INFINITY;
+    const int64_t head = q_head0 + r;
+    if (split) {
+      float* dst = p.tmp_o + (out_row * p.num_qo_heads + head) * DV + col;
+#pragma unroll
+      for (int i = 0; i < COLS; i += 4) *reinterpret_cast<float4*>(dst + i) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+      if (col == 0) p.tmp_lse[out_row * p.num_qo_heads + head] = lse;
+    } else {
+      store_row<DTypeO, COLS>(p.o + (out_row * p.num_qo_heads + head) * DV + col, acc);
+      if (col == 0 && p.lse != nullptr) p.lse[out_row * p.num_qo_heads + head] = lse;
+    }
+  }
+  if (split) merge_if_last<C>(p, smem, si, token, q_head0, rows_valid);
+}
+
+}  // namespace flashgen::decode
