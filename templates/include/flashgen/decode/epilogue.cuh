@@ -5,6 +5,7 @@
 #pragma once
 #include <flashgen/common/logits.cuh>
 #include <flashgen/common/mma.cuh>
+#include <flashgen/common/split_merge.cuh>
 #include <flashgen/decode/tiles.cuh>
 
 namespace flashgen::decode {
@@ -17,30 +18,14 @@ struct SplitInfo {
   int num_chunks;  // the request's partials
 };
 
-__device__ __forceinline__ int atomic_add_acq_rel(int* address, int value) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(address), "r"(value) : "memory");
-  return old;
-}
-
-// Split-KV finish without a second launch: every item of a (token, head group) publishes its partial, then
-// counts itself in; the last to arrive merges all partials into the output and resets the counter (so
-// the next run, or a CUDA-graph replay, starts from zero).
+// The merge of a split request's partials by its last item (common/split_merge.cuh: merge_if_last), rows of the
+// item's head group.
 template <class C, class Params>
-__device__ __forceinline__ void merge_if_last(const Params& p, uint8_t* smem, const SplitInfo& si, int token,
-                                              int q_head0, int rows_valid) {
-  __shared__ int is_last;
+__device__ __forceinline__ void merge_partials(const Params& p, uint8_t* smem, const SplitInfo& si, int token,
+                                               int q_head0, int rows_valid) {
   using DTypeO = typename C::DTypeO;
   constexpr int DV = C::HEAD_DIM_VO;
-  // the CTA's partial, ordered before thread 0's release by the barrier (release is cumulative), so no thread
-  // fences on its own; thread 0's acquire, ordered before the other threads' loads by the second barrier,
-  // makes every other item's partial visible to the merge (the pattern of CUTLASS's split-K semaphore)
-  __syncthreads();
-  int* counter = p.counters + int64_t(token) * p.num_qo_heads + q_head0;
   const int num_chunks = si.num_chunks;
-  if (threadIdx.x == 0) is_last = atomic_add_acq_rel(counter, 1) == num_chunks - 1;
-  __syncthreads();
-  if (!is_last) return;
   // One warp per row, each lane 4 columns of every 128. The partials come a batch of MERGE_BATCH chunks at a
   // time: the lane's 16 bytes of each chunk's row by cp.async into the warp's slice of the (now idle) pipeline
   // buffers, issued together with the batch's lse loads, so a batch costs one round trip to L2 (the weights need
@@ -59,7 +44,7 @@ __device__ __forceinline__ void merge_if_last(const Params& p, uint8_t* smem, co
     float4 acc[CB];
 #pragma unroll
     for (int cb = 0; cb < CB; ++cb) acc[cb] = make_float4(0.f, 0.f, 0.f, 0.f);
-    float m = -INFINITY, sum = 0.f;
+    MergeState ms;
     for (int k0 = 0; k0 < num_chunks; k0 += KB) {
 #pragma unroll
       for (int j = 0; j < KB; ++j)
@@ -73,14 +58,12 @@ __device__ __forceinline__ void merge_if_last(const Params& p, uint8_t* smem, co
       float mb = lse_k;
 #pragma unroll
       for (int x = 16; x > 0; x /= 2) mb = fmaxf(mb, __shfl_xor_sync(0xffffffff, mb, x));
-      const float m_new = fmaxf(m, mb), m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float corr = expf(m - m_use);  // 0 on the first batch (m = -inf)
-      const float w_lane = expf(lse_k - m_use);
+      const float corr = ms.begin(mb);
+      const float w_lane = ms.weight(lse_k);
       float wsum = w_lane;
 #pragma unroll
       for (int x = 16; x > 0; x /= 2) wsum += __shfl_xor_sync(0xffffffff, wsum, x);
-      sum = sum * corr + wsum;
-      m = m_new;
+      ms.add(wsum);
 #pragma unroll
       for (int cb = 0; cb < CB; ++cb) {
         acc[cb].x *= corr; acc[cb].y *= corr; acc[cb].z *= corr; acc[cb].w *= corr;
@@ -96,7 +79,7 @@ __device__ __forceinline__ void merge_if_last(const Params& p, uint8_t* smem, co
         }
       }
     }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float inv = ms.inv_sum();
 #pragma unroll
     for (int cb = 0; cb < CB; ++cb) {
       const int col = cb * 128 + lane * 4;
@@ -105,10 +88,8 @@ __device__ __forceinline__ void merge_if_last(const Params& p, uint8_t* smem, co
         *reinterpret_cast<uint2*>(p.o + (int64_t(token) * stride + head) * DV + col) = packed;
       }
     }
-    if (lane == 0 && p.lse != nullptr) p.lse[int64_t(token) * stride + head] = sum > 0.f ? m + logf(sum) : -INFINITY;
+    if (lane == 0 && p.lse != nullptr) p.lse[int64_t(token) * stride + head] = ms.lse();
   }
-  __syncthreads();
-  if (threadIdx.x == 0) *counter = 0;
 }
 
 // the warps' (m, l, O) merged through shared memory (the pipeline's, free now) and written: to out and lse,
@@ -173,7 +154,10 @@ __device__ __forceinline__ void write_states(const Params& p, uint8_t* smem, con
       if (col == 0 && p.lse != nullptr) p.lse[out_row * p.num_qo_heads + head] = lse;
     }
   }
-  if (split) merge_if_last<C>(p, smem, si, token, q_head0, rows_valid);
+  if (split) {  // counter of the (token, head group): the last item merges
+    int* counter = p.counters + int64_t(token) * p.num_qo_heads + q_head0;
+    merge_if_last(counter, si.num_chunks, [&] { merge_partials<C>(p, smem, si, token, q_head0, rows_valid); });
+  }
 }
 
 }  // namespace flashgen::decode

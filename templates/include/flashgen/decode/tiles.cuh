@@ -37,7 +37,7 @@ struct Layout {
   // epilogue, over everything after Q (stages, offsets, widened tile): per warp o [16][HEAD_DIM_VO] fp32
   // and (m, l) [16][2]
   static constexpr int EPILOGUE = C::NUM_WARPS * 16 * (C::HEAD_DIM_VO + 2) * 4;
-  // the split merge's staging (merge_if_last), over the same buffers: per warp MERGE_BATCH chunks x
+  // the split merge's staging (merge_partials), over the same buffers: per warp MERGE_BATCH chunks x
   // MERGE_COL_BLOCKS x 32 lanes x 16 bytes; 32 chunks a batch (one L2 round trip for up to 32 partials) where
   // it fits, fewer where the pipeline is small
   static constexpr int MERGE_COL_BLOCKS = (C::HEAD_DIM_VO + 127) / 128;

@@ -210,7 +210,7 @@ __device__ __forceinline__ void run(const Params& p) {
   const TileRows tr_out = tr_saved;
   const int chunk = chunk_saved;
   write_rows<C>(p, tr_out, o, m, l, chunk, warp, lane);
-  if (chunk >= 0) merge_if_last<C>(p, tr_out);
+  if (chunk >= 0) merge_tile<C>(p, tr_out);
 }
 
 }  // namespace flashgen::prefill
