@@ -4,8 +4,10 @@ A reorganisation of templates/ should leave every kernel's machine code as it wa
 ~25 variants (decode, portable prefill, Hopper prefill, merge_states, rope_gather) from an old tree and a new
 one, each in a cache folder of its own, disassembles every cubin with ``cuobjdump -sass`` and compares the
 instruction streams (address comments and file names stripped; the encodings, which carry the scheduling
-bits, are compared). For each variant it prints identical / changed, and for changed ones the registers,
-spill bytes and instruction counts before and after, so the changed kernels can be A/B-timed on a GPU.
+bits, are compared). For each variant it prints identical / changed; whether its main loop (first to last
+tensor-core instruction, branch targets ignored) is the same; the number of differing instruction lines; and
+the registers, local-memory (spill) bytes and instruction counts before and after, so that changed kernels can
+be A/B-timed on a GPU.
 
 Needs nvcc and cuobjdump (no GPU). Each tree is imported in its own interpreter (``PYTHONPATH=<tree>``), so
 the trees may differ in their Python as well. The 2-core build host is shared: ``--jobs`` defaults to 2.
@@ -17,6 +19,7 @@ the trees may differ in their Python as well. The 2-core build host is shared: `
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import re
@@ -136,6 +139,23 @@ def instructions(lines: list[str]) -> int:
     return sum(1 for line in lines if ";" in line and not line.startswith("/*"))
 
 
+BRANCH_TARGET = re.compile(r"0x[0-9a-f]{3,}")
+
+
+def mma_region(lines: list[str]) -> list[str]:
+    """The instructions from the first tensor-core instruction (HMMA, HGMMA) to the last, encodings and branch
+    targets dropped: the main loop, whose code is compared on its own when code after it (an epilogue) moved."""
+    ops = [BRANCH_TARGET.sub("ADDR", line.split("/*")[0]).strip() for line in lines if ";" in line.split("/*")[0]]
+    hits = [i for i, op in enumerate(ops) if "HMMA" in op or "HGMMA" in op]
+    return ops[hits[0]:hits[-1] + 1] if hits else []
+
+
+def differing(a: list[str], b: list[str]) -> int:
+    """Lines of a unified diff of the instruction streams (changed, added, removed)."""
+    return sum(1 for line in difflib.unified_diff(a, b, lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---")))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", type=Path, required=True, help="the reference tree (e.g. main checked out)")
@@ -161,11 +181,19 @@ def main() -> None:
             (out / f"{name}.{label}.sass").write_text("\n".join(listings[label]) + "\n")
             rec[label] = resources(cuobjdump, cubin) | {"instructions": instructions(listings[label])}
         rec["identical"] = listings["old"] == listings["new"]
+        loops = [mma_region(listings[label]) for label in ("old", "new")]
+        rec["mma_region_identical"] = loops[0] == loops[1]
+        rec["has_mma"] = bool(loops[0])
+        rec["differing_lines"] = 0 if rec["identical"] else differing(*[
+            [op for op in (line.split("/*")[0].strip() for line in listings[label]) if op] for label in ("old", "new")])
         records.append(rec)
-    print(f"{'variant':30s} {'result':10s} {'regs':>9s} {'local':>9s} {'instructions':>13s}")
+    print(f"{'variant':30s} {'result':10s} {'main loop':10s} {'diff':>5s} {'regs':>9s} {'local':>9s} "
+          f"{'instructions':>13s}")
     for rec in records:
         o, n = rec["old"], rec["new"]
         print(f"{rec['variant']:30s} {'identical' if rec['identical'] else 'CHANGED':10s} "
+              f"{('same' if rec['mma_region_identical'] else 'CHANGED') if rec['has_mma'] else '-':10s} "
+              f"{rec['differing_lines']:>5d} "
               f"{o['regs']:>4d}>{n['regs']:<4d} {o['local']:>4d}>{n['local']:<4d} "
               f"{o['instructions']:>6d}>{n['instructions']:<6d}")
     changed = [r["variant"] for r in records if not r["identical"]]
