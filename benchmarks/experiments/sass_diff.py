@@ -75,8 +75,9 @@ with ThreadPoolExecutor(max_workers=workers) as pool:
     print(json.dumps(dict(pool.map(one, jobs.items()))))
 """
 
-CUOBJDUMP_DIRS = [Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-                  / "triton" / "backends" / "nvidia" / "bin", Path("/usr/local/cuda/bin")]
+PY = f"python{sys.version_info.major}.{sys.version_info.minor}"
+CUOBJDUMP_DIRS = [Path(sys.prefix) / "lib" / PY / "site-packages" / "triton" / "backends" / "nvidia" / "bin",
+                  Path("/usr/local/cuda/bin")]
 
 
 def find_cuobjdump() -> str:
@@ -121,7 +122,8 @@ def sass(cuobjdump: str, cubin: Path) -> list[str]:
     lines = []
     for line in text.splitlines():
         line = line.strip()
-        if not line or line.startswith(("Fatbin", "code for", "Function :", ".headerflags", "=====")) or "/" not in line:
+        header = line.startswith(("Fatbin", "code for", "Function :", ".headerflags", "====="))
+        if not line or header or "/" not in line:
             continue
         if str(cubin.parent) in line or ".cubin" in line:
             continue
