@@ -15,7 +15,7 @@
 // STAGES, SMEM_BYTES, PAGED, ROPE, ALIBI, SOFT_CAP, WINDOW.
 //
 // This header is the kernel's entry; decode/tiles.cuh holds the layout and the copies, decode/epilogue.cuh the
-// write-out and the split-KV merge.
+// write-out and the split-KV merge (its protocol: common/split_merge.cuh).
 #pragma once
 #include <flashgen/common/kv_rows.cuh>
 #include <flashgen/common/logits.cuh>

@@ -16,8 +16,8 @@
 // A custom bit mask comes as a tile list per item (planned on the host, flashgen/plan/mask_tiles.py): fully
 // masked tiles are not listed, so never loaded; fully visible ones run without the element mask (unless they
 // cross kv_hi); CAUSAL ones (bits = key <= query position) are masked by position, no bits read; a device mask
-// lists every tile as BITS. Split requests write fp32 partials; the last CTA
-// of a tile merges them (an atomic counter per tile, reset by the merger, so a CUDA-graph replay starts from
+// lists every tile as BITS. Split requests write fp32 partials; the last CTA of a tile merges them
+// (common/split_merge.cuh: an atomic counter per tile, reset by the merger, so a CUDA-graph replay starts from
 // zero).
 //
 // This header is the kernel's entry: the bounds of the work item, the pipelined main loop, the epilogue.
