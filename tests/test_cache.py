@@ -89,7 +89,7 @@ def test_one_template_byte_changes_the_key(template_copy):
 @pytest.mark.nvcc
 def test_one_header_byte_changes_the_key(template_copy):
     before = jit.prepare(SPEC, OP, "sm_90a").key
-    path = template_copy / "include" / "flashgen" / "merge.cuh"
+    path = template_copy / "include" / "flashgen" / "merge" / "merge_states.cuh"
     path.write_bytes(path.read_bytes() + b" ")
     jit._header_tree.cache_clear()
     assert jit.prepare(SPEC, OP, "sm_90a").key != before
@@ -174,7 +174,7 @@ def test_bad_arch_is_rejected():
 
 @pytest.mark.nvcc
 def test_compile_error_keeps_nvcc_log_and_source(cache_dir, template_copy):
-    path = template_copy / "include" / "flashgen" / "merge.cuh"
+    path = template_copy / "include" / "flashgen" / "merge" / "merge_states.cuh"
     path.write_text(path.read_text() + "\nthis is not C++;\n")
     jit._header_tree.cache_clear()
     with pytest.raises(flashgen.CompileError) as info:

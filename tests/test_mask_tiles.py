@@ -407,9 +407,9 @@ def test_fixed_buffers_say_what_sized_them():
 
 
 def test_entry_encoding_matches_the_kernels_header():
-    # the kernels decode entries with templates/include/flashgen/tile_entry.cuh: its constants are the planner's
+    # the kernels decode entries with templates/include/flashgen/common/tile_entry.cuh: its constants are the planner's
     from flashgen.kernels.render import include_dir
-    header = (include_dir() / "flashgen" / "tile_entry.cuh").read_text()
+    header = (include_dir() / "flashgen" / "common" / "tile_entry.cuh").read_text()
     line = re.search(r"constexpr int (ENTRY_SHIFT = \d+(?:, ENTRY_\w+ = \d+)*);", header).group(1)
     values = {name: int(v) for name, v in (item.split(" = ") for item in line.split(", "))}
     assert values == {"ENTRY_SHIFT": ENTRY_SHIFT, "ENTRY_FULL": ENTRY_FULL, "ENTRY_BITS": ENTRY_BITS,

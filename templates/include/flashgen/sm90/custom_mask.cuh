@@ -14,8 +14,8 @@
 // funnel-shifted and shifted by 2 q, so that key 8 j + 2 q + e is bit 8 (j % 4) + e of word j / 4.
 #pragma once
 #include <cstdint>
-#include <flashgen/fastdiv.cuh>
-#include <flashgen/tile_entry.cuh>
+#include <flashgen/common/fastdiv.cuh>
+#include <flashgen/common/tile_entry.cuh>
 
 namespace flashgen::sm90 {
 

@@ -15,7 +15,7 @@
 // wgmma reads through the async one).
 #pragma once
 #include <cstdint>
-#include <flashgen/mma.cuh>
+#include <flashgen/common/mma.cuh>
 
 namespace flashgen::sm90 {
 

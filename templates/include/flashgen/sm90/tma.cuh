@@ -52,15 +52,6 @@ __device__ __forceinline__ void mbarrier_wait_backoff(uint32_t bar, uint32_t par
 // generic-proxy writes to shared memory (st.shared) become visible to the async proxy (wgmma, TMA)
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// a barrier of `threads` threads (a multiple of 32) on hardware barrier `id` (0 is __syncthreads)
-__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-// counts the calling warps towards barrier `id` without waiting for it
-__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }

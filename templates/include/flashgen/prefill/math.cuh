@@ -1,26 +1,11 @@
-// Batch prefill / append on tensor cores (FlashAttention-2 recipe, mma.sync m16n8k16, sm_80+).
+// Prefill math on a KV tile: the row state that waits in shared memory (mask bounds, query positions, ALiBi
+// slopes, softmax statistics), S = Q K^T by mma.sync, the logits transform, the element mask on boundary
+// tiles, the online softmax and O += P V.
 //
-// One CTA runs one work item of the split-KV plan: (request, qo tile, kv chunk [kv_start, kv_end)) for one kv
-// head (block x: item capacity - 1 - x / H, kv head x % H). A qo tile is TILE_Q packed rows (packed row = token *
-// group + q head in the group), so the q heads of a GQA group share every K/V load. Each of the NUM_WARPS warps
-// owns 16 * MMA_Q rows: its Q fragments (registers, or shared memory for wide heads), its O accumulators and its
-// online-softmax state, so warps never merge. K/V tiles of TILE_KV tokens flow through a STAGES-deep cp.async
-// pipeline.
-//
-// Registers: the scores tile is the peak (O and S accumulators, fragments in flight: d=128 with 64-key tiles
-// holds 128 + 64 fp32 a thread), so what the loop needs once a tile or less waits in shared memory (KVSource,
-// RowInfo: the KV source and range, mask bounds, row positions, ALiBi slopes, softmax statistics).
-//
-// Masks: causal (aligned to the KV end) and the sliding window clip the CTA's KV range to what its rows can
-// see, so fully masked tiles are never loaded; the per-element mask runs only on a warp's boundary tiles.
-// A custom bit mask comes as a tile list per item (planned on the host, flashgen/plan/mask_tiles.py): fully
-// masked tiles are not listed, so never loaded; fully visible ones run without the element mask (unless they
-// cross kv_hi); CAUSAL ones (bits = key <= query position) are masked by position, no bits read; a device mask
-// lists every tile as BITS. Split requests write fp32 partials; the last CTA
-// of a tile merges them (an atomic counter per tile, reset by the merger, so a CUDA-graph replay starts from
-// zero).
+// Config: DTypeQ, DTypeKV, HEAD_DIM, HEAD_DIM_VO, NUM_WARPS, MMA_Q, TILE_KV, Q_IN_REGS, CAUSAL, WINDOW, CUSTOM_MASK,
+// ALIBI, SOFT_CAP (and what prefill/tiles.cuh reads).
 #pragma once
-#include <flashgen/prefill_tiles.cuh>
+#include <flashgen/prefill/tiles.cuh>
 
 namespace flashgen::prefill {
 
@@ -307,6 +292,3 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[C::MMA_Q][C::HEAD_DIM_V
 }
 
 }  // namespace flashgen::prefill
-
-#include <flashgen/prefill_epilogue.cuh>
-#include <flashgen/prefill_kernel.cuh>

@@ -2,7 +2,7 @@
 // nothing; the hardware converts pairs to fp16 (cvt.f16x2.e4m3x2 / e5m2x2 on sm_89+).
 #pragma once
 #include <cuda_fp8.h>
-#include <flashgen/mma.cuh>
+#include <flashgen/common/mma.cuh>
 
 namespace flashgen {
 

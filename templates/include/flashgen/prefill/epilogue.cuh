@@ -1,7 +1,12 @@
 // Prefill epilogue: normalise each warp's rows and write them (output, or an fp32 partial of a split
 // request), and the split-KV merge by the last CTA of a tile.
 #pragma once
-#include <flashgen/prefill_tiles.cuh>
+#include <cmath>
+#include <cstdint>
+#include <flashgen/common/logits.cuh>
+#include <flashgen/common/mma.cuh>
+#include <flashgen/common/split_merge.cuh>
+#include <flashgen/prefill/tiles.cuh>
 
 namespace flashgen::prefill {
 
@@ -63,7 +68,8 @@ __device__ __forceinline__ void merge_row(const Params& p, int64_t token, int64_
   const int64_t first = (p.merge_indptr[token] * p.num_qo_heads + head), stride = p.num_qo_heads;
   const float* lse_at = p.tmp_lse + first;
   const float* o_at = p.tmp_o + first * DV + col;
-  float m = -INFINITY, sum = 0.f, acc[8] = {};
+  MergeState ms;
+  float acc[8] = {};
   for (int k0 = 0; k0 < num_chunks; k0 += B) {
     float x[B];
     float4 a[B], b[B];
@@ -75,59 +81,53 @@ __device__ __forceinline__ void merge_row(const Params& p, int64_t token, int64_
       a[i] = valid ? __ldcg(reinterpret_cast<const float4*>(o_at + row * DV)) : make_float4(0.f, 0.f, 0.f, 0.f);
       b[i] = valid ? __ldcg(reinterpret_cast<const float4*>(o_at + row * DV + 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    float mb = m;
+    float mb = x[0];
 #pragma unroll
-    for (int i = 0; i < B; ++i) mb = fmaxf(mb, x[i]);
-    if (mb == -INFINITY) continue;  // no visible key yet
-    const float r = expf(m - mb);   // 0 while m is -inf (acc and sum are 0 then)
-    sum *= r;
+    for (int i = 1; i < B; ++i) mb = fmaxf(mb, x[i]);
+    // nothing visible yet: skip the batch. Written with begin's own max, so the compiler folds begin's -inf
+    // select away (and ptxas keeps the main loop's schedule of 1f535fd in every variant)
+    if (fmaxf(ms.m, mb) == -INFINITY) continue;
+    const float r = ms.begin(mb);
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[j] *= r;
 #pragma unroll
     for (int i = 0; i < B; ++i) {
-      const float w = expf(x[i] - mb);
+      const float w = ms.weight(x[i]);
       if (w > 0.f) {
-        sum += w;
+        ms.add(w);
         acc[0] += w * a[i].x; acc[1] += w * a[i].y; acc[2] += w * a[i].z; acc[3] += w * a[i].w;
         acc[4] += w * b[i].x; acc[5] += w * b[i].y; acc[6] += w * b[i].z; acc[7] += w * b[i].w;
       }
     }
-    m = mb;
   }
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  const float inv = ms.inv_sum();
   uint4 packed;
   uint32_t* w = reinterpret_cast<uint32_t*>(&packed);
 #pragma unroll
   for (int i = 0; i < 4; ++i) w[i] = pack2<typename C::DTypeO>(acc[2 * i] * inv, acc[2 * i + 1] * inv);
   const int64_t out = token * p.num_qo_heads + head;
   *reinterpret_cast<uint4*>(p.o + out * DV + col) = packed;
-  if (col == 0 && p.lse != nullptr) p.lse[out] = sum > 0.f ? m + logf(sum) : -INFINITY;
+  if (col == 0 && p.lse != nullptr) p.lse[out] = ms.lse();
 }
 
-// Split-KV finish without a second launch: every chunk of a (request, qo tile, kv head) publishes its
-// partial and counts itself in; the last to arrive merges the tile's rows and resets the counter. The
-// counter of a tile sits at its first packed row's (token, q head), unique over the batch.
+// A split tile's finish (common/split_merge.cuh: merge_if_last): every chunk of a (request, qo tile, kv head)
+// writes its partial and counts itself in; the last merges the tile's rows. The counter of a tile sits at its
+// first packed row's (token, q head), unique over the batch.
 template <class C, class Params>
-__device__ __forceinline__ void merge_if_last(const Params& p, const TileRows& tr) {
+__device__ __forceinline__ void merge_tile(const Params& p, const TileRows& tr) {
   using L = Layout<C>;
-  __shared__ int is_last;
-  __threadfence();  // this CTA's partial is visible device-wide before it counts in
-  __syncthreads();
   const int64_t first = tr.token(tr.row0);
   int* counter = p.counters + first * p.num_qo_heads + tr.head(tr.row0);
   // the tile's chunks: its tokens' merge range (a request's uniform split, or this tile's own when the plan
   // split the last wave's tiles; a tile holds whole tokens then)
   const int num_chunks = p.merge_indptr[first + 1] - p.merge_indptr[first];
-  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == num_chunks - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  constexpr int COLS = C::HEAD_DIM_VO / 8;
-  for (int job = threadIdx.x; job < L::TILE_Q * COLS; job += L::THREADS) {
-    const int prow = tr.row0 + job / COLS;
-    if (prow < tr.rows_total) merge_row<C>(p, tr.token(prow), tr.head(prow), (job % COLS) * 8, num_chunks);
-  }
-  if (threadIdx.x == 0) *counter = 0;
+  merge_if_last(counter, num_chunks, [&] {
+    constexpr int COLS = C::HEAD_DIM_VO / 8;
+    for (int job = threadIdx.x; job < L::TILE_Q * COLS; job += L::THREADS) {
+      const int prow = tr.row0 + job / COLS;
+      if (prow < tr.rows_total) merge_row<C>(p, tr.token(prow), tr.head(prow), (job % COLS) * 8, num_chunks);
+    }
+  });
 }
 
 }  // namespace flashgen::prefill

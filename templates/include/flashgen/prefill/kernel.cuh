@@ -1,6 +1,32 @@
-// The prefill kernel body: bounds of the work item, the pipelined main loop, the epilogue.
+// Batch prefill / append on tensor cores (FlashAttention-2 recipe, mma.sync m16n8k16, sm_80+).
+//
+// One CTA runs one work item of the split-KV plan: (request, qo tile, kv chunk [kv_start, kv_end)) for one kv
+// head (block x: item capacity - 1 - x / H, kv head x % H). A qo tile is TILE_Q packed rows (packed row = token *
+// group + q head in the group), so the q heads of a GQA group share every K/V load. Each of the NUM_WARPS warps
+// owns 16 * MMA_Q rows: its Q fragments (registers, or shared memory for wide heads), its O accumulators and its
+// online-softmax state, so warps never merge. K/V tiles of TILE_KV tokens flow through a STAGES-deep cp.async
+// pipeline.
+//
+// Registers: the scores tile is the peak (O and S accumulators, fragments in flight: d=128 with 64-key tiles
+// holds 128 + 64 fp32 a thread), so what the loop needs once a tile or less waits in shared memory (KVSource,
+// RowInfo: the KV source and range, mask bounds, row positions, ALiBi slopes, softmax statistics).
+//
+// Masks: causal (aligned to the KV end) and the sliding window clip the CTA's KV range to what its rows can
+// see, so fully masked tiles are never loaded; the per-element mask runs only on a warp's boundary tiles.
+// A custom bit mask comes as a tile list per item (planned on the host, flashgen/plan/mask_tiles.py): fully
+// masked tiles are not listed, so never loaded; fully visible ones run without the element mask (unless they
+// cross kv_hi); CAUSAL ones (bits = key <= query position) are masked by position, no bits read; a device mask
+// lists every tile as BITS. Split requests write fp32 partials; the last CTA of a tile merges them
+// (common/split_merge.cuh: an atomic counter per tile, reset by the merger, so a CUDA-graph replay starts from
+// zero).
+//
+// This header is the kernel's entry: the bounds of the work item, the pipelined main loop, the epilogue.
+// Config (rendered by codegen): DTypeQ, DTypeKV, DTypeO, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS, MMA_Q,
+// TILE_KV, STAGES, SMEM_BYTES, Q_IN_REGS, LATE_COPIES, PAGED, ROPE, ALIBI, SOFT_CAP, CAUSAL, WINDOW, CUSTOM_MASK.
 #pragma once
-#include <flashgen/prefill_epilogue.cuh>
+#include <flashgen/prefill/tiles.cuh>
+#include <flashgen/prefill/math.cuh>
+#include <flashgen/prefill/epilogue.cuh>
 
 namespace flashgen::prefill {
 
@@ -184,7 +210,7 @@ __device__ __forceinline__ void run(const Params& p) {
   const TileRows tr_out = tr_saved;
   const int chunk = chunk_saved;
   write_rows<C>(p, tr_out, o, m, l, chunk, warp, lane);
-  if (chunk >= 0) merge_if_last<C>(p, tr_out);
+  if (chunk >= 0) merge_tile<C>(p, tr_out);
 }
 
 }  // namespace flashgen::prefill

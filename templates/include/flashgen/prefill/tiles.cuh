@@ -3,10 +3,10 @@
 //
 // Config: DTypeQ, DTypeKV, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS, MMA_Q, TILE_KV, STAGES, SMEM_BYTES, PAGED.
 #pragma once
-#include <flashgen/kv_rows.cuh>
-#include <flashgen/logits.cuh>
-#include <flashgen/mma.cuh>
-#include <flashgen/tile_entry.cuh>
+#include <flashgen/common/kv_rows.cuh>
+#include <flashgen/common/logits.cuh>
+#include <flashgen/common/mma.cuh>
+#include <flashgen/common/tile_entry.cuh>
 
 namespace flashgen::prefill {
 

@@ -1,6 +1,7 @@
 // Merge of attention states: partial outputs v with their natural-log log-sum-exp s.
 //   s = log(sum_k exp(s_k)),  v = sum_k v_k * exp(s_k - s)
-// An s_k of -inf is an empty partial (weight 0); if every s_k is -inf the result is v = 0, s = -inf.
+// An s_k of -inf is an empty partial (weight 0); if every s_k is -inf the result is v = 0, s = -inf (the
+// combine of common/split_merge.cuh, MergeState, which the kernels' in-launch split merges use too).
 //
 // Work split: a row is one (token, head) pair; a group of `threads_per_row` lanes (a power of two <= 32,
 // chosen on the host) handles a row with 16-byte vectors, looping when head_dim needs more vectors.
@@ -8,7 +9,9 @@
 // makes the in-place merge (s_out == s_a) race-free.
 #pragma once
 #include <cmath>
-#include <flashgen/vec.cuh>
+#include <cstdint>
+#include <flashgen/common/split_merge.cuh>
+#include <flashgen/common/vec.cuh>
 
 namespace flashgen {
 
@@ -44,16 +47,12 @@ __device__ __forceinline__ void merge_state(const Params& p) {
     const float s_b = active ? p.s_b[row] : -INFINITY;
     __syncwarp();
     if (!active) continue;
-    const float m = fmaxf(s_a, s_b);
-    float w_a = 0.f, w_b = 0.f, s = -INFINITY;
-    if (m != -INFINITY) {
-      w_a = expf(s_a - m);
-      w_b = expf(s_b - m);
-      const float sum = w_a + w_b;
-      s = m + logf(sum);
-      w_a /= sum;
-      w_b /= sum;
-    }
+    MergeState ms(fmaxf(s_a, s_b));
+    float w_a = ms.weight(s_a), w_b = ms.weight(s_b);
+    ms.add(w_a + w_b);
+    const float inv = ms.inv_sum(), s = ms.lse();
+    w_a *= inv;
+    w_b *= inv;
     const int64_t base = row * p.head_dim;
     for (int col = g.lane_in_row * V::N; col < p.head_dim; col += g.threads_per_row * V::N) {
       V a, b;
@@ -80,11 +79,11 @@ __device__ __forceinline__ void merge_states(const Params& p) {
     const int64_t s_base = token * p.num_states * p.num_heads + head;
     float m = -INFINITY;
     for (int k = 0; k < p.num_states; ++k) m = fmaxf(m, p.s[s_base + k * p.num_heads]);
-    float sum = 0.f;
+    MergeState ms(m);
     if (m != -INFINITY) {
-      for (int k = 0; k < p.num_states; ++k) sum += expf(p.s[s_base + k * p.num_heads] - m);
+      for (int k = 0; k < p.num_states; ++k) ms.add(ms.weight(p.s[s_base + k * p.num_heads]));
     }
-    const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+    const float inv_sum = ms.inv_sum();
     for (int col = g.lane_in_row * V::N; col < p.head_dim; col += g.threads_per_row * V::N) {
       V acc;
       acc.fill(0.f);
@@ -95,7 +94,7 @@ __device__ __forceinline__ void merge_states(const Params& p) {
 #pragma unroll
         for (int j = 0; j < STATES_IN_FLIGHT; ++j) {
           const int k = k0 + j;
-          w[j] = k < p.num_states && m != -INFINITY ? expf(p.s[s_base + k * p.num_heads] - m) * inv_sum : 0.f;
+          w[j] = k < p.num_states && m != -INFINITY ? ms.weight(p.s[s_base + k * p.num_heads]) * inv_sum : 0.f;
           // an empty partial (weight 0) may hold garbage, even NaN: never read it
           raw[j] = w[j] != 0.f ? *reinterpret_cast<const uint4*>(p.v + (s_base + k * p.num_heads) * p.head_dim + col)
                                : make_uint4(0, 0, 0, 0);
@@ -110,7 +109,7 @@ __device__ __forceinline__ void merge_states(const Params& p) {
       }
       acc.store(p.v_out + row * p.head_dim + col);
     }
-    if (g.lane_in_row == 0) p.s_out[row] = m == -INFINITY ? -INFINITY : m + logf(sum);
+    if (g.lane_in_row == 0) p.s_out[row] = ms.lse();
   }
 }
 

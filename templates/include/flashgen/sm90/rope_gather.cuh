@@ -6,9 +6,9 @@
 //   then j < ... + total_kv_out * Hkv * D/2:  kv token of the scratch, kv head, pair
 // Query position: kv_len - qo_len + (token - qo_indptr[b]); key position: token - kv_out_indptr[b].
 #pragma once
-#include <flashgen/kv_rows.cuh>
-#include <flashgen/logits.cuh>
-#include <flashgen/vec.cuh>
+#include <flashgen/common/kv_rows.cuh>
+#include <flashgen/common/logits.cuh>
+#include <flashgen/common/vec.cuh>
 
 namespace flashgen {
 

@@ -1,0 +1,272 @@
+// Batch decode on tensor cores: one query token per request, the q heads of one GQA group as the rows of
+// an m16n8k16 tile, so each K/V byte is read once for the whole group.
+//
+// One CTA runs one work item of the split-KV plan: (request, qo tile, kv chunk [kv_start, kv_end)) for one kv
+// head (the grid's order: see run). NUM_WARPS warps share a KV tile of NUM_WARPS * 16 tokens, each warp taking
+// 16 of its rows, with its own online-softmax state; the warps' states are merged through shared memory at the
+// end.
+// K/V tiles flow through a STAGES-deep cp.async pipeline into swizzled shared memory. Page ids are loaded
+// into registers two tiles ahead of their copy, so small pages never stall the copy engine.
+//
+// fp8 K/V (e4m3, e5m2) are copied as fp8 and widened per tile in shared memory to q's dtype; the
+// per-tensor scales are folded in on the host (k_scale into sm_scale) and at the output (v_scale).
+//
+// Config (rendered by codegen): DTypeQ, DTypeKV, DTypeO, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS,
+// STAGES, SMEM_BYTES, PAGED, ROPE, ALIBI, SOFT_CAP, WINDOW.
+//
+// This header is the kernel's entry; decode/tiles.cuh holds the layout and the copies, decode/epilogue.cuh the
+// write-out and the split-KV merge (its protocol: common/split_merge.cuh).
+#pragma once
+#include <flashgen/common/kv_rows.cuh>
+#include <flashgen/common/logits.cuh>
+#include <flashgen/common/mma.cuh>
+#include <flashgen/decode/tiles.cuh>
+#include <flashgen/decode/epilogue.cuh>
+
+namespace flashgen::decode {
+
+// one tile's step of the online softmax (base 2) for rows g and g + 8: new running max, rescaled sum and O,
+// and the scores turned into probabilities in place
+template <int DV>
+__device__ __forceinline__ void online_softmax(float (&s)[2][4], float (&m)[2], float (&l)[2], float (&o)[DV / 8][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+    const float m_new = fmaxf(m[h], mx);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;
+    const float scale = exp2f(m[h] - m_use);
+    m[h] = m_new;
+    l[h] *= scale;
+    if (__any_sync(0xffffffff, scale != 1.f)) {  // once the running max settles, most tiles skip this
+#pragma unroll
+      for (int j = 0; j < DV / 8; ++j) {
+        o[j][2 * h] *= scale;
+        o[j][2 * h + 1] *= scale;
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      s[nt][2 * h] = exp2f(s[nt][2 * h] - m_use);
+      s[nt][2 * h + 1] = exp2f(s[nt][2 * h + 1] - m_use);
+      l[h] += s[nt][2 * h] + s[nt][2 * h + 1];
+    }
+  }
+}
+
+template <class C, class Params>
+__device__ __forceinline__ void run(const Params& p) {
+  using L = Layout<C>;
+  using DTypeQ = typename C::DTypeQ;
+  using DTypeKV = typename C::DTypeKV;
+  using DTypeO = typename C::DTypeO;
+  using DTypeMMA = DTypeQ;  // the mma operand type: K/V as stored, or widened from fp8
+  constexpr int D = C::HEAD_DIM, DV = C::HEAD_DIM_VO, TILE = L::TILE, S = C::STAGES;
+
+  // The host picks the grid. More CTAs than one wave: a 1-D grid, kv head fastest, so the kv heads of one item
+  // start together and stream the same pages at about the same time (NHD: a token's heads side by side; DRAM
+  // rows opened for one head serve the others; 0.5-1.4 % at batch 16-64). One wave (small batches, split):
+  // (items, kv heads), item fastest, which measured ~1 % faster at batch 1. Either way every (item, head) runs once.
+  unsigned item_u = blockIdx.x, head_u = blockIdx.y;
+  if (gridDim.y == 1) {
+    const unsigned num_kv_heads = unsigned(p.num_qo_heads / p.group_size);
+    item_u = blockIdx.x / num_kv_heads;
+    head_u = blockIdx.x - item_u * num_kv_heads;
+  }
+  const int item = int(item_u), kv_head = int(head_u);
+  const int request = p.request_idx[item];
+  if (request < 0) return;  // padding item of a fixed-capacity plan
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int kv_len = p.kv_len[request];
+  const int q_pos = kv_len - 1;
+  int kv_start = p.kv_start[item];
+  const int kv_end = p.kv_end[item];
+  if constexpr (C::WINDOW) kv_start = max(kv_start, q_pos - p.window_left);
+  const int token = p.qo_indptr[request];
+  const int chunk = p.chunk_idx[item];
+  const SplitInfo si{chunk, chunk >= 0 ? p.merge_indptr[token] : 0, chunk >= 0 ? p.num_chunks[request] : 1};
+  const int row0 = p.qo_tile_idx[item] * 16;               // first packed row (q head within the group)
+  const int rows_valid = min(16, p.group_size - row0);
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  DTypeQ* q_smem = reinterpret_cast<DTypeQ*>(smem);
+  DTypeKV* k_smem = reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET);
+  DTypeKV* v_smem = reinterpret_cast<DTypeKV*>(smem + L::V_OFFSET);
+  int64_t* row_offsets = reinterpret_cast<int64_t*>(smem + L::ROW_OFFSETS);  // [2][TILE]
+  DTypeMMA* k_conv = reinterpret_cast<DTypeMMA*>(smem + L::CONV_OFFSET);  // fp8 only: the widened tile
+  DTypeMMA* v_conv = k_conv + TILE * D;
+
+  const int q_head0 = kv_head * p.group_size + row0;
+
+  // ---- the KV pipeline
+  const KVRows<C::PAGED, C::PAGE_SIZE> rows(p, request);
+  const int num_tiles = kv_end > kv_start ? (kv_end - kv_start + TILE - 1) / TILE : 0;
+  const DTypeKV* k_head = p.k + int64_t(kv_head) * p.stride_head;
+  const DTypeKV* v_head = p.v + int64_t(kv_head) * p.stride_head;
+
+  auto page_of = [&](int tile) -> int32_t {  // thread tid < TILE owns row tid of every tile
+    const int pos = kv_start + tile * TILE + tid;
+    return (tid < TILE && tile < num_tiles && pos < kv_end) ? rows.page(pos) : 0;
+  };
+  auto store_offset = [&](int tile, int32_t page_id) {
+    const int pos = kv_start + tile * TILE + tid;
+    if (tid < TILE) row_offsets[(tile & 1) * TILE + tid] = (tile < num_tiles && pos < kv_end) ? rows.offset(pos, page_id) : -1;
+  };
+  // Each thread copies one fixed 16-byte column chunk of every (THREADS / CHUNKS)-th row of a tile: its
+  // source column and (rows stepping by a multiple of 8) its swizzled destination are per-thread constants,
+  // so a copy costs a shared-memory read of the row offset, an add and the cp.async.
+  constexpr int K_RPP = L::THREADS / L::K_CHUNKS, V_RPP = L::THREADS / L::V_CHUNKS;
+  static_assert(L::THREADS % L::K_CHUNKS == 0 && L::THREADS % L::V_CHUNKS == 0, "whole rows per pass");
+  const int k_row0 = tid / L::K_CHUNKS, k_col = tid % L::K_CHUNKS;
+  const int v_row0 = tid / L::V_CHUNKS, v_col = tid % L::V_CHUNKS;
+  const DTypeKV* k_src = k_head + k_col * (16 / int(sizeof(DTypeKV)));
+  const DTypeKV* v_src = v_head + v_col * (16 / int(sizeof(DTypeKV)));
+  auto issue = [&](int tile) {
+    if (tile < num_tiles) {
+      const int64_t* offsets = row_offsets + (tile & 1) * TILE;
+      DTypeKV* ks = k_smem + (tile % S) * TILE * D;
+      DTypeKV* vs = v_smem + (tile % S) * TILE * DV;
+      copy_tile_rows<DTypeKV, TILE, K_RPP, L::K_CHUNKS, D>(ks, k_src, offsets, k_row0, k_col);
+      copy_tile_rows<DTypeKV, TILE, V_RPP, L::V_CHUNKS, DV>(vs, v_src, offsets, v_row0, v_col);
+    }
+    cp_async_commit();  // always commit, so group counting stays uniform
+  };
+
+  // the first tiles' page ids are loaded before Q, so the two global round trips overlap
+  int32_t first_pages[S + 1];
+#pragma unroll
+  for (int tile = 0; tile <= S; ++tile) first_pages[tile] = page_of(tile);
+
+  stage_q<C>(p, q_smem, token, q_head0, rows_valid, q_pos);
+
+  // prologue: tiles 0 .. S-2 in flight, offsets of tile S-1 stored, page ids of tile S in registers
+#pragma unroll
+  for (int tile = 0; tile < S - 1; ++tile) {
+    store_offset(tile, first_pages[tile]);
+    __syncthreads();
+    issue(tile);
+  }
+  store_offset(S - 1, first_pages[S - 1]);
+  int32_t next_page = first_pages[S];
+
+  // Q as mma A fragments: held in registers up to head_dim 128 (loaded once; the prologue's barriers made
+  // the Q tile visible), re-read from shared memory for each tile above that, where registers run out
+  constexpr bool Q_IN_REGS = D <= 128;
+  uint32_t q_regs[Q_IN_REGS ? D / 16 : 1][4];
+  if constexpr (Q_IN_REGS) {
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) ldmatrix_x4(q_regs[j], q_smem + tile_index(lane % 16, 2 * j + lane / 16, L::Q_CHUNKS));
+  }
+  auto q_frag = [&](int j, uint32_t (&a)[4]) {
+    if constexpr (Q_IN_REGS) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = q_regs[j][i];
+    } else {
+      ldmatrix_x4(a, q_smem + tile_index(lane % 16, 2 * j + lane / 16, L::Q_CHUNKS));
+    }
+  };
+
+  // ---- per-warp online softmax state: rows g and g + 8 of the tile
+  float o[DV / 8][4];
+#pragma unroll
+  for (int j = 0; j < DV / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  LogitsTransform<C::ALIBI, C::SOFT_CAP> transform{p.sm_scale, p.soft_cap, p.soft_cap > 0.f ? 1.f / p.soft_cap : 0.f, 0.f};
+  float slope[2] = {0.f, 0.f};
+  if constexpr (C::ALIBI) {
+    slope[0] = alibi_slope(q_head0 + g, p.num_qo_heads);
+    slope[1] = alibi_slope(q_head0 + g + 8, p.num_qo_heads);
+  }
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    cp_async_wait<S - 2>();
+    __syncthreads();
+    issue(tile + S - 1);
+    store_offset(tile + S, next_page);
+    next_page = page_of(tile + S + 1);
+
+    const DTypeMMA* ks;
+    const DTypeMMA* vs;
+    if constexpr (L::FP8) {  // widen the fp8 tile into the 16-bit tile the mma reads
+      widen_tile<L::TILE, L::K_CHUNKS, L::THREADS>(k_smem + (tile % S) * TILE * D, k_conv);
+      widen_tile<L::TILE, L::V_CHUNKS, L::THREADS>(v_smem + (tile % S) * TILE * DV, v_conv);
+      __syncthreads();
+      ks = k_conv;
+      vs = v_conv;
+    } else {
+      ks = k_smem + (tile % S) * TILE * D;
+      vs = v_smem + (tile % S) * TILE * DV;
+    }
+    const int n0 = warp * 16;  // this warp's 16 rows of the tile
+
+    // S = Q K^T for 16 q rows x 16 kv rows
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    const int mat = lane / 8, mrow = lane % 8;
+    if constexpr (C::ROPE) {
+      const int kv_row_lo = n0 + g, kv_row_hi = n0 + 8 + g;
+      const float pos_lo = float(kv_start + tile * TILE + kv_row_lo), pos_hi = float(kv_start + tile * TILE + kv_row_hi);
+#pragma unroll
+      for (int j = 0; j < D / 32; ++j) {  // k-steps j and j + D/32 hold the two halves of each rotated pair
+        uint32_t qa[4], qb[4], ka[4], kb[4];
+        q_frag(j, qa);
+        q_frag(j + D / 32, qb);
+        ldmatrix_x4(ka, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * j + (mat % 2), L::KC_CHUNKS));
+        ldmatrix_x4(kb, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * (j + D / 32) + (mat % 2), L::KC_CHUNKS));
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {  // reg r: n-tile r / 2 (row g or 8 + g), d = 16j + 2t4 + 8 (r % 2) + {0, 1}
+          float2 lo = unpack2<DTypeMMA>(ka[r]), hi = unpack2<DTypeMMA>(kb[r]);
+          const float pos = r < 2 ? pos_lo : pos_hi;
+          const int d = 16 * j + 2 * t4 + 8 * (r % 2);
+          rope_rotate(lo.x, hi.x, pos, d, D, p.rope_rcp_scale, p.rope_log2_theta);
+          rope_rotate(lo.y, hi.y, pos, d + 1, D, p.rope_rcp_scale, p.rope_log2_theta);
+          ka[r] = pack2<DTypeMMA>(lo.x, lo.y);
+          kb[r] = pack2<DTypeMMA>(hi.x, hi.y);
+        }
+        mma_16816<DTypeMMA>(s[0], qa, ka[0], ka[1]);
+        mma_16816<DTypeMMA>(s[1], qa, ka[2], ka[3]);
+        mma_16816<DTypeMMA>(s[0], qb, kb[0], kb[1]);
+        mma_16816<DTypeMMA>(s[1], qb, kb[2], kb[3]);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) {
+        uint32_t qa[4], kf[4];
+        q_frag(j, qa);
+        ldmatrix_x4(kf, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * j + (mat % 2), L::KC_CHUNKS));
+        mma_16816<DTypeMMA>(s[0], qa, kf[0], kf[1]);
+        mma_16816<DTypeMMA>(s[1], qa, kf[2], kf[3]);
+      }
+    }
+
+    // logits transform, mask (the tile's end only: the window already moved kv_start), online softmax (base 2)
+    const bool last_tile = tile == num_tiles - 1;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pos = kv_start + tile * TILE + n0 + 8 * nt + 2 * t4 + (e % 2);
+        transform.slope = slope[e / 2];
+        s[nt][e] = last_tile && pos >= kv_end ? -INFINITY : transform(s[nt][e], pos - q_pos);
+      }
+    }
+    online_softmax<DV>(s, m, l, o);
+
+    // O += P V: P from the S accumulators (C layout -> A layout), V fragments by ldmatrix.trans
+    uint32_t pa[4] = {pack2<DTypeMMA>(s[0][0], s[0][1]), pack2<DTypeMMA>(s[0][2], s[0][3]),
+                      pack2<DTypeMMA>(s[1][0], s[1][1]), pack2<DTypeMMA>(s[1][2], s[1][3])};
+#pragma unroll
+    for (int c = 0; c < DV / 16; ++c) {
+      uint32_t vf[4];
+      ldmatrix_x4_trans(vf, vs + tile_index(n0 + 8 * (mat % 2) + mrow, 2 * c + mat / 2, L::VC_CHUNKS));
+      mma_16816<DTypeMMA>(o[2 * c], pa, vf[0], vf[1]);
+      mma_16816<DTypeMMA>(o[2 * c + 1], pa, vf[2], vf[3]);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline's shared memory is reused below
+
+  write_states<C>(p, smem, si, token, q_head0, rows_valid, o, m, l);
+}
+
+}  // namespace flashgen::decode

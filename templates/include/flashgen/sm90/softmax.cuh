@@ -1,0 +1,113 @@
+// The Hopper prefill consumers' softmax step in registers: the logits transform (ALiBi, soft-cap), the element
+// mask, the online softmax (base 2) over a wgmma accumulator tile, O's rescale and P packed as RS A fragments.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <flashgen/common/logits.cuh>
+#include <flashgen/common/mma.cuh>
+#include <flashgen/sm90/custom_mask.cuh>
+
+namespace flashgen::sm90 {
+
+// tanh(x) = 1 - 2 / (e^(2x) + 1) by ex2.approx and rcp.approx (relative error ~1e-7 away from 0, absolute ~1e-7
+// near it), with far fewer registers than tanhf; saturates to +-1
+__device__ __forceinline__ float tanh_fast(float x) { return 1.f - 2.f * rcp_fast(exp2_fast(x * (2.f * LOG2E)) + 1.f); }
+
+// Per-thread row state: rows g and g + 8 of the warp's 16 (h = 0, 1).
+struct RowState {
+  float m[2], l[2];
+  int q_pos[2];
+  float slope[2];  // ALiBi slope of the row's q head, pre-multiplied like S (see LogitsParams)
+};
+
+// The logits transform's runtime values (see logits.cuh for the order of the steps), folded so that a logit
+// takes one multiply, the ALiBi FMA and the cap: with soft-cap, y = S * sm_scale / cap + slope / cap * (key - q)
+// and the base-2 logit is cap * log2(e) * tanh(y); without it, S * sm_scale * log2(e) + slope * log2(e) * (key - q).
+// The slopes in RowState carry the same factor (1 / cap or log2(e)).
+struct LogitsParams {
+  float mul, cap_log2;
+  int kv_hi, window_left;
+};
+
+// S -> P in place: P = 2^(logit - m) with the running max m (base 2) and sum l. Without ALiBi or soft-cap the
+// logit is S * scale_log2, folded into the exponent (sm_scale > 0, checked at plan time: the max of raw S is
+// then the max logit). Masked tiles hide (row, key) pairs past kv_hi, after the row's query position (causal),
+// before its window or whose custom-mask bit is clear. o_scale is the factor O must be multiplied by before
+// P V is added (applied by the caller once the previous P V has completed).
+template <class C>
+__device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs, float (&o_scale)[2],
+                                        const LogitsParams& lg, bool masked, int t0, const MaskBits<C>& bits) {
+  constexpr bool RAW = !C::ALIBI && !C::SOFT_CAP;
+  const int q4 = threadIdx.x % 4;
+  if constexpr (!RAW) {
+    float bias[2];  // ALiBi: the bias of the thread's first key of the tile in each row, then + slope per key
+#pragma unroll
+    for (int h = 0; h < 2; ++h) bias[h] = C::ALIBI ? rs.slope[h] * float(t0 + 2 * q4 - rs.q_pos[h]) : 0.f;
+#pragma unroll
+    for (int i = 0; i < C::TILE_KV / 2; ++i) {
+      float x = s[i] * lg.mul;
+      if constexpr (C::ALIBI) x += fmaf(rs.slope[(i / 2) % 2], float(8 * (i / 4) + i % 2), bias[(i / 2) % 2]);
+      if constexpr (C::SOFT_CAP) x = lg.cap_log2 * tanh_fast(x);
+      s[i] = x;
+    }
+  }
+  if (masked) {
+    typename MaskBits<C>::Words words;
+    bits.select(words);
+    if (C::CUSTOM_MASK && !C::CAUSAL && t0 + C::TILE_KV <= lg.kv_hi) {
+      // a partial tile inside the KV range: the bits alone (a bit test and a select a key, where the bound
+      // check below doubles that; short documents have one such tile an item)
+#pragma unroll
+      for (int i = 0; i < C::TILE_KV / 2; ++i)
+        if (!MaskBits<C>::visible(words, i)) s[i] = -INFINITY;
+    } else {
+#pragma unroll
+      for (int i = 0; i < C::TILE_KV / 2; ++i) {
+        const int pos = t0 + 8 * (i / 4) + 2 * q4 + i % 2, q_pos = rs.q_pos[(i / 2) % 2];
+        bool ok = pos < lg.kv_hi;
+        if constexpr (C::CAUSAL) ok = ok && pos <= q_pos;
+        if constexpr (C::WINDOW) ok = ok && pos >= q_pos - lg.window_left;
+        if constexpr (C::CUSTOM_MASK) ok = ok && MaskBits<C>::visible(words, i);
+        if (!ok) s[i] = -INFINITY;
+      }
+    }
+  }
+  const float mul = RAW ? lg.mul : 1.f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 2 * h; i < C::TILE_KV / 2; i += 4) mx = fmaxf(mx, fmaxf(s[i], s[i + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+    const float m_new = fmaxf(rs.m[h], mx * mul);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;  // nothing visible yet: P = 0, not NaN
+    o_scale[h] = exp2_fast(rs.m[h] - m_use);
+    rs.m[h] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 2 * h; i < C::TILE_KV / 2; i += 4) {
+      s[i] = exp2_fast(fmaf(s[i], mul, -m_use));
+      s[i + 1] = exp2_fast(fmaf(s[i + 1], mul, -m_use));
+      sum += s[i] + s[i + 1];
+    }
+    rs.l[h] = rs.l[h] * o_scale[h] + sum;
+  }
+}
+
+template <class C>
+__device__ __forceinline__ void rescale(float (&o)[C::HEAD_DIM / 2], const float (&o_scale)[2]) {
+#pragma unroll
+  for (int i = 0; i < C::HEAD_DIM / 2; ++i) o[i] *= o_scale[(i / 2) % 2];
+}
+
+// P as RS A fragments: k-step kk is S registers 8 kk .. 8 kk + 7 in pairs (see wgmma.cuh)
+template <class C>
+__device__ __forceinline__ void pack_p(uint32_t (&pa)[C::TILE_KV / 16][4], const float (&s)[C::TILE_KV / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < C::TILE_KV / 16; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) pa[kk][r] = pack2<typename C::DTypeKV>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+}
+
+}  // namespace flashgen::sm90
