@@ -58,7 +58,7 @@ def plan_and_run(spec, q, kv, table, qo_indptr, num_kv_heads, mask, *, ref_kv=No
     out, lse = check_attention(lambda out: wrapper.run(q_dev, kv_dev, out=out, return_lse=True), spec, q,
                                kv if ref_kv is None else ref_kv, qo_indptr=qo_indptr,
                                custom_mask=mask if ref_mask is None else ref_mask, **table, **runtime)
-    plan = wrapper._impl._keep[0]
+    plan = wrapper._impl.last_plan
     return out.cpu(), lse.cpu(), int(plan.numpy("num_chunks")[: len(qo_indptr) - 1].max(initial=0))
 
 

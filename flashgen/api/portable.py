@@ -76,6 +76,7 @@ class PortablePrefill:
         self._tmp_lse = DeviceBuffer(torch.float32, core.device, core.fixed)
         self._kernel = None
         self._held = (None, None)  # a device page table and a device mask, read in place
+        self.last_plan = None
 
     def _load(self) -> None:
         from ..jit import build
@@ -98,6 +99,7 @@ class PortablePrefill:
             kv_granularity=cfg.tile_kv, num_sms=core.num_sms * cfg.ctas_per_sm, enable_split=enable_split,
             balance_tail=enable_split and isinstance(self.spec.mask, NoMask), host_buffer=host, **options))
         info = plan.info
+        self.last_plan = plan  # the Plan (host view) that the current params point into
         extras, pages_host = table_extras(table, core.max_batch_size)
         mask_held, reserve = None, 0
         if isinstance(self.spec.mask, CustomMask):

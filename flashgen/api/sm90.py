@@ -116,6 +116,7 @@ class SM90Prefill:
     def __init__(self, core: WrapperCore, options: dict | None = None):
         spec = core.spec
         self.core, self.spec, self.device, self.num_sms = core, spec, core.device, core.num_sms
+        self.last_plan = None
         self.max_batch_size = core.max_batch_size
         # RoPE: the rope_gather pre-pass writes rotated q, rotated K and V (ragged) into scratch, and the kernel of
         # the spec's ragged twin attends over it (backends.check_sm90 refuses RoPE in CUDA-graph mode)
@@ -160,6 +161,7 @@ class SM90Prefill:
         plan = core.staging.plan(lambda host: plan_prefill(
             qo, table.kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, tile_rows=self._launch.tile_q,
             kv_granularity=self._tile_kv, num_sms=self.num_sms, enable_split=False, host_buffer=host, **options))
+        self.last_plan = plan  # the Plan (host view) that the current params point into
         extras, pages_host = table_extras(table, core.max_batch_size)
         if "kv_indptr" not in extras:  # a block table needs no offsets; the kernel reads a (zero) array anyway
             extras["kv_indptr"] = np.zeros(qo.size if not core.fixed else core.max_batch_size + 1, np.int32)
