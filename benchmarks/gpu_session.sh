@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 GPU machine that runs the steps named, writing logs and results under $OUT:
-#   bash benchmarks/gpu_session.sh [tests|tests-kv64|sanitize|sanitize-sm90|decode|prefill|sm90|profile-sm90|foundation|host ...]
+#   bash benchmarks/gpu_session.sh [tests|sanitize|sanitize-sm90|decode|prefill|sm90|profile-sm90|foundation|host ...]
 #   (default: tests)
 # Carry .whl (FlashInfer and its small deps, see the device README) to measure FlashInfer as a peer.
 set -uo pipefail
@@ -33,9 +33,6 @@ for step in "${@:-tests}"; do
     sm90)  # the Hopper kernel against FlashInfer's FA3 backend and cuDNN
       python3 benchmarks/bench_prefill_sm90.py --out "$OUT/prefill_sm90.json" --reps 10 --commit "$COMMIT" 2>&1 \
         | grep -v Warn | tail -16 ;;
-    tests-kv64)  # the portable prefill's 64-key tiles over its whole GPU test file
-      FLASHGEN_PREFILL_TILES=kv64 python3 -m pytest -m cuda tests/test_prefill.py -q -p no:cacheprovider 2>&1 \
-        | tee "$OUT/gpu-tests-kv64.log" | tail -4 ;;
     sanitize-sm90)  # paged TMA boxes, custom-mask bit reads (host and device masks), the RoPE gather
       compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 python3 -m pytest -m cuda tests/test_prefill_sm90_paged.py \
         tests/test_prefill_sm90_mask.py tests/test_prefill_sm90_rope.py -q -x -p no:cacheprovider \

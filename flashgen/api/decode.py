@@ -135,7 +135,7 @@ class DecodeBackend:
         fields.update(split_kv_fields(addresses, tmp_o, tmp_lse, counters, num_qo_heads, num_kv_heads, runtime))
         fields["v_scale"] = v_scale
         self._params.pack(fields)
-        # more than one wave: kv head fastest, for DRAM locality; one wave: item fastest (decode.cuh)
+        # more than one wave: kv head fastest, for DRAM locality; one wave: item fastest (decode/kernel.cuh)
         items = info.capacity * num_kv_heads
         self._grid = (items, 1, 1) if items > slots else (info.capacity, num_kv_heads, 1)
 

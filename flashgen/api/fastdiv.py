@@ -1,4 +1,4 @@
-"""Host half of the device's fast divider (``templates/include/flashgen/fastdiv.cuh``, ``FastDiv``)."""
+"""Host half of the device's fast divider (``templates/include/flashgen/common/fastdiv.cuh``, ``FastDiv``)."""
 
 from __future__ import annotations
 

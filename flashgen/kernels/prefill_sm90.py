@@ -8,8 +8,8 @@ at d <= 128), the K and V producer warps gather other page sizes row by row with
 are skipped, fully visible ones run without the element mask), no positional encoding or ``ALiBi()`` (not RoPE
 yet), soft-cap, any GQA group (packed rows), unsplit plans (``enable_split=False``: every item covers its whole
 KV).
-The kernel is ``templates/include/flashgen/sm90/prefill_sm90.cuh``; the runner ``flashgen.api.sm90``. Its two
-consumer warpgroups always take turns issuing their GEMMs (the ping-pong; ``PINGPONG`` stays a template
+The kernel is ``templates/include/flashgen/sm90/kernel.cuh`` (its parts by role beside it); the runner
+``flashgen.api.sm90``. Its two consumer warpgroups always take turns issuing their GEMMs (the ping-pong; ``PINGPONG`` stays a template
 constant, always true).
 """
 

@@ -23,7 +23,7 @@ def templates_dir() -> Path:
 
 
 def include_dir() -> Path:
-    """The folder passed to nvcc as ``-I``; it holds ``flashgen/*.cuh``."""
+    """The folder passed to nvcc as ``-I``; it holds ``flashgen/<role>/*.cuh``."""
     return templates_dir() / "include"
 
 

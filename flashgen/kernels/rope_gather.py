@@ -1,5 +1,5 @@
 """The RoPE pre-pass of the Hopper prefill (op ``rope_gather``): q and K rotated, V copied, from any KV layout
-into ragged scratch tensors (``templates/include/flashgen/rope_gather.cuh``).
+into ragged scratch tensors (``templates/include/flashgen/sm90/rope_gather.cuh``).
 
 The sm90 prefill kernel has no RoPE of its own: for a RoPE spec the sm90 backend runs this pass, then the kernel
 of the same spec with ``kv_layout=Ragged()`` and no positional encoding over the scratch. The pass moves q once
