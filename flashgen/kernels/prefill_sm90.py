@@ -9,8 +9,8 @@ are skipped, fully visible ones run without the element mask), no positional enc
 yet), soft-cap, any GQA group (packed rows), unsplit plans (``enable_split=False``: every item covers its whole
 KV).
 The kernel is ``templates/include/flashgen/sm90/kernel.cuh`` (its parts by role beside it); the runner
-``flashgen.api.sm90``. Its two consumer warpgroups always take turns issuing their GEMMs (the ping-pong; ``PINGPONG`` stays a template
-constant, always true).
+``flashgen.api.sm90``. Its two consumer warpgroups always take turns issuing their GEMMs (the ping-pong;
+``PINGPONG`` stays a template constant, always true).
 """
 
 from __future__ import annotations
