@@ -152,7 +152,8 @@ def grid(args):
     for d in args.head_dims:
         for batch, seqlen in args.shapes:
             for mask in ("none", "causal") + (("window", "doc") if d == 128 else ()):
-                yield d, batch, seqlen, mask
+                if args.masks is None or mask in args.masks:
+                    yield d, batch, seqlen, mask
 
 
 def parse_args():
@@ -167,8 +168,10 @@ def parse_args():
                              "none and causal; its first call JIT-builds the module: minutes)")
     parser.add_argument("--backends", default=None,
                         help="flashgen backends, one row each (default: portable,sm90 on Hopper, else portable)")
+    parser.add_argument("--masks", default=None, help="a subset of none,causal,window,doc (window, doc: d128 only)")
     parser.add_argument("--commit", default="", help="the commit measured (the device copy has no .git)")
     args = parser.parse_args()
+    args.masks = set(args.masks.split(",")) if args.masks else None
     args.head_dims = [int(x) for x in args.head_dims.split(",")]
     args.shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     args.layouts = args.layouts.split(",")
