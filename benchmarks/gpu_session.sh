@@ -18,10 +18,10 @@ for step in "${@:-tests}"; do
     tests)
       python3 -m pytest -m cuda tests -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
     sanitize)
-      compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 python3 -m pytest -m cuda tests/test_decode.py \
-        tests/test_prefill.py -q -x -p no:cacheprovider -k "paged_csr or layouts_and_masks" > "$OUT/memcheck.log" 2>&1
+      compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 python3 -m pytest -m cuda tests/decode/test_decode.py \
+        tests/prefill/test_prefill.py -q -x -p no:cacheprovider -k "paged_csr or layouts_and_masks" > "$OUT/memcheck.log" 2>&1
       grep -E "Invalid|ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -5
-      compute-sanitizer --tool racecheck python3 -m pytest -m cuda tests/test_decode.py tests/test_prefill.py -q -x \
+      compute-sanitizer --tool racecheck python3 -m pytest -m cuda tests/decode/test_decode.py tests/prefill/test_prefill.py -q -x \
         -p no:cacheprovider -k "test_paged_csr or test_block_table" > "$OUT/racecheck.log" 2>&1
       tail -2 "$OUT/racecheck.log" ;;
     decode)
@@ -34,11 +34,11 @@ for step in "${@:-tests}"; do
       python3 benchmarks/bench_prefill_sm90.py --out "$OUT/prefill_sm90.json" --reps 10 --commit "$COMMIT" 2>&1 \
         | grep -v Warn | tail -16 ;;
     sanitize-sm90)  # paged TMA boxes, custom-mask bit reads (host and device masks), the RoPE gather
-      compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 python3 -m pytest -m cuda tests/test_prefill_sm90_paged.py \
-        tests/test_prefill_sm90_mask.py tests/test_prefill_sm90_rope.py -q -x -p no:cacheprovider \
+      compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 python3 -m pytest -m cuda tests/sm90/test_prefill_sm90_paged.py \
+        tests/sm90/test_prefill_sm90_mask.py tests/sm90/test_prefill_sm90_rope.py -q -x -p no:cacheprovider \
         -k "(page_sizes and 16) or mask_forms or rows_past or head_dims_and_groups" > "$OUT/memcheck-sm90.log" 2>&1
       grep -E "Invalid|ERROR SUMMARY|passed|failed" "$OUT/memcheck-sm90.log" | tail -5
-      compute-sanitizer --tool racecheck python3 -m pytest -m cuda tests/test_prefill_sm90_paged.py -q -x \
+      compute-sanitizer --tool racecheck python3 -m pytest -m cuda tests/sm90/test_prefill_sm90_paged.py -q -x \
         -p no:cacheprovider -k "page_sizes and 16" > "$OUT/racecheck-sm90.log" 2>&1
       tail -2 "$OUT/racecheck-sm90.log" ;;
     profile-sm90)  # ncu of one 4x4096 causal call, flashgen sm90 and FlashInfer FA3

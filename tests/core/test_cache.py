@@ -18,7 +18,7 @@ from flashgen.kernels import render as render_module
 from flashgen.compile import ToolchainError, toolchain
 from flashgen.spec import MergeSpec
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SPEC = MergeSpec("bfloat16")
 OP = "merge_states"
 BASE = KeyInputs({"kernel.cu": "int x;"}, {"flashgen/a.cuh": b"#pragma once"}, "nvcc 13.0", "sm_90a",

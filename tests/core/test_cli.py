@@ -7,7 +7,7 @@ import pytest
 
 from flashgen.cli import DEFAULT_BUILDS
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def flashgen(*args, cache: Path, **env):

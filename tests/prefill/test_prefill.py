@@ -3,7 +3,7 @@ in every cache slot no request owns. Lengths straddle the 64-row q tiles and 32/
 
 The wrapper runs the portable kernel here (``backend="portable"``) on every GPU, the H200 included; a few
 representative tests also run on the sm90 backend where it supports the spec (on a Hopper GPU).
-tests/test_prefill_backend.py tests backend selection and the sm90 backend behind the wrapper."""
+tests/prefill/test_prefill_backend.py tests backend selection and the sm90 backend behind the wrapper."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-INCLUDE = Path(__file__).resolve().parent.parent / "templates" / "include"
+INCLUDE = Path(__file__).resolve().parents[2] / "templates" / "include"
 HEADERS = sorted(p.relative_to(INCLUDE).as_posix() for p in (INCLUDE / "flashgen").rglob("*.cuh"))
 MAX_LINES = 500
 

@@ -16,7 +16,7 @@ import flashgen
 from flashgen.kernels import Param, ParamsLayout, family, launch_config
 from flashgen.spec import AttentionSpec, Causal, CustomMask, MergeSpec, Paged, Ragged, RoPE
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "experiments"))
 from plan_host_stubbed import stubbed_cuda  # noqa: E402
 
 RUNTIME = ("q", "k", "v", "o", "lse", "stride_page", "stride_token", "stride_head")
