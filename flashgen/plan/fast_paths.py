@@ -15,10 +15,10 @@ import functools
 
 import numpy as np
 
-from .heuristics import fills_waves, pick_chunk, choose_split
+from .heuristics import choose_split, fills_waves, pick_chunk
 from .host import PlanError
 from .plan import _ALIGN, Plan, PlanField, host_storage
-from .request import ITEM_FIELDS, ITEM_PADS, PlanRequest, SplitKVInfo
+from .request import ITEM_FIELDS, ITEM_PADS, PlanRequest, new_info
 
 INT32_LIMIT = 2**31
 FLOAT_EXACT = 2**53
@@ -84,26 +84,28 @@ def plan_numpy(req: PlanRequest) -> Plan | None:
 def _numpy_chunk(req: PlanRequest, lens: np.ndarray, tiles_f: np.ndarray, max_len_q: int):
     # (kv_chunk, chunks per request as float64 or None when nothing splits, items): heuristics.choose_split on
     # int32 lengths, with float64 sums (exact below FLOAT_EXACT)
-    g = req.kv_granularity
+    g, max_len = req.kv_granularity, req.max_len
     if req.enable_split:
         work = int(tiles_f @ lens.astype(np.float64))
-        if not fills_waves(work, req.num_kv_heads, req.num_sms, req.max_len, req.split_min_waves):
+        num_kv_heads, num_sms = req.num_kv_heads, req.num_sms
+        if not fills_waves(work, num_kv_heads, num_sms, max_len, req.split_min_waves):
             if max_len_q <= g:
                 return g, None, int(np.add.reduce(tiles_f))
-            chunk = req.policy.candidates(max_len_q, work, req.num_kv_heads, req.num_sms, g)
+            chunk = req.policy.candidates(max_len_q, work, num_kv_heads, num_sms, g)
             # an empty request has one chunk
             nchunks = np.maximum(lens, 1, dtype=np.float64) / np.array(chunk, np.float64)[:, None]
             np.ceil(nchunks, out=nchunks)
-            at, n = pick_chunk(chunk, (nchunks @ tiles_f).tolist(), 0, max_len_q, work, req.num_kv_heads,
-                               req.num_sms, req.item_overhead, req.capacity)
+            at, n = pick_chunk(chunk, (nchunks @ tiles_f).tolist(), 0, max_len_q, work, num_kv_heads, num_sms,
+                               req.item_overhead, req.capacity)
             # some request splits (one without queries counts too, as in _plan_general)
-            return chunk[at], (nchunks[at] if req.max_len > chunk[at] else None), n
-    return max(g, -(-req.max_len // g) * g), None, int(np.add.reduce(tiles_f))  # one chunk a request
+            return chunk[at], (nchunks[at] if max_len > chunk[at] else None), n
+    return max(g, -(-max_len // g) * g), None, int(np.add.reduce(tiles_f))  # one chunk a request
 
 
 def tail_split(req: PlanRequest, num_items: int, item_len: int) -> tuple[int, int] | None:
     """The policy's last-wave split of an unsplit plan of ``num_items`` items (``balance_tail``), or None."""
-    if not (req.enable_split and req.balance_tail and num_items and req.tile_rows % req.group_size == 0):
+    if not (req.enable_split and req.balance_tail and num_items and
+            req.tile_rows % (req.num_qo_heads // req.num_kv_heads) == 0):
         return None
     capacity = req.capacity
     return req.policy.tail_split(item_len, num_items, req.num_kv_heads, num_sms=req.num_sms,
@@ -195,7 +197,8 @@ def _write_unsplit(req, qo, lens, qo_len, some_empty, items, tail, kv_chunk):
         p = pieces.shape[1]
         out[:, :p] = pieces
         out[:, p: p + n - head] = items[:, head:]
-        partial_rows = _tail_merge(merge, qo, items[:, :head], counts, req.tile_rows // req.group_size)
+        tokens = req.tile_rows // (req.num_qo_heads // req.num_kv_heads)
+        partial_rows = _tail_merge(merge, qo, items[:, :head], counts, tokens)
     return finish_plan(req, schema, host, flat, offsets, out, batch, total_q, num_items, cap, partial_rows,
                        kv_chunk)
 
@@ -280,7 +283,8 @@ def split_kv_layout(max_batch_size: int, max_total_q: int, capacity: int):
 def storage(req: PlanRequest, num_items: int):
     """``(capacity, schema, host, flat, offsets)`` of a plan of ``num_items`` items (``split_kv_layout``), in
     ``req.host_buffer`` or a new one; ``PlanError`` where the items exceed a fixed capacity."""
-    cap = num_items if req.capacity is None else req.capacity
+    capacity = req.capacity
+    cap = num_items if capacity is None else capacity
     if num_items > cap:
         raise PlanError(f"capacity: the batch needs {num_items} work items, more than the capacity of {cap}")
     schema, numel, offsets = split_kv_layout(req.max_batch_size, req.max_total_q, cap)
@@ -302,9 +306,9 @@ def finish_plan(req: PlanRequest, schema, host, flat, offsets, items, batch, tot
         items[:, n:cap] = _ITEM_PAD_COLUMN
     num_qo_heads, num_kv_heads, capacity, partial_capacity = req.num_qo_heads, req.num_kv_heads, req.capacity, \
         req.partial_capacity
-    info = SplitKVInfo(batch, max_batch_size, total_q, req.max_total_q, n, cap, num_qo_heads, num_kv_heads,
-                       num_qo_heads // num_kv_heads, req.tile_rows, kv_chunk, partial_rows,
-                       partial_rows if partial_capacity is None else partial_capacity, capacity is not None)
+    info = new_info((batch, max_batch_size, total_q, req.max_total_q, n, cap, num_qo_heads, num_kv_heads,
+                     num_qo_heads // num_kv_heads, req.tile_rows, kv_chunk, partial_rows,
+                     partial_rows if partial_capacity is None else partial_capacity, capacity is not None))
     return Plan("split_kv", schema, host, info)
 
 
@@ -315,13 +319,12 @@ def finish_plan(req: PlanRequest, schema, host, flat, offsets, items, batch, tot
 
 def plan_decode_numpy(req: PlanRequest) -> Plan:
     """The plan of a decode ``req`` of one qo tile a request (``req.lens`` a numpy array, < ``MAX_KV_LEN``)."""
-    lens, max_len = req.lens, req.max_len
+    lens, max_len, g = req.lens, req.max_len, req.kv_granularity
     batch = lens.size
     if req.enable_split:
-        kv_chunk, counts, n = choose_split(lens, None, req.num_kv_heads, req.num_sms, req.kv_granularity,
-                                           req.item_overhead, req.capacity, max_len, req.policy.candidates)
+        kv_chunk, counts, n = choose_split(lens, None, req.num_kv_heads, req.num_sms, g, req.item_overhead,
+                                           req.capacity, max_len, req.policy.candidates)
     else:
-        g = req.kv_granularity
         kv_chunk, counts, n = max(g, -(-max_len // g) * g), None, batch
     cap, schema, host, flat, offsets = storage(req, n)
     qo_at, kv_at, chunks_at, merge_at, items_at, stride = offsets

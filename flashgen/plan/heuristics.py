@@ -44,9 +44,9 @@ def split_candidates(max_len: int, work: int, num_kv_heads: int, num_sms: int, g
     """
     per_sm = work * num_kv_heads // num_sms
     s0 = -(-max_len // (per_sm if per_sm > granularity else granularity))
-    splits = (1, s0 - 2, s0 - 1, s0, s0 + 1, s0 + 2, 2 * s0, 4 * s0, 8 * s0)
-    chunks = {-(-max_len // s) for s in splits if s > 0}
-    return sorted({-(-c // granularity) * granularity for c in chunks}, reverse=True)  # fewest splits first
+    # s splits: chunks of ceil(max_len / s) = -(max_len // -s) tokens, rounded up to a multiple of granularity
+    return sorted({max_len // -s // granularity * -granularity
+                   for s in (1, s0 - 2, s0 - 1, s0, s0 + 1, s0 + 2, 2 * s0, 4 * s0, 8 * s0) if s > 0}, reverse=True)
 
 
 def pick_chunk(chunk: list[int], counted: list, empty: int, max_len: int, work: int, num_kv_heads: int,

@@ -17,7 +17,7 @@ import torch
 from .fast_paths import INT32_LIMIT, MAX_KV_LEN, UNSPLIT_FILL, finish_plan, iota, split_decode_items, storage, \
     tail_split, write_ramps
 from .heuristics import fills_waves, pick_chunk
-from .host import host_array
+from .host import host_list
 from .plan import Plan
 from .request import PlanRequest
 
@@ -31,13 +31,13 @@ _first_key = operator.itemgetter(0)
 def small_inputs(qo_indptr: object, kv_lens: object):
     """``(qo, lens, qo_len, longest query, longest KV)`` as lists for a small valid batch of host arrays, else
     None (then ``split_kv._checked_inputs`` checks, raises, or takes it on)."""
-    if isinstance(qo_indptr, (np.ndarray, torch.Tensor)) and qo_indptr.ndim == 1 and qo_indptr.shape[0] <= \
-            SMALL_BATCH + 1 and qo_indptr.shape[0] >= 1:
-        qo = host_array("qo_indptr", qo_indptr).tolist()
+    if isinstance(qo_indptr, (np.ndarray, torch.Tensor)) and qo_indptr.ndim == 1 and \
+            1 <= qo_indptr.shape[0] <= SMALL_BATCH + 1:
+        qo = host_list("qo_indptr", qo_indptr)
         qo_len = [b - a for a, b in zip(qo, qo[1:])]
         if qo[0] != 0 or min(qo_len, default=0) < 0:  # qo_indptr's errors come first
             return None
-        lens = host_array("kv_lens", kv_lens).tolist()
+        lens = host_list("kv_lens", kv_lens)
         if len(lens) == len(qo_len) and min(lens, default=0) >= 0:
             return qo, lens, qo_len, max(qo_len, default=0), max(lens, default=0)
     return None
@@ -46,10 +46,10 @@ def small_inputs(qo_indptr: object, kv_lens: object):
 def plan_lists(req: PlanRequest) -> Plan | None:
     """``fast_paths.plan_numpy`` on lists; None where it does not apply (lengths past its bounds, too many
     items)."""
-    qo, lens, qo_len, max_len = req.qo, req.lens, req.qo_len, req.max_len
+    qo, lens, qo_len, longest_q, max_len = req.qo, req.lens, req.qo_len, req.longest_q, req.max_len
     total_q = qo[-1]
     group_size, tile_rows = req.num_qo_heads // req.num_kv_heads, req.tile_rows
-    if max_len >= MAX_KV_LEN or req.longest_q * group_size >= INT32_LIMIT or total_q >= INT32_LIMIT:
+    if max_len >= MAX_KV_LEN or longest_q * group_size >= INT32_LIMIT or total_q >= INT32_LIMIT:
         return None
     tiles = [-(-(q * group_size) // tile_rows) for q in qo_len]
     if sum(tiles) > _SMALL_ITEMS:  # at least one item a tile
@@ -72,22 +72,23 @@ def plan_lists(req: PlanRequest) -> Plan | None:
 
 def _list_chunk(req: PlanRequest, tiles: list, max_len_q: int):
     # (kv_chunk, chunk counts per request or None when nothing splits, items): see fast_paths._numpy_chunk
-    lens, g = req.lens, req.kv_granularity
+    lens, max_len, g = req.lens, req.max_len, req.kv_granularity
     if req.enable_split:
         work = sum([t * x for t, x in zip(tiles, lens)])
-        if not fills_waves(work, req.num_kv_heads, req.num_sms, req.max_len, req.split_min_waves):
+        num_kv_heads, num_sms = req.num_kv_heads, req.num_sms
+        if not fills_waves(work, num_kv_heads, num_sms, max_len, req.split_min_waves):
             if max_len_q <= g:
                 return g, None, sum(tiles)
-            chunk = req.policy.candidates(max_len_q, work, req.num_kv_heads, req.num_sms, g)
+            chunk = req.policy.candidates(max_len_q, work, num_kv_heads, num_sms, g)
             weighted = [(t, -x or -1) for t, x in zip(tiles, lens) if t]  # an empty request has one chunk
             counted = [-sum([t * (y // c) for t, y in weighted]) for c in chunk]  # ceil(x / c) = -(-x // c)
-            at, num_items = pick_chunk(chunk, counted, 0, max_len_q, work, req.num_kv_heads, req.num_sms,
+            at, num_items = pick_chunk(chunk, counted, 0, max_len_q, work, num_kv_heads, num_sms,
                                        req.item_overhead, req.capacity)
             kv_chunk = chunk[at]
-            if req.max_len <= kv_chunk:  # no request splits (one without queries counts too)
+            if max_len <= kv_chunk:  # no request splits (one without queries counts too)
                 return kv_chunk, None, num_items
             return kv_chunk, [-(-(x or 1) // kv_chunk) if q else 0 for x, q in zip(lens, req.qo_len)], num_items
-    return max(g, -(-req.max_len // g) * g), None, sum(tiles)  # one chunk a request
+    return max(g, -(-max_len // g) * g), None, sum(tiles)  # one chunk a request
 
 
 def _split_rows(lens, tiles, counts, kv_chunk):
@@ -141,7 +142,7 @@ def _write_lists(req: PlanRequest, rows, counts, splits, kv_chunk):
     if counts is not None:
         ramps = [(qo[r], q, c) for r, (q, c) in enumerate(zip(qo_len, counts)) if c > 1 and q]
     elif splits is not None:  # a split tail tile's tokens (tiles hold whole tokens)
-        tokens = req.tile_rows // req.group_size
+        tokens = req.tile_rows // (req.num_qo_heads // req.num_kv_heads)
         ramps = sorted((qo[r] + t * tokens, min(qo[r] + (t + 1) * tokens, qo[r + 1]) - qo[r] - t * tokens, c)
                        for r, t, c in splits if c > 1)
     else:
@@ -162,12 +163,13 @@ def plan_decode_lists(req: PlanRequest) -> Plan:
         kv_chunk, n = g, batch
     else:
         work = sum(lens)
-        chunk = req.policy.candidates(max_len, work, req.num_kv_heads, req.num_sms, g)
+        num_kv_heads, num_sms = req.num_kv_heads, req.num_sms
+        chunk = req.policy.candidates(max_len, work, num_kv_heads, num_sms, g)
         negative = [-x for x in lens]  # ceil(x / c) = -(-x // c)
         counted = [-sum([y // c for y in negative]) for c in chunk]
-        kv_chunk_at, n = pick_chunk(chunk, counted, batch - counted[0], max_len, work, req.num_kv_heads,
-                                    req.num_sms, req.item_overhead, req.capacity)
-        kv_chunk = chunk[kv_chunk_at]
+        at, n = pick_chunk(chunk, counted, batch - counted[0], max_len, work, num_kv_heads, num_sms,
+                           req.item_overhead, req.capacity)
+        kv_chunk = chunk[at]
         if n > batch:
             counts = [-(-x // kv_chunk) or 1 for x in lens]  # an empty request has one chunk
     cap, schema, host, flat, offsets = storage(req, n)

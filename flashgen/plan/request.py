@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -62,23 +63,25 @@ class PlanRequest(NamedTuple):
     fast paths): the batch, the sizes resolved from it (``split_kv._sizes``), and the caller's options.
 
     ``qo``, ``lens``, ``qo_len`` are numpy int arrays (int32 or int64) on the numpy paths and Python lists on
-    the list paths; a decode request of one tile per request has ``qo = qo_len = None``.
+    the list paths; a decode request of one tile a request has ``qo = qo_len = None``. Built with
+    ``new_request(batch + sizes + options)`` from three plain tuples in this order, without the Python-level
+    ``__new__`` (a decode step plans once per step: ~1 us less).
     """
 
-    # the batch
+    # the batch (split_kv._checked_inputs, list_paths.small_inputs)
     qo: Any  # qo_indptr [batch + 1]
     lens: Any  # kv_lens [batch]
     qo_len: Any  # query tokens per request [batch]
-    longest_q: int
+    longest_q: int  # the longest query
     max_len: int  # the longest KV
-    # sizes: per-request and per-token field lengths, packed q rows a tile, item slots, partial rows (None:
-    # exact, the batch's own)
+    # the sizes (split_kv._sizes): per-request and per-token field lengths, packed q rows a tile, item slots and
+    # partial rows; capacity = partial_capacity = None: exact, the batch's own
     max_batch_size: int
     max_total_q: int
     tile_rows: int
     capacity: int | None
     partial_capacity: int | None
-    # options
+    # the caller's options (plan_split_kv's keywords)
     num_qo_heads: int
     num_kv_heads: int
     kv_granularity: int
@@ -90,6 +93,7 @@ class PlanRequest(NamedTuple):
     policy: SplitPolicy
     host_buffer: Any  # torch.Tensor | None: an int32 CPU buffer to reuse
 
-    @property
-    def group_size(self) -> int:
-        return self.num_qo_heads // self.num_kv_heads
+
+# NamedTuple(...) without its Python-level __new__: a tuple of the fields in order
+new_request = functools.partial(tuple.__new__, PlanRequest)
+new_info = functools.partial(tuple.__new__, SplitKVInfo)

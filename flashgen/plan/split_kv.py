@@ -21,11 +21,11 @@ import torch
 from .fast_paths import MAX_KV_LEN, iota, plan_decode_numpy, plan_numpy
 from .heuristics import (DEFAULT_SPLIT_POLICY, SplitPolicy, choose_kv_chunk, choose_split, choose_tail_split,
                          default_tile_rows, fills_waves)
-from .host import PlanError, host_array
+from .host import PlanError, host_array, is_int_vector
 from .list_paths import SMALL_DECODE, plan_decode_lists, plan_lists, small_inputs
 from .page_table import indptr_steps
 from .plan import Plan
-from .request import ITEM_FIELDS, ITEM_PADS, SPLIT_KV_SCHEMA, PlanRequest, SplitKVInfo
+from .request import ITEM_FIELDS, ITEM_PADS, SPLIT_KV_SCHEMA, PlanRequest, SplitKVInfo, new_request
 
 _UNSIGNED = {4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 
@@ -71,13 +71,13 @@ def plan_split_kv(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_
     if small is not None:
         sizes = _sizes(len(small[1]), small[0][-1], small[3], num_qo_heads // num_kv_heads, num_kv_heads, num_sms,
                        tile_rows, max_batch_size, max_total_q, capacity)
-        plan = plan_lists(PlanRequest(*small, *sizes, *options))
+        plan = plan_lists(new_request(small + sizes + options))
         if plan is not None:
             return plan
     checked = _checked_inputs(qo_indptr, kv_lens)
     sizes = _sizes(checked[1].size, int(checked[0][-1]), checked[3], num_qo_heads // num_kv_heads, num_kv_heads,
                    num_sms, tile_rows, max_batch_size, max_total_q, capacity)
-    request = PlanRequest(*checked, *sizes, *options)
+    request = new_request(checked + sizes + options)
     plan = plan_numpy(request)
     return _plan_general(request) if plan is None else plan  # None: lengths past the fast path's bounds
 
@@ -95,31 +95,37 @@ def plan_decode(kv_lens: object, *, num_qo_heads: int, num_kv_heads: int, tile_r
     8
     """
     _check_heads(num_qo_heads, num_kv_heads)
-    lens = host_array("kv_lens", kv_lens)
-    batch = lens.size
-    values = None
-    if batch <= SMALL_DECODE:
-        values = lens.tolist()
-        max_len = max(values, default=0)
+    lens = values = None
+    if is_int_vector(kv_lens) and kv_lens.numel() <= SMALL_DECODE:
+        values = kv_lens.tolist()
+    else:
+        lens = host_array("kv_lens", kv_lens)
+        if lens.size <= SMALL_DECODE:
+            values = lens.tolist()
+    if values is not None:
+        batch, max_len = len(values), max(values, default=0)
         if batch and min(values) < 0:
             max_len = MAX_KV_LEN
     else:  # one pass for the check and the longest request: a negative length is a huge unsigned one
-        max_len = int(np.maximum.reduce(lens.view(_UNSIGNED[lens.itemsize]), initial=0))
+        batch, max_len = lens.size, int(np.maximum.reduce(lens.view(_UNSIGNED[lens.itemsize]), initial=0))
     if max_len >= MAX_KV_LEN:
-        _raise_length(lens)
+        _raise_length(host_array("kv_lens", kv_lens))
     group_size = num_qo_heads // num_kv_heads
     sizes = _sizes(batch, batch, None, group_size, num_kv_heads, num_sms, tile_rows, max_batch_size, max_total_q,
                    capacity)
     options = (num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead, enable_split, False, None,
                DEFAULT_SPLIT_POLICY if split_policy is None else split_policy, host_buffer)
-    if group_size <= sizes[2]:  # one qo tile per request
+    if group_size <= sizes[2]:  # one qo tile per request (sizes[2]: tile_rows)
         if values is not None:
-            return plan_decode_lists(PlanRequest(None, values, None, 1, max_len, *sizes, *options))
-        return plan_decode_numpy(PlanRequest(None, lens, None, 1, max_len, *sizes, *options))
-    request = PlanRequest(iota(batch + 1), lens, iota(batch + 1)[1:] - iota(batch), min(batch, 1), max_len, *sizes,
-                          *options)
-    plan = plan_numpy(request)
-    return _plan_general(request._replace(qo_len=np.ones(batch, np.int64))) if plan is None else plan
+            return plan_decode_lists(new_request((None, values, None, 1, max_len) + sizes + options))
+        return plan_decode_numpy(new_request((None, lens, None, 1, max_len) + sizes + options))
+    lens = host_array("kv_lens", kv_lens) if lens is None else lens
+    qo = iota(batch + 1)
+    plan = plan_numpy(new_request((qo, lens, qo[1:] - qo[:-1], min(batch, 1), max_len) + sizes + options))
+    if plan is None:  # past the fast path's bounds
+        batch_inputs = (qo, lens, np.ones(batch, np.int64), min(batch, 1), max_len)
+        plan = _plan_general(new_request(batch_inputs + sizes + options))
+    return plan
 
 
 def plan_prefill(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_kv_heads: int,
@@ -217,18 +223,16 @@ def request_for(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_kv
 def _plan_general(request: PlanRequest) -> Plan:
     # the reference path: the policy (heuristics) on numpy arrays, then split_kv_arrays and Plan.pack; the fast
     # paths equal it field for field
-    qo, lens, qo_len, tile_rows, capacity = request.qo, request.lens, request.qo_len, request.tile_rows, \
-        request.capacity
-    num_qo_heads, num_kv_heads, granularity, num_sms = request.num_qo_heads, request.num_kv_heads, \
-        request.kv_granularity, request.num_sms
-    enable_split, item_overhead, policy = request.enable_split, request.item_overhead, request.policy
+    qo, lens, qo_len, _, _, max_batch_size, max_total_q, tile_rows, capacity, partial_capacity, num_qo_heads, \
+        num_kv_heads, granularity, num_sms, item_overhead, enable_split, balance_tail, split_min_waves, policy, \
+        host_buffer = request
     group_size = num_qo_heads // num_kv_heads
     tiles = -(-(qo_len * group_size) // tile_rows)
     chunks, tail = None, None
     max_len = int(lens.max(initial=0))
     # int64: tiles x tokens passes 2**31 at long context
     full = enable_split and fills_waves(int(tiles.astype(np.int64) @ lens), num_kv_heads, num_sms, max_len,
-                                        request.split_min_waves)
+                                        split_min_waves)
     if enable_split and not full:
         kv_chunk, counts, num_items = choose_split(lens, tiles, num_kv_heads, num_sms, granularity, item_overhead,
                                                    capacity, candidates=policy.candidates)
@@ -237,18 +241,17 @@ def _plan_general(request: PlanRequest) -> Plan:
         kv_chunk = max(granularity, -(-max_len // granularity) * granularity)
         counts, num_items = None, int(tiles.sum())
     unsplit = counts is None or bool((counts <= 1).all())
-    if enable_split and request.balance_tail and unsplit and tile_rows % group_size == 0 and num_items:
+    if enable_split and balance_tail and unsplit and tile_rows % group_size == 0 and num_items:
         # the tail items are the list's first, the longest (the grid runs them last): their length
         longest = int(lens[tiles > 0].max(initial=0))
         tail = policy.tail_split(longest, num_items, num_kv_heads, num_sms=num_sms, granularity=granularity,
                                  item_overhead=item_overhead,
                                  max_extra=None if capacity is None else capacity - num_items)
     arrays, info = split_kv_arrays(qo, lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                                   tile_rows=tile_rows, kv_chunk=kv_chunk, max_batch_size=request.max_batch_size,
-                                   max_total_q=request.max_total_q, capacity=capacity,
-                                   partial_capacity=request.partial_capacity,
+                                   tile_rows=tile_rows, kv_chunk=kv_chunk, max_batch_size=max_batch_size,
+                                   max_total_q=max_total_q, capacity=capacity, partial_capacity=partial_capacity,
                                    chunks=chunks, tail=tail, granularity=granularity)
-    return Plan.pack("split_kv", arrays, info, request.host_buffer)
+    return Plan.pack("split_kv", arrays, info, host_buffer)
 
 
 def _items(qo_len: np.ndarray, kv_lens: np.ndarray, chunks: np.ndarray, group_size: int, tile_rows: int,
