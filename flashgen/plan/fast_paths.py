@@ -18,7 +18,7 @@ import numpy as np
 from .heuristics import choose_split, fills_waves, pick_chunk
 from .host import PlanError
 from .plan import _ALIGN, Plan, PlanField, host_storage
-from .request import ITEM_FIELDS, ITEM_PADS, PlanRequest, new_info
+from .request import BATCH, ITEM_FIELDS, ITEM_PADS, OPTIONS, SIZES, PlanRequest, new_info
 
 INT32_LIMIT = 2**31
 FLOAT_EXACT = 2**53
@@ -45,7 +45,7 @@ def iota(n: int) -> np.ndarray:
 
 def plan_numpy(req: PlanRequest) -> Plan | None:
     """The plan of ``req`` (numpy arrays), or None where lengths pass the int32 / float64 bounds."""
-    qo, lens, qo_len, longest_q, max_len = req.qo, req.lens, req.qo_len, req.longest_q, req.max_len
+    qo, lens, qo_len, longest_q, max_len = req[BATCH]
     group_size, tile_rows = req.num_qo_heads // req.num_kv_heads, req.tile_rows
     batch = lens.size
     total_q = int(qo[-1])
@@ -75,28 +75,28 @@ def plan_numpy(req: PlanRequest) -> Plan | None:
         if some_empty:
             chunks *= qo_len > 0
         items = _split_items(lens, tiles, chunks, kv_chunk, num_items, one_tile)
-        return _write_split(req, qo, lens, qo_len, chunks, items, kv_chunk)
+        return _write_split(req, qo, lens, qo_len, total_q, chunks, items, kv_chunk)
     tail = tail_split(req, num_items, max_len_q)
     items = _unsplit_items(lens, tiles, num_items, one_tile and not some_empty, one_tile)
-    return _write_unsplit(req, qo, lens, qo_len, some_empty, items, tail, kv_chunk)
+    return _write_unsplit(req, qo, lens, qo_len, total_q, some_empty, items, tail, kv_chunk)
 
 
 def _numpy_chunk(req: PlanRequest, lens: np.ndarray, tiles_f: np.ndarray, max_len_q: int):
     # (kv_chunk, chunks per request as float64 or None when nothing splits, items): heuristics.choose_split on
     # int32 lengths, with float64 sums (exact below FLOAT_EXACT)
-    g, max_len = req.kv_granularity, req.max_len
-    if req.enable_split:
+    _, num_kv_heads, g, num_sms, item_overhead, enable_split, _, split_min_waves, policy, _ = req[OPTIONS]
+    max_len = req.max_len
+    if enable_split:
         work = int(tiles_f @ lens.astype(np.float64))
-        num_kv_heads, num_sms = req.num_kv_heads, req.num_sms
-        if not fills_waves(work, num_kv_heads, num_sms, max_len, req.split_min_waves):
+        if not fills_waves(work, num_kv_heads, num_sms, max_len, split_min_waves):
             if max_len_q <= g:
                 return g, None, int(np.add.reduce(tiles_f))
-            chunk = req.policy.candidates(max_len_q, work, num_kv_heads, num_sms, g)
+            chunk = policy.candidates(max_len_q, work, num_kv_heads, num_sms, g)
             # an empty request has one chunk
             nchunks = np.maximum(lens, 1, dtype=np.float64) / np.array(chunk, np.float64)[:, None]
             np.ceil(nchunks, out=nchunks)
             at, n = pick_chunk(chunk, (nchunks @ tiles_f).tolist(), 0, max_len_q, work, num_kv_heads, num_sms,
-                               req.item_overhead, req.capacity)
+                               item_overhead, req.capacity)
             # some request splits (one without queries counts too, as in _plan_general)
             return chunk[at], (nchunks[at] if max_len > chunk[at] else None), n
     return max(g, -(-max_len // g) * g), None, int(np.add.reduce(tiles_f))  # one chunk a request
@@ -151,11 +151,11 @@ def _split_items(lens, tiles, chunks, kv_chunk, n, one_tile):
     return items.take((start - items[4]).argsort(kind="stable"), axis=1)
 
 
-def _write_split(req, qo, lens, qo_len, chunks, items, kv_chunk):
+def _write_split(req, qo, lens, qo_len, total_q, chunks, items, kv_chunk):
     num_items = items.shape[1]
     cap, schema, host, flat, offsets = storage(req, num_items)
     qo_at, kv_at, chunks_at, merge_at, items_at, stride = offsets
-    batch, total_q = lens.size, int(qo[-1])
+    batch = lens.size
     flat[qo_at: qo_at + batch + 1] = qo
     flat[kv_at: kv_at + batch] = lens
     flat[chunks_at: chunks_at + batch] = chunks
@@ -171,7 +171,7 @@ def _write_split(req, qo, lens, qo_len, chunks, items, kv_chunk):
                        kv_chunk)
 
 
-def _write_unsplit(req, qo, lens, qo_len, some_empty, items, tail, kv_chunk):
+def _write_unsplit(req, qo, lens, qo_len, total_q, some_empty, items, tail, kv_chunk):
     n = items.shape[1]
     head, num_items = 0, n
     if tail is not None:
@@ -180,7 +180,7 @@ def _write_unsplit(req, qo, lens, qo_len, some_empty, items, tail, kv_chunk):
         num_items = pieces.shape[1] + n - head
     cap, schema, host, flat, offsets = storage(req, num_items)
     qo_at, kv_at, chunks_at, merge_at, items_at, stride = offsets
-    batch, total_q = lens.size, int(qo[-1])
+    batch = lens.size
     flat[qo_at: qo_at + batch + 1] = qo
     flat[kv_at: kv_at + batch] = lens
     if some_empty:
@@ -283,11 +283,11 @@ def split_kv_layout(max_batch_size: int, max_total_q: int, capacity: int):
 def storage(req: PlanRequest, num_items: int):
     """``(capacity, schema, host, flat, offsets)`` of a plan of ``num_items`` items (``split_kv_layout``), in
     ``req.host_buffer`` or a new one; ``PlanError`` where the items exceed a fixed capacity."""
-    capacity = req.capacity
+    max_batch_size, max_total_q, _, capacity, _ = req[SIZES]
     cap = num_items if capacity is None else capacity
     if num_items > cap:
         raise PlanError(f"capacity: the batch needs {num_items} work items, more than the capacity of {cap}")
-    schema, numel, offsets = split_kv_layout(req.max_batch_size, req.max_total_q, cap)
+    schema, numel, offsets = split_kv_layout(max_batch_size, max_total_q, cap)
     host, flat = host_storage(numel, req.host_buffer)
     return cap, schema, host, flat, offsets
 
@@ -297,17 +297,16 @@ def finish_plan(req: PlanRequest, schema, host, flat, offsets, items, batch, tot
     """The end of every fast path: fixed-capacity padding of the per-request fields and of the items past
     ``n``, then the plan and its info (the merge ranges are the caller's)."""
     qo_at, kv_at, chunks_at = offsets[:3]
-    max_batch_size = req.max_batch_size
+    max_batch_size, max_total_q, tile_rows, capacity, partial_capacity = req[SIZES]
     if max_batch_size > batch:  # fixed capacity: pad the per-request fields
         flat[qo_at + batch + 1: qo_at + max_batch_size + 1] = total_q
         flat[kv_at + batch: kv_at + max_batch_size] = 0
         flat[chunks_at + batch: chunks_at + max_batch_size] = 0
     if cap > n:
         items[:, n:cap] = _ITEM_PAD_COLUMN
-    num_qo_heads, num_kv_heads, capacity, partial_capacity = req.num_qo_heads, req.num_kv_heads, req.capacity, \
-        req.partial_capacity
-    info = new_info((batch, max_batch_size, total_q, req.max_total_q, n, cap, num_qo_heads, num_kv_heads,
-                     num_qo_heads // num_kv_heads, req.tile_rows, kv_chunk, partial_rows,
+    num_qo_heads, num_kv_heads = req.num_qo_heads, req.num_kv_heads
+    info = new_info((batch, max_batch_size, total_q, max_total_q, n, cap, num_qo_heads, num_kv_heads,
+                     num_qo_heads // num_kv_heads, tile_rows, kv_chunk, partial_rows,
                      partial_rows if partial_capacity is None else partial_capacity, capacity is not None))
     return Plan("split_kv", schema, host, info)
 
@@ -319,11 +318,12 @@ def finish_plan(req: PlanRequest, schema, host, flat, offsets, items, batch, tot
 
 def plan_decode_numpy(req: PlanRequest) -> Plan:
     """The plan of a decode ``req`` of one qo tile a request (``req.lens`` a numpy array, < ``MAX_KV_LEN``)."""
-    lens, max_len, g = req.lens, req.max_len, req.kv_granularity
+    lens, max_len = req.lens, req.max_len
+    _, num_kv_heads, g, num_sms, item_overhead, enable_split, _, _, policy, _ = req[OPTIONS]
     batch = lens.size
-    if req.enable_split:
-        kv_chunk, counts, n = choose_split(lens, None, req.num_kv_heads, req.num_sms, g, req.item_overhead,
-                                           req.capacity, max_len, req.policy.candidates)
+    if enable_split:
+        kv_chunk, counts, n = choose_split(lens, None, num_kv_heads, num_sms, g, item_overhead, req.capacity,
+                                           max_len, policy.candidates)
     else:
         kv_chunk, counts, n = max(g, -(-max_len // g) * g), None, batch
     cap, schema, host, flat, offsets = storage(req, n)

@@ -34,7 +34,7 @@ def host_array(name: str, value: object, ndim: int = 1, error: type[PlanError] =
                 f"you built it from, so that planning never synchronises with the device)"
             )
         dtype = value.dtype
-        if dtype not in _INT_DTYPES:
+        if dtype not in _INT_DTYPE_SET:
             raise error(f"{name}: dtype {value.dtype}, expected an integer dtype")
         array = value.numpy()
         if array.ndim != ndim:

@@ -19,7 +19,7 @@ from .fast_paths import INT32_LIMIT, MAX_KV_LEN, UNSPLIT_FILL, finish_plan, iota
 from .heuristics import fills_waves, pick_chunk
 from .host import host_list
 from .plan import Plan
-from .request import PlanRequest
+from .request import BATCH, OPTIONS, PlanRequest
 
 SMALL_BATCH = 12  # requests of a prefill batch
 SMALL_DECODE = 24  # requests of a decode batch
@@ -46,7 +46,7 @@ def small_inputs(qo_indptr: object, kv_lens: object):
 def plan_lists(req: PlanRequest) -> Plan | None:
     """``fast_paths.plan_numpy`` on lists; None where it does not apply (lengths past its bounds, too many
     items)."""
-    qo, lens, qo_len, longest_q, max_len = req.qo, req.lens, req.qo_len, req.longest_q, req.max_len
+    qo, lens, qo_len, longest_q, max_len = req[BATCH]
     total_q = qo[-1]
     group_size, tile_rows = req.num_qo_heads // req.num_kv_heads, req.tile_rows
     if max_len >= MAX_KV_LEN or longest_q * group_size >= INT32_LIMIT or total_q >= INT32_LIMIT:
@@ -72,18 +72,18 @@ def plan_lists(req: PlanRequest) -> Plan | None:
 
 def _list_chunk(req: PlanRequest, tiles: list, max_len_q: int):
     # (kv_chunk, chunk counts per request or None when nothing splits, items): see fast_paths._numpy_chunk
-    lens, max_len, g = req.lens, req.max_len, req.kv_granularity
-    if req.enable_split:
+    lens, max_len = req.lens, req.max_len
+    _, num_kv_heads, g, num_sms, item_overhead, enable_split, _, split_min_waves, policy, _ = req[OPTIONS]
+    if enable_split:
         work = sum([t * x for t, x in zip(tiles, lens)])
-        num_kv_heads, num_sms = req.num_kv_heads, req.num_sms
-        if not fills_waves(work, num_kv_heads, num_sms, max_len, req.split_min_waves):
+        if not fills_waves(work, num_kv_heads, num_sms, max_len, split_min_waves):
             if max_len_q <= g:
                 return g, None, sum(tiles)
-            chunk = req.policy.candidates(max_len_q, work, num_kv_heads, num_sms, g)
+            chunk = policy.candidates(max_len_q, work, num_kv_heads, num_sms, g)
             weighted = [(t, -x or -1) for t, x in zip(tiles, lens) if t]  # an empty request has one chunk
             counted = [-sum([t * (y // c) for t, y in weighted]) for c in chunk]  # ceil(x / c) = -(-x // c)
-            at, num_items = pick_chunk(chunk, counted, 0, max_len_q, work, num_kv_heads, num_sms,
-                                       req.item_overhead, req.capacity)
+            at, num_items = pick_chunk(chunk, counted, 0, max_len_q, work, num_kv_heads, num_sms, item_overhead,
+                                       req.capacity)
             kv_chunk = chunk[at]
             if max_len <= kv_chunk:  # no request splits (one without queries counts too)
                 return kv_chunk, None, num_items
@@ -154,21 +154,21 @@ def _write_lists(req: PlanRequest, rows, counts, splits, kv_chunk):
 
 def plan_decode_lists(req: PlanRequest) -> Plan:
     """``fast_paths.plan_decode_numpy`` on a list of lengths (``req.lens``), same fields."""
-    lens, max_len, g = req.lens, req.max_len, req.kv_granularity
+    lens, max_len = req.lens, req.max_len
+    _, num_kv_heads, g, num_sms, item_overhead, enable_split, _, _, policy, _ = req[OPTIONS]
     batch = len(lens)
     counts = None
-    if not req.enable_split:
+    if not enable_split:
         kv_chunk, n = max(g, -(-max_len // g) * g), batch
     elif max_len <= g:
         kv_chunk, n = g, batch
     else:
         work = sum(lens)
-        num_kv_heads, num_sms = req.num_kv_heads, req.num_sms
-        chunk = req.policy.candidates(max_len, work, num_kv_heads, num_sms, g)
+        chunk = policy.candidates(max_len, work, num_kv_heads, num_sms, g)
         negative = [-x for x in lens]  # ceil(x / c) = -(-x // c)
         counted = [-sum([y // c for y in negative]) for c in chunk]
         at, n = pick_chunk(chunk, counted, batch - counted[0], max_len, work, num_kv_heads, num_sms,
-                           req.item_overhead, req.capacity)
+                           item_overhead, req.capacity)
         kv_chunk = chunk[at]
         if n > batch:
             counts = [-(-x // kv_chunk) or 1 for x in lens]  # an empty request has one chunk

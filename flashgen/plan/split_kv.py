@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# SPLIT_KV_SCHEMA, SplitKVInfo, SplitPolicy and the heuristics' public names are re-exported from here (flashgen.plan
+# and older imports take them from this module)
 from .fast_paths import MAX_KV_LEN, iota, plan_decode_numpy, plan_numpy
 from .heuristics import (DEFAULT_SPLIT_POLICY, SplitPolicy, choose_kv_chunk, choose_split, choose_tail_split,
                          default_tile_rows, fills_waves)
