@@ -1,7 +1,7 @@
 """Experiment: the portable prefill's split-KV chunk on mixed batches, forced, against the planner's own choice
 and FlashInfer's FA2, all timed round-robin in one process (timing.timed_interleaved); ragged bf16, 32 q / 8 kv
-heads, head_dim 128. The planner's pieces are replaced for each variant's plan() only (see --variants), so every
-variant runs the same kernel binary. Prints TFLOP/s and the ratio to FA2.
+heads, head_dim 128. Each variant's plan() passes its own split_policy= (and split_min_waves) to the planner
+(see --variants), so every variant runs the same kernel binary. Prints TFLOP/s and the ratio to FA2.
 
     python3 benchmarks/exp_split_choice.py --variants auto,notail,old,chunk2048 --rounds 2
 """
@@ -20,8 +20,7 @@ sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
 import flashgen.api.portable as api_prefill  # noqa: E402
-import flashgen.plan.split_kv as split_kv  # noqa: E402
-from flashgen.plan import plan_prefill  # noqa: E402
+from flashgen.plan import SplitPolicy, plan_prefill  # noqa: E402
 from bench_prefill_mixed import BATCHES, D, HKV, HQ, bench_flashinfer, visible_pairs  # noqa: E402
 from flashgen import AttentionSpec, Causal, NoMask, Ragged  # noqa: E402
 from timing import timed_interleaved  # noqa: E402
@@ -38,7 +37,6 @@ def main() -> None:
     args = ap.parse_args()
     import flashinfer  # noqa: F401  (fails early where FlashInfer is missing)
 
-    original, original_tail = split_kv._split_candidates, split_kv.choose_tail_split
     results = []
     for batch in args.batches.split(","):
         qo, kv = BATCHES[batch]
@@ -56,16 +54,18 @@ def main() -> None:
             fns, names, outs = [], [], []
             for variant in args.variants.split(","):
                 # auto: the planner as it is; notail: no last-wave split; old: no split_min_waves (the planner's
-                # chunk choice before session 13); chunkN: split_min_waves off and the chunk forced to N tokens
+                # chunk choice before fills_waves); chunkN: split_min_waves off and the chunk forced to N tokens
+                options = {}
                 if variant == "notail":
-                    split_kv.choose_tail_split = lambda *a, **kw: None
+                    options["split_policy"] = SplitPolicy(tail_split=lambda *a, **kw: None)
                 if variant == "old" or variant.startswith("chunk"):
-                    api_prefill.plan_prefill = lambda *a, **kw: plan_prefill(*a, **{**kw, "split_min_waves": None})
+                    options["split_min_waves"] = None
                 if variant.startswith("chunk"):
-                    split_kv._split_candidates = lambda *a, _c=int(variant[5:]), **kw: [_c]
+                    options["split_policy"] = SplitPolicy(candidates=lambda *a, _c=int(variant[5:]): [_c])
+                # the wrapper's plan() calls api_prefill.plan_prefill: this variant's options for its plan() only
+                api_prefill.plan_prefill = lambda *a, _o=options, **kw: plan_prefill(*a, **{**kw, **_o})
                 w = flashgen.BatchPrefillWrapper(spec, backend="portable")
                 w.plan(qo_indptr=qi, kv_indptr=ki, num_qo_heads=HQ, num_kv_heads=HKV)
-                split_kv._split_candidates, split_kv.choose_tail_split = original, original_tail
                 api_prefill.plan_prefill = plan_prefill
                 out = torch.empty_like(q)
                 fns.append(lambda w=w, out=out: w.run(q, (k, v), out=out))

@@ -2,13 +2,17 @@
 
 - ``page_table``: validate and convert CSR / block-table page tables.
 - ``plan``: the ``Plan`` type (int32 arrays in one host buffer, one async copy to the device).
-- ``split_kv``: split-KV work items for decode and prefill, CUDA-graph fixed-capacity mode.
+- ``split_kv``: split-KV work items for decode and prefill, CUDA-graph fixed-capacity mode: the entry points,
+  their validation and the reference path; ``fast_paths`` (numpy) and ``list_paths`` (a few requests) plan
+  the same fields faster, behind one ``PlanRequest`` (``request``).
+- ``heuristics``: the split policy (chunk length, last-wave split) with worked examples; ``SplitPolicy``.
 - ``cascade``: shared-prefix levels, each planned over its own pages, merged.
 - ``block_sparse``: a BSR pattern as a page plan.
 """
 
 from .block_sparse import BlockSparseInfo, bsr_page_table, plan_block_sparse
 from .cascade import CascadeInfo, plan_cascade
+from .heuristics import DEFAULT_SPLIT_POLICY, SplitPolicy
 from .host import PlanError, host_array
 from .page_table import (
     PageTableError,
@@ -36,5 +40,5 @@ __all__ = [
     "PlanError", "host_array", "PageTableError", "block_table_to_csr", "csr_to_block_table",
     "kv_lens_from_csr", "validate_block_table", "validate_csr", "validate_indptr", "Plan", "PlanField",
     "SPLIT_KV_SCHEMA", "SplitKVInfo", "choose_kv_chunk", "choose_tail_split", "default_tile_rows", "plan_decode",
-    "plan_prefill", "plan_split_kv",
+    "plan_prefill", "plan_split_kv", "SplitPolicy", "DEFAULT_SPLIT_POLICY",
 ]

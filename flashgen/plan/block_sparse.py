@@ -22,7 +22,8 @@ import torch
 from .host import PlanError, host_array
 from .page_table import validate_indptr
 from .plan import Plan
-from .split_kv import SplitKVInfo, _check_heads, choose_kv_chunk, default_tile_rows, split_kv_arrays
+from .heuristics import choose_kv_chunk, default_tile_rows
+from .split_kv import SplitKVInfo, _check_heads, split_kv_arrays
 
 
 class BlockSparseInfo(NamedTuple):

@@ -25,7 +25,8 @@ import torch
 
 from .host import PlanError
 from .plan import Plan
-from .split_kv import SplitKVInfo, _batch_inputs, _check_heads, choose_kv_chunk, default_tile_rows, split_kv_arrays
+from .heuristics import choose_kv_chunk, default_tile_rows
+from .split_kv import SplitKVInfo, _batch_inputs, _check_heads, split_kv_arrays
 
 
 class CascadeInfo(NamedTuple):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from .host import PlanError
-from .split_kv import ITEM_FIELDS
+from .request import ITEM_FIELDS
 
 TILE_EMPTY, TILE_FULL, TILE_PARTIAL, TILE_CAUSAL = 0, 1, 2, 3
 # a list entry: the tile's index << ENTRY_SHIFT | its kind (how the kernels mask it)

@@ -211,8 +211,7 @@ def test_tail_split_of_a_partly_empty_last_wave():
     assert (start[:85] % 64 == 0).all() and (end[:85] > start[:85]).all()
     merge = np.diff(plan.numpy("merge_indptr")[: 4 * 4096 + 1])
     assert (merge[: 17 * 32] == 5).all() and (merge[17 * 32:] == 0).all() and info.partial_rows == 17 * 32 * 5
-    for counts in coverage(plan):
-        assert (counts == 1).all()
+    assert_tiles_read_their_kv_once(plan)
     # without balance_tail (and for masks whose items are not their plan length) nothing splits
     assert plan_prefill(qo, [4096] * 4, num_qo_heads=32, num_kv_heads=8, tile_rows=128, kv_granularity=64,
                         num_sms=264).info.num_items == 512
@@ -221,8 +220,32 @@ def test_tail_split_of_a_partly_empty_last_wave():
                          num_sms=264, balance_tail=True, max_batch_size=4, max_total_q=4 * 4096)
     assert fixed.info.num_items > 512 and fixed.info.num_items <= fixed.info.capacity
     assert fixed.info.partial_rows <= fixed.info.partial_capacity
-    for counts in coverage(fixed):
+    assert_tiles_read_their_kv_once(fixed)
+    # the same shape of plan, small enough for coverage()'s dense counts: 32 items on 48 slots, 2 split in 3
+    small = plan_prefill(np.arange(5) * 256, [512] * 4, num_qo_heads=32, num_kv_heads=8, tile_rows=128,
+                         kv_granularity=64, num_sms=48, balance_tail=True)
+    assert small.info.num_items == 32 + 2 * 2
+    for counts in coverage(small):
         assert (counts == 1).all()
+
+
+def assert_tiles_read_their_kv_once(plan):
+    # coverage() in interval form, for plans too large for its dense counts: every qo tile of every request reads
+    # its KV [0, kv_len) once, in contiguous non-empty chunks (one empty item where kv_len = 0)
+    info = plan.info
+    req, tile, start, end = (plan.numpy(f)[: info.num_items].astype(np.int64)
+                             for f in ("request_idx", "qo_tile_idx", "kv_start", "kv_end"))
+    qo = plan.numpy("qo_indptr")[: info.batch_size + 1].astype(np.int64)
+    kv = plan.numpy("kv_len")[: info.batch_size].astype(np.int64)
+    tiles = -(-(np.diff(qo) * info.group_size) // info.tile_rows)
+    order = np.lexsort((start, tile, req))
+    req, tile, start, end = req[order], tile[order], start[order], end[order]
+    new_tile = np.r_[True, (req[1:] != req[:-1]) | (tile[1:] != tile[:-1])]
+    last = np.r_[new_tile[1:], True]
+    assert (req >= 0).all() and (tile < tiles[req]).all() and new_tile.sum() == tiles.sum()
+    assert (start[new_tile] == 0).all() and (end[last] == kv[req[last]]).all()
+    assert (start[~new_tile] == end[np.flatnonzero(~new_tile) - 1]).all()
+    assert ((end > start) | (kv[req] == 0)).all()
 
 
 @settings(max_examples=40, deadline=None)
@@ -265,3 +288,34 @@ def test_a_batch_that_fills_the_gpu_twice_over_is_not_split():
     assert (plan_prefill(qo, kv, **options).numpy("num_chunks")[:32] == 1).all()
     assert plan_prefill(qo, kv, split_min_waves=None, **options).numpy("num_chunks")[0] > 1
     assert plan_prefill([0, 512], [512], **options).numpy("num_chunks")[0] > 1
+
+
+def test_the_worked_examples_hold():
+    # the policy's docstring examples (heuristics.py) are doctests: numbers the code computes
+    import doctest
+
+    from flashgen.plan import heuristics, host, split_kv
+    for module in (heuristics, split_kv, host):
+        result = doctest.testmod(module)
+        assert result.attempted and not result.failed, module.__name__
+
+
+def test_split_policy_replaces_the_candidates_and_the_tail_split():
+    from flashgen.plan import DEFAULT_SPLIT_POLICY, SplitPolicy
+    from flashgen.plan import split_kv as S
+
+    heads = dict(num_qo_heads=32, num_kv_heads=8, tile_rows=128, kv_granularity=64, num_sms=264)
+    forced = SplitPolicy(candidates=lambda max_len, work, num_kv_heads, num_sms, granularity: [1024])
+    for qo, kv in (([0, 512], [8192]), (np.arange(14) * 64, np.full(13, 3000))):  # the list and numpy paths
+        plan = plan_prefill(qo, kv, split_policy=forced, **heads)
+        assert plan.info.kv_chunk == 1024 and (plan.numpy("num_chunks")[: len(kv)] == -(-np.array(kv) // 1024)).all()
+        general = S._plan_general(S.request_for(qo, kv, split_min_waves=2.0, split_policy=forced, **heads))
+        assert plan.info == general.info
+    assert plan_decode([9000, 20], num_qo_heads=32, num_kv_heads=8, split_policy=forced).info.kv_chunk == 1024
+    assert plan_decode(np.full(100, 9000), num_qo_heads=32, num_kv_heads=8, split_policy=forced).info.kv_chunk == 1024
+    # the tail split: 4 x 4096 tokens split their last wave's 17 items by default, not without a tail_split
+    qo, kv = np.arange(5) * 4096, [4096] * 4
+    assert plan_prefill(qo, kv, balance_tail=True, **heads).info.num_items == 512 + 17 * 4
+    notail = SplitPolicy(tail_split=lambda *args, **kwargs: None)
+    assert plan_prefill(qo, kv, balance_tail=True, split_policy=notail, **heads).info.num_items == 512
+    assert plan_prefill(qo, kv, balance_tail=True, split_policy=DEFAULT_SPLIT_POLICY, **heads).info.num_items == 580

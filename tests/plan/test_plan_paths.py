@@ -1,6 +1,6 @@
-"""The planner's fast paths (``_plan_fast``: numpy straight into the host buffer; ``_plan_small`` and
-``_plan_decode_small``: Python lists for a few requests) equal the reference path ``_plan_general``
-(``_choose``, ``split_kv_arrays``, ``Plan.pack``) field for field, item order included, for every option."""
+"""The planner's fast paths (``fast_paths.plan_numpy``: numpy straight into the host buffer; ``list_paths``:
+Python lists for a few requests) equal the reference path ``split_kv._plan_general`` (``heuristics.choose_split``,
+``split_kv_arrays``, ``Plan.pack``) field for field, item order included, for every option."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from flashgen.plan import PlanError, plan_decode, plan_prefill, plan_split_kv
 from flashgen.plan import split_kv as S
+from flashgen.plan.fast_paths import plan_numpy
 
 
 def assert_same_plan(fast, general):
@@ -21,15 +22,8 @@ def assert_same_plan(fast, general):
         assert fast.numpy(name).tolist() == general.numpy(name).tolist(), name
 
 
-def reference(qo_indptr, kv_lens, *, num_qo_heads, num_kv_heads, tile_rows=None, kv_granularity=16, num_sms=132,
-              item_overhead=64, enable_split=True, max_batch_size=None, max_total_q=None, capacity=None,
-              balance_tail=False, split_min_waves=None):
-    qo, lens = S._batch_inputs(qo_indptr, kv_lens)
-    qo_len = qo[1:] - qo[:-1]
-    sizes = S._sizes(lens.size, int(qo[-1]), lambda: int(qo_len.max(initial=0)), num_qo_heads // num_kv_heads,
-                     num_kv_heads, num_sms, tile_rows, max_batch_size, max_total_q, capacity)
-    return S._plan_general(qo, lens, qo_len, num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead,
-                           enable_split, *sizes, None, balance_tail, split_min_waves)
+def reference(qo_indptr, kv_lens, **options):
+    return S._plan_general(S.request_for(qo_indptr, kv_lens, **options))
 
 
 @st.composite
@@ -70,13 +64,7 @@ def test_prefill_paths_equal_the_general_path(batch):
     assert_same_plan(plan_split_kv(torch.from_numpy(qo), torch.from_numpy(kv_lens), host_buffer=buffer, **heads),
                      general)
     # the numpy fast path on the same batch (a small batch takes the list path above)
-    checked = S._checked_inputs(qo, kv_lens)
-    sizes = S._sizes(kv_lens.size, int(qo[-1]), lambda: checked[3], hq // hkv, hkv, options["num_sms"],
-                     options["tile_rows"], options.get("max_batch_size"), options.get("max_total_q"),
-                     options.get("capacity"))
-    fast = S._plan_fast(*checked, hq, hkv, options["kv_granularity"], options["num_sms"], 64,
-                        options["enable_split"], *sizes, None, options["balance_tail"], options["split_min_waves"])
-    assert_same_plan(fast, general)
+    assert_same_plan(plan_numpy(S.request_for(qo, kv_lens, **heads)), general)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 4, 6, 16, 64, 256, 1024, 4096])

@@ -9,8 +9,8 @@ pass (``tile_rows``, ``num_sms``, ``enable_split``, ``balance_tail``, CUDA-graph
 error type and message must match too. Compares every plan's kind, schema, ``numel``, ``info`` and the bytes of
 every field (the alignment gaps between fields are never written).
 
-    python3 benchmarks/plan_identity.py                  # exports main's flashgen to /tmp/plan_old first
-    python3 benchmarks/plan_identity.py --cases 1000 --old /tmp/plan_old
+    python3 tests/tools/plan_identity.py                  # exports main's flashgen to /tmp/plan_old first
+    python3 tests/tools/plan_identity.py --cases 1000 --old /tmp/plan_old
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HEADS = ((32, 8), (32, 32), (8, 1), (64, 8), (28, 4), (16, 2), (4, 4), (128, 8))
 
 
