@@ -5,7 +5,7 @@ a request: the hot call of a decode step) write int32 fields straight into the h
 temporaries but one ``np.repeat`` for a split batch's merge ranges (large temporaries are returned to the OS
 and page-faulted back on every call: ~2 us a page on a small host). A numpy call costs ~1-3 us there, so a
 plan is a few dozen of them. Both equal the reference field for field, item order included
-(tests/test_plan_paths.py, tests/test_plan_fast.py, tests/tools/plan_identity.py); lengths past their bounds
+(tests/plan/test_plan_paths.py, tests/plan/test_plan_fast.py, tests/tools/plan_identity.py); lengths past their bounds
 (int32 items and merge rows, exact float64 sums) make ``plan_numpy`` return None, for the reference to plan.
 """
 

@@ -14,7 +14,7 @@ mask it arithmetically without reading bits; the diagonal tiles of document mask
 ``tile << ENTRY_SHIFT | kind`` (kind ``ENTRY_FULL``, ``ENTRY_BITS`` or ``ENTRY_CAUSAL``), tiles ascending. Counting uses one prefix sum of popcounts over 64-bit words of the
 whole mask and two word lookups per (token, tile) boundary, so it reads the mask once and touches
 ``qo_len * (kv_len / tile_kv + 1)`` boundaries a request: about 0.1 s for a 16k x 16k mask (32 MB) on a
-2-core host (measured in tests/test_mask_tiles.py's docstring).
+2-core host (measured in tests/plan/test_mask_tiles.py's docstring).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A work item is (request, qo tile, kv chunk), run once for every kv head: the grid has ``capacity *
 num_kv_heads`` CTAs, as ``(capacity, num_kv_heads)`` or flattened to 1-D with the kv head fastest (the kernel
-chooses how to read its block index: see decode.cuh and prefill_kernel.cuh). With GQA the
+chooses how to read its block index: see decode/kernel.cuh and prefill/kernel.cuh). With GQA the
 ``group_size = num_qo_heads // num_kv_heads`` q heads of one kv head are packed into the rows of a qo tile:
 packed row ``p`` of a request is its token ``p // group_size`` and q head ``kv_head * group_size + p %
 group_size``; tile ``t`` covers packed rows
