@@ -93,12 +93,12 @@ def csr_lens(kv_indptr: object, kv_last_page_len: object, page_size: int) -> tup
     """
     indptr = host_array("kv_indptr", kv_indptr)
     n = indptr.size
-    if not 0 < n <= SMALL_BATCH:
-        lens = kv_lens_from_csr(indptr, kv_last_page_len, page_size)
-        return validate_indptr("kv_indptr", indptr), lens
     last = host_array("kv_last_page_len", kv_last_page_len)
-    if last.size != n - 1:
-        raise PageTableError(f"kv_last_page_len: has {last.size} entries, expected {n - 1}")
+    if last.size != max(n - 1, 0):
+        raise PageTableError(f"kv_last_page_len: has {last.size} entries, expected {max(n - 1, 0)}")
+    if not 0 < n <= SMALL_BATCH:
+        indptr, steps, _ = indptr_steps("kv_indptr", indptr)
+        return indptr, np.where(steps > 0, (steps - 1) * page_size + last, 0)
     ptr, tail = indptr.tolist(), last.tolist()
     if ptr[0] != 0:
         raise PageTableError(f"kv_indptr[0] = {ptr[0]}, expected 0")
