@@ -12,9 +12,8 @@ from ..plan import (
     PlanError,
     host_array,
     validate_block_table,
-    validate_csr,
 )
-from ..plan.page_table import csr_lens, indptr_steps
+from ..plan.page_table import csr_checked, csr_lens, indptr_steps
 from ..spec import AttentionSpec, Paged
 
 TORCH_DTYPES = {
@@ -124,10 +123,8 @@ def page_table(spec: AttentionSpec, *, kv_indptr=None, kv_indices=None, kv_last_
         if indptr[-1] > indices.numel():
             raise PlanError(f"kv_indptr[-1] = {int(indptr[-1])} > len(kv_indices) = {indices.numel()}")
         return PageTable(lens, indptr, indices, None)
-    host = indices.numpy()
-    lens = validate_csr(kv_indptr, host, kv_last_page_len, page_size, num_pages)
-    indptr = host_array("kv_indptr", kv_indptr)  # validated by validate_csr
-    return PageTable(lens, indptr, indices, None, int(host[: indptr[-1]].max(initial=-1)))
+    indptr, lens, top = csr_checked(kv_indptr, indices.numpy(), kv_last_page_len, page_size, num_pages)
+    return PageTable(lens, indptr, indices, None, top)
 
 
 def _seq_lens_fit(seq_lens: object, shape: tuple[int, int], page_size: int) -> np.ndarray:

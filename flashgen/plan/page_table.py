@@ -122,29 +122,51 @@ def validate_csr(kv_indptr: object, kv_indices: object, kv_last_page_len: object
     >>> validate_csr([0, 2, 2, 3], [4, 1, 0], [5, 0, 16], page_size=16, num_pages=8)
     array([21,  0, 16])
     """
+    return csr_checked(kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages)[1]
+
+
+def csr_checked(kv_indptr: object, kv_indices: object, kv_last_page_len: object, page_size: int,
+                num_pages: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """``validate_csr``'s checks and errors; returns ``(kv_indptr, kv_lens, largest page id used or -1)``."""
     _check_page_size(page_size)
-    indptr = validate_indptr("kv_indptr", kv_indptr)
+    indptr, npages, _ = indptr_steps("kv_indptr", kv_indptr)
     indices = host_array("kv_indices", kv_indices)
     last = host_array("kv_last_page_len", kv_last_page_len)
     batch = indptr.size - 1
     if last.size != batch:
         raise PageTableError(f"kv_last_page_len: has {last.size} entries, expected batch_size = {batch} "
                              f"(len(kv_indptr) - 1)")
-    if indptr[-1] > indices.size:
-        raise PageTableError(f"kv_indptr[-1] = {int(indptr[-1])} > len(kv_indices) = {indices.size}")
-    used = indices[: indptr[-1]]
-    bad = (used < 0) if num_pages is None else ((used < 0) | (used >= num_pages))
-    if bad.any():
+    total = int(indptr[-1])
+    if total > indices.size:
+        raise PageTableError(f"kv_indptr[-1] = {total} > len(kv_indices) = {indices.size}")
+    used = indices[:total]
+    top = int(used.max()) if total else -1  # one pass for the largest id, one for the smallest
+    if total and (int(used.min()) < 0 or (num_pages is not None and top >= num_pages)):
+        bad = (used < 0) if num_pages is None else ((used < 0) | (used >= num_pages))
         i = _first(bad)
         pool = "[0, inf)" if num_pages is None else f"[0, {num_pages})"
         raise PageTableError(f"kv_indices[{i}] = {int(used[i])} is outside the page pool {pool}")
-    npages = np.diff(indptr)
+    if batch < SMALL_BATCH:
+        return indptr, _small_csr_lens(npages.tolist(), last.tolist(), page_size), top
     bad = np.where(npages > 0, (last < 1) | (last > page_size), last != 0)
     if bad.any():
-        b = _first(bad)
-        expect = f"1..{page_size}" if npages[b] > 0 else "0 (the request has no pages)"
-        raise PageTableError(f"kv_last_page_len[{b}] = {int(last[b])}, expected {expect}")
-    return np.where(npages > 0, (npages - 1) * page_size + last, 0)
+        _bad_last(_first(bad), int(npages[_first(bad)]), int(last[_first(bad)]), page_size)
+    return indptr, np.where(npages > 0, (npages - 1) * page_size + last, 0), top
+
+
+def _small_csr_lens(npages: list, last: list, page_size: int) -> np.ndarray:
+    lens = [0] * len(npages)
+    for b, (pages, tail) in enumerate(zip(npages, last)):
+        if pages > 0 and 1 <= tail <= page_size:
+            lens[b] = (pages - 1) * page_size + tail
+        elif pages > 0 or tail != 0:
+            _bad_last(b, pages, tail, page_size)
+    return np.array(lens, dtype=np.int64)
+
+
+def _bad_last(b: int, pages: int, tail: int, page_size: int) -> None:
+    expect = f"1..{page_size}" if pages > 0 else "0 (the request has no pages)"
+    raise PageTableError(f"kv_last_page_len[{b}] = {tail}, expected {expect}")
 
 
 def validate_block_table(block_table: object, seq_lens: object, page_size: int,
