@@ -11,11 +11,9 @@ from ..plan import (
     PageTableError,
     PlanError,
     host_array,
-    kv_lens_from_csr,
     validate_block_table,
-    validate_csr,
-    validate_indptr,
 )
+from ..plan.page_table import csr_checked, csr_lens, indptr_steps
 from ..spec import AttentionSpec, Paged
 
 TORCH_DTYPES = {
@@ -103,8 +101,8 @@ def page_table(spec: AttentionSpec, *, kv_indptr=None, kv_indices=None, kv_last_
     if not isinstance(spec.kv_layout, Paged):
         if kv_indptr is None or any(x is not None for x in (kv_indices, kv_last_page_len, block_table, seq_lens)):
             raise PlanError("kv_indptr: a Ragged layout takes kv_indptr (token offsets of each request) only")
-        indptr = validate_indptr("kv_indptr", kv_indptr)
-        return PageTable(np.diff(indptr), indptr, None, None)
+        indptr, lens, _ = indptr_steps("kv_indptr", kv_indptr)
+        return PageTable(lens, indptr, None, None)
     page_size = spec.kv_layout.page_size
     if block_table is not None:
         if any(x is not None for x in (kv_indptr, kv_indices, kv_last_page_len)) or seq_lens is None:
@@ -121,15 +119,12 @@ def page_table(spec: AttentionSpec, *, kv_indptr=None, kv_indices=None, kv_last_
                         "or block_table and seq_lens")
     indices = _int_tensor("kv_indices", kv_indices, 1)
     if indices.is_cuda:
-        lens = kv_lens_from_csr(kv_indptr, kv_last_page_len, page_size)
-        indptr = validate_indptr("kv_indptr", kv_indptr)
+        indptr, lens = csr_lens(kv_indptr, kv_last_page_len, page_size)
         if indptr[-1] > indices.numel():
             raise PlanError(f"kv_indptr[-1] = {int(indptr[-1])} > len(kv_indices) = {indices.numel()}")
         return PageTable(lens, indptr, indices, None)
-    host = indices.numpy()
-    lens = validate_csr(kv_indptr, host, kv_last_page_len, page_size, num_pages)
-    indptr = host_array("kv_indptr", kv_indptr)  # validated by validate_csr
-    return PageTable(lens, indptr, indices, None, int(host[: indptr[-1]].max(initial=-1)))
+    indptr, lens, top = csr_checked(kv_indptr, indices.numpy(), kv_last_page_len, page_size, num_pages)
+    return PageTable(lens, indptr, indices, None, top)
 
 
 def _seq_lens_fit(seq_lens: object, shape: tuple[int, int], page_size: int) -> np.ndarray:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ..plan import Plan, PlanError
+from .device import current_torch_stream
 
 _ALIGN = 4  # int32 elements: 16-byte aligned extra arrays
 
@@ -55,7 +56,9 @@ class HostStaging:
         self._events: list[torch.cuda.Event | None] = [None, None]  # made once each, recorded at every upload
         self._recorded = [False, False]
         self._views: dict[int, np.ndarray] = {}
-        self._addresses: dict[tuple, tuple] = {}  # (schema id, device base) -> (schema, field addresses)
+        self._addresses: dict[tuple, tuple] = {}  # (schema id, device base, extras) -> (schema, addresses)
+        self._layouts: dict[tuple, tuple] = {}  # (plan numel, extras' names and sizes) -> extra_offsets
+        self._slices: list[tuple | None] = [None, None]  # a turn's (device, host buffer, numel, their views)
         self._turn = 0
 
     def _take(self, numel: int) -> torch.Tensor:
@@ -86,7 +89,13 @@ class HostStaging:
         room, for the error of a fixed (CUDA-graph) buffer that a later plan outgrows (extras sized by the
         batch's KV, not by max_batch_size, need their own); ``reserve``: int32 elements the first sizing of a
         fixed buffer adds (room for what later plans may append)."""
-        starts, offset = extra_offsets(plan.numel, {name: values.size for name, values in extras.items()})
+        sizes = tuple([(name, values.size) for name, values in extras.items()])
+        layout = self._layouts.get((plan.numel, sizes))
+        if layout is None:
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            layout = self._layouts[(plan.numel, sizes)] = extra_offsets(plan.numel, dict(sizes))
+        starts, offset = layout
         host = self._buffers[self._turn]
         if host.numel() < offset:  # grow, keeping the plan already written
             grown = torch.empty(offset * 2, dtype=torch.int32, pin_memory=True)
@@ -100,25 +109,39 @@ class HostStaging:
         if device_buffer.tensor is None and device_buffer.fixed:
             device_buffer.get(offset + reserve, "plan", hint)
         dev = device_buffer.get(offset, "plan", hint)
-        dev[:offset].copy_(host[:offset], non_blocking=True)
+        dev_part, host_part = self._parts(dev, host, offset)
+        dev_part.copy_(host_part, non_blocking=True)
         event = self._events[self._turn]
         if event is None:
             event = self._events[self._turn] = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(current_torch_stream(self.device))
         self._recorded[self._turn] = True
         self._turn ^= 1
-        base = dev.data_ptr()
-        key = (id(plan.schema), base)  # schemas are shared between plans of one shape, never mutated
+        return self._device_addresses(plan, dev.data_ptr(), starts)
+
+    def _parts(self, dev: torch.Tensor, host: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dev[:numel], host[:numel])``, kept for this turn's buffer (slicing a tensor is a torch call of
+        several µs; a decode loop uploads a plan of the same length every step). One entry a turn: a grown
+        buffer is let go at that turn's next upload."""
+        cached = self._slices[self._turn]
+        if cached is None or cached[0] is not dev or cached[1] is not host or cached[2] != numel:
+            cached = self._slices[self._turn] = (dev, host, numel, dev[:numel], host[:numel])
+        return cached[3], cached[4]
+
+    def _device_addresses(self, plan: Plan, base: int, starts: dict[str, int]) -> dict[str, int]:
+        """Device address of every plan field, extra and ``"base"``; made once per (schema, base, extras' places)
+        and returned as a copy (the caller may keep or change it)."""
+        key = (id(plan.schema), base, tuple(starts.items()))  # schemas are shared between plans, never mutated
         cached = self._addresses.get(key)
         if cached is None or cached[0] is not plan.schema:
             if len(self._addresses) >= 64:
                 self._addresses.clear()
-            cached = self._addresses[key] = (plan.schema, {name: base + 4 * f.offset for name, f in plan.schema.items()})
-        addresses = dict(cached[1])
-        for name, start in starts.items():
-            addresses[name] = base + 4 * start
-        addresses["base"] = base
-        return addresses
+            addresses = {name: base + 4 * f.offset for name, f in plan.schema.items()}
+            for name, start in starts.items():
+                addresses[name] = base + 4 * start
+            addresses["base"] = base
+            cached = self._addresses[key] = (plan.schema, addresses)
+        return dict(cached[1])
 
     def _flat(self, host: torch.Tensor) -> np.ndarray:
         """The numpy view of a staging buffer (made once per buffer)."""

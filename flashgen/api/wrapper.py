@@ -107,19 +107,24 @@ class Planned(NamedTuple):
     out_shape: torch.Size
     num_kv_heads: int
     kv_need: int  # tokens (ragged) or pages (paged, host page ids) the cache must hold
-    kv_short: str  # the error when it holds fewer (formatted with the number it holds)
+    kv_short: tuple  # the error when it holds fewer: (format, its arguments but the number it holds)
 
 
-def kv_need(spec: AttentionSpec, table: PageTable) -> tuple[int, str]:
+def kv_need(spec: AttentionSpec, table: PageTable) -> tuple[int, tuple]:
     if not isinstance(spec.kv_layout, Paged):
         total = int(table.kv_indptr_host[-1])
-        return total, _RAGGED_SHORT.format(total)
+        return total, (_RAGGED_SHORT, total)
     name = "block_table" if table.block_table is not None else "kv_indices"
-    return table.max_page + 1, _PAGED_SHORT.format(name, table.max_page)
+    return table.max_page + 1, (_PAGED_SHORT, name, table.max_page)
 
 
-_RAGGED_SHORT = "kv_cache: {{}} tokens, fewer than kv_indptr[-1] = {}"
-_PAGED_SHORT = "{}: page id {} is outside kv_cache's {{}} pages"
+def kv_short_error(kv_short: tuple, held: int) -> ValueError:
+    """The error of a cache that holds ``held`` tokens or pages, fewer than the plan needs (``Planned``)."""
+    return ValueError(kv_short[0].format(*kv_short[1:], held))
+
+
+_RAGGED_SHORT = "kv_cache: {1} tokens, fewer than kv_indptr[-1] = {0}"
+_PAGED_SHORT = "{0}: page id {1} is outside kv_cache's {2} pages"
 
 
 class WrapperCore:
@@ -216,7 +221,7 @@ class WrapperCore:
                     self._kv_memo.clear()
                 self._kv_memo[key] = hit
         if hit[0] < planned.kv_need:
-            raise ValueError(planned.kv_short.format(hit[0]))
+            raise kv_short_error(planned.kv_short, hit[0])
         return hit[1]
 
 

@@ -113,7 +113,7 @@ class BoundParams:
     """
 
     __slots__ = ("layout", "runtime", "buffer", "address", "set", "_plan_names", "_expected", "_packer",
-                 "_args", "_assemble")
+                 "_plan_packer", "_args", "_take")
 
     def __init__(self, layout: ParamsLayout, runtime: tuple[str, ...]):
         names = layout.names()
@@ -126,7 +126,10 @@ class BoundParams:
         self._plan_names = tuple(n for n in names if n not in runtime)
         self._expected = frozenset(self._plan_names)
         self._packer = struct.Struct(layout.format)
-        self._assemble = self._assembler()
+        self._plan_packer = self._plan_struct()
+        names = self._plan_names
+        self._take = (operator.itemgetter(*names) if len(names) > 1 else
+                      (lambda fields: (fields[names[0]],)) if names else (lambda fields: ()))
         self.buffer = (ctypes.c_char * max(layout.size, 8))()
         self._args = (ctypes.c_void_p * 1)(ctypes.addressof(self.buffer))
         self.address = ctypes.addressof(self._args)
@@ -180,44 +183,25 @@ class BoundParams:
             extra = sorted(fields.keys() - self._expected)
             raise ValueError(f"{self.layout.struct_name}: plan-time fields do not match the struct (missing "
                              f"{missing}, unexpected {extra}; run-time fields {list(self.runtime)})")
-        values = self._assemble(fields)
+        values = self._take(fields)
         try:
-            self._packer.pack_into(self.buffer, 0, *values)
+            self._plan_packer.pack_into(self.buffer, 0, *values)
         except struct.error as exc:
-            bad = [f"{f.name}={v!r}" for f, v in zip(self.layout.fields, values) if not _fits(f, v)]
+            kinds = {f.name: f for f in self.layout.fields}
+            bad = [f"{name}={v!r}" for name, v in zip(self._plan_names, values) if not _fits(kinds[name], v)]
             raise ValueError(f"{self.layout.struct_name}: {exc} ({', '.join(bad) or 'a value of the wrong type'})")
 
-    def _assembler(self):
-        """``fields -> values in declaration order``: the plan-time values taken in one C-level ``itemgetter``
-        call and spliced between the run-time fields' zeros (a few tuple concatenations, not a loop by name)."""
-        segments, at = [], 0  # (zeros to insert, plan values to take: [start, stop))
-        kinds = [(f.name in self._expected, _ZERO.get(f.kind, 0)) for f in self.layout.fields]
-        i = 0
-        while i < len(kinds):
-            zeros = []
-            while i < len(kinds) and not kinds[i][0]:
-                zeros.append(kinds[i][1])
-                i += 1
-            start = at
-            while i < len(kinds) and kinds[i][0]:
-                at += 1
-                i += 1
-            segments.append((tuple(zeros), start, at))
-        names = self._plan_names
-        if len(names) == 1:
-            getter = lambda fields: (fields[names[0]],)  # noqa: E731
-        elif names:
-            getter = operator.itemgetter(*names)
-        else:
-            getter = lambda fields: ()  # noqa: E731
-
-        def assemble(fields):
-            taken = getter(fields)
-            out = ()
-            for zeros, start, stop in segments:
-                out += zeros + taken[start:stop]
-            return out
-        return assemble
+    def _plan_struct(self) -> struct.Struct:
+        """The layout's ``struct`` with every run-time field as pad bytes: one ``pack_into`` of the plan-time
+        values, in declaration order, writes the whole struct, zeros in the run-time fields (``set`` fills them)."""
+        fmt, end = "<", 0
+        for field, offset in zip(self.layout.fields, self.layout.offsets):
+            code, size, _ = _CTYPES[field.kind]
+            fmt += "x" * (offset - end) + (code if field.name in self._expected else f"{size}x")
+            end = offset + size
+        packer = struct.Struct(fmt + "x" * (self.layout.size - end))
+        assert packer.size == self.layout.size, (self.layout.struct_name, packer.size, self.layout.size)
+        return packer
 
     def values(self) -> dict[str, object]:
         """Every field's value as packed now, by name (``struct.unpack`` of the buffer): for tests and debugging."""

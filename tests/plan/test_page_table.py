@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from flashgen.plan import (PageTableError, PlanError, block_table_to_csr, csr_to_block_table, kv_lens_from_csr,
                            plan_decode, validate_block_table, validate_csr, validate_indptr)
+from flashgen.plan.page_table import csr_lens
 
 
 @st.composite
@@ -39,6 +40,32 @@ def test_csr_block_table_roundtrip(table):
     back = block_table_to_csr(bt, seq_lens, page_size)
     assert [x.tolist() for x in back] == [indptr.tolist(), indices.tolist(), last.tolist()]
     assert kv_lens_from_csr(indptr, last, page_size).tolist() == lens.tolist()
+
+
+def _outcome(fn, *args):
+    try:
+        return [a.tolist() for a in fn(*args)]
+    except PlanError as exc:
+        return type(exc), str(exc)
+
+
+def _lens_then_indptr(indptr, last, page_size):
+    lens = kv_lens_from_csr(indptr, last, page_size)
+    return validate_indptr("kv_indptr", indptr), lens
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-3, 40), min_size=0, max_size=40), st.lists(st.integers(-2, 17), max_size=40),
+       st.sampled_from([np.int32, np.int64]))
+def test_csr_lens_matches_the_two_checks(steps, last, dtype):
+    # the one-pass intake of device page tables: the same lengths, or the same first error, as before
+    indptr = np.cumsum([0, *steps]).astype(dtype) if steps or last else np.zeros(0, dtype)
+    if steps and steps[0] == 40:
+        indptr = indptr + 1
+    last = np.array(last[: len(steps) + (len(last) % 3 == 1)], dtype=dtype)
+    ours = _outcome(csr_lens, indptr, last, 16)
+    theirs = _outcome(_lens_then_indptr, indptr, last, 16)
+    assert ours == theirs
 
 
 GOOD = dict(kv_indptr=[0, 2, 2, 3], kv_indices=[4, 1, 0], kv_last_page_len=[5, 0, 16])

@@ -1,0 +1,65 @@
+"""Plan uploads (HostStaging) with the CUDA calls stubbed: what lands in the device buffer and the addresses
+handed back stay right from plan to plan while the plan's length, the extras and the buffers change (the
+upload keeps views and addresses from the last plans of the same shape)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashgen.api.staging import DeviceBuffer, HostStaging, extra_offsets
+from flashgen.plan import plan_decode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"))
+from plan_host_stubbed import stubbed_cuda  # noqa: E402
+
+
+def _check_upload(staging, device_buffer, lens, extras):
+    plan = staging.plan(lambda host: plan_decode(lens, num_qo_heads=8, num_kv_heads=8, num_sms=16,
+                                                 host_buffer=host))
+    expected_plan = plan.host[: plan.numel].clone()
+    addresses = staging.upload(plan, extras, device_buffer)
+    dev = device_buffer.tensor
+    base = dev.data_ptr()
+    starts, end = extra_offsets(plan.numel, {k: v.size for k, v in extras.items()})
+    assert addresses["base"] == base
+    assert torch.equal(dev[: plan.numel], expected_plan)
+    for name, f in plan.schema.items():
+        assert addresses[name] == base + 4 * f.offset
+    for name, values in extras.items():
+        assert addresses[name] == base + 4 * starts[name]
+        assert dev[starts[name]: starts[name] + values.size].tolist() == values.tolist()
+    addresses["base"] = -1  # the caller's copy: changing it changes nothing kept
+    return end
+
+
+def test_uploads_follow_changing_plans_and_buffers():
+    rng = np.random.default_rng(0)
+    with stubbed_cuda():
+        staging = HostStaging(torch.device("cpu"))
+        device_buffer = DeviceBuffer(torch.int32, torch.device("cpu"), fixed=False)
+        # same shape (views and addresses kept), new values; then longer plans and extras (buffers grow), shorter
+        for batch, pages in [(3, 5), (3, 5), (3, 5), (40, 9), (40, 9), (2, 0), (700, 4000), (3, 5), (3, 5)]:
+            lens = rng.integers(1, 5000, batch)
+            extras = {"kv_indptr": np.cumsum(np.r_[0, rng.integers(0, 9, batch)]).astype(np.int32)}
+            if pages:
+                extras["pages"] = rng.integers(0, 2**20, pages).astype(np.int32)
+            _check_upload(staging, device_buffer, lens, extras)
+
+
+def test_a_grown_device_buffer_is_copied_into():
+    with stubbed_cuda():
+        staging = HostStaging(torch.device("cpu"))
+        device_buffer = DeviceBuffer(torch.int32, torch.device("cpu"), fixed=False)
+        small = {"pages": np.arange(10, dtype=np.int32)}
+        _check_upload(staging, device_buffer, [100, 200], small)
+        _check_upload(staging, device_buffer, [100, 200], small)
+        first = device_buffer.tensor
+        _check_upload(staging, device_buffer, [100, 200], {"pages": np.arange(50000, dtype=np.int32)})
+        assert device_buffer.tensor is not first
+        # the same length as the first plans again, into the grown buffer
+        _check_upload(staging, device_buffer, [100, 200], {"pages": np.arange(10, 20, dtype=np.int32)})
+        _check_upload(staging, device_buffer, [100, 200], {"pages": np.arange(20, 30, dtype=np.int32)})
