@@ -14,63 +14,25 @@ a timer (~0.3 us of overhead each); the stages' medians need not add up to the t
 from __future__ import annotations
 
 import argparse
+import sys
 import cProfile
 import pstats
 import time
 from collections import defaultdict
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
 import torch
 
 import flashgen
-from flashgen import jit
-from flashgen.api import decode, kv_inputs, portable, prefill, sm90, staging, wrapper
-from flashgen.kernels import family, params
+from flashgen.api import decode, portable, prefill, sm90, staging, wrapper
+from flashgen.kernels import params
 from flashgen.spec import AttentionSpec, Causal, Paged, Ragged
 
-
-class _Function:
-    def set_max_dynamic_shared_memory(self, nbytes):
-        pass
-
-    def launch_params(self, *args):
-        pass
-
-
-def fake_build(spec, op, device=None, arch=None, options=None):
-    """A loaded-kernel stand-in: the family's launch config and params layouts, functions that do nothing."""
-    fam = family(op, options)
-    projected = fam.project(spec)
-    entries = fam.entry_points(projected)
-    return jit.Kernel(op, fam.uri(projected), "sm_90a", 0, None, {e.name: _Function() for e in entries},
-                      fam.launch(projected), {e.name: e.params for e in entries})
-
-
-class _Event:
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-@contextmanager
-def stubbed_cuda():
-    """Wrappers on the CPU: pinned buffers become plain ones, events and streams no-ops, kernels fakes."""
-    real_empty = torch.empty
-
-    def empty(*args, pin_memory=False, **kwargs):
-        return real_empty(*args, **kwargs)
-
-    cpu = lambda device=None: torch.device("cpu")  # noqa: E731
-    with mock.patch.object(decode, "resolve_device", cpu), mock.patch.object(prefill, "resolve_device", cpu), \
-            mock.patch.object(staging.torch, "empty", empty), \
-            mock.patch.object(torch.cuda, "Event", _Event), \
-            mock.patch.object(torch.cuda, "current_stream", lambda device=None: None), \
-            mock.patch.object(jit, "build", fake_build):
-        yield
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from stub_cuda import stubbed_cuda  # noqa: E402  (tests/stub_cuda.py)
 
 
 class _DeviceIds(torch.Tensor):

@@ -4,8 +4,6 @@ upload keeps views and addresses from the last plans of the same shape)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -13,8 +11,7 @@ import torch
 from flashgen.api.staging import DeviceBuffer, HostStaging, extra_offsets
 from flashgen.plan import plan_decode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"))
-from plan_host_stubbed import stubbed_cuda  # noqa: E402
+from stub_cuda import stubbed_cuda
 
 
 def _check_upload(staging, device_buffer, lens, extras):
