@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import family
-from ..plan import PlanError, plan_decode
+from ..plan import PlanError, SplitPolicy, plan_decode
 from ..spec import AttentionSpec
 from .device import current_stream
 from .kv_inputs import KVView, PageTable, kv_view, page_table
@@ -56,7 +56,7 @@ class BatchDecodeWrapper:
              block_table=None, seq_lens=None, sm_scale: float | None = None, rope_theta: float | None = None,
              rope_scale: float | None = None, window_left: int | None = None, soft_cap: float | None = None,
              num_pages: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-             enable_split: bool = True) -> None:
+             enable_split: bool = True, split_policy: SplitPolicy | None = None) -> None:
         """Plan a batch. Lengths (``kv_indptr``, ``kv_last_page_len``, ``seq_lens``) are host arrays: planning
         never synchronises with the GPU. Page ids (``kv_indices`` or ``block_table``) may be device int32
         tensors, read in place by the kernel, or host arrays, then validated and copied to the device.
@@ -64,7 +64,8 @@ class BatchDecodeWrapper:
         Runtime values default to the spec's: ``sm_scale`` (1/sqrt(head_dim)), RoPE ``rope_theta`` and
         ``rope_scale``, the window's ``window_left``, ``soft_cap``. ``num_pages`` (the pool size) bounds host
         page ids here; without it they are checked against the cache at ``run()``. ``k_scale``/``v_scale``:
-        per-tensor scales of fp8 K/V (the cache holds K/k_scale and V/v_scale).
+        per-tensor scales of fp8 K/V (the cache holds K/k_scale and V/v_scale). ``split_policy``: the planner's
+        split policy (``flashgen.plan.SplitPolicy``; default ``DEFAULT_SPLIT_POLICY``).
         """
         if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
             raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
@@ -78,7 +79,7 @@ class BatchDecodeWrapper:
         runtime = self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap)
         # q.(k * k_scale) = (q.k) * k_scale: the K scale folds into sm_scale, before any logits transform
         runtime = runtime._replace(sm_scale=runtime.sm_scale * float(k_scale))
-        self._impl.plan(table, num_qo_heads, num_kv_heads, runtime, float(v_scale), enable_split)
+        self._impl.plan(table, num_qo_heads, num_kv_heads, runtime, float(v_scale), enable_split, split_policy)
         rows = batch if not self.use_cuda_graph else self.max_batch_size
         self._core.set_planned(rows, num_qo_heads, num_kv_heads, table)
 
@@ -113,7 +114,7 @@ class DecodeBackend:
         self._params = self._kernel.params["decode"].bind(RUNTIME_FIELDS)
 
     def plan(self, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime, v_scale: float,
-             enable_split: bool) -> None:
+             enable_split: bool, split_policy: SplitPolicy | None = None) -> None:
         core = self.core
         if self._kernel is None:
             self._load()
@@ -122,7 +123,8 @@ class DecodeBackend:
         options = {"max_batch_size": core.max_batch_size} if core.fixed else {}
         plan = core.staging.plan(lambda host: plan_decode(
             table.kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, tile_rows=cfg.tile_q,
-            kv_granularity=cfg.tile_kv, num_sms=slots, enable_split=enable_split, host_buffer=host, **options))
+            kv_granularity=cfg.tile_kv, num_sms=slots, enable_split=enable_split, split_policy=split_policy,
+            host_buffer=host, **options))
         info = plan.info
         extras, pages_host = table_extras(table, core.max_batch_size)
         if pages_host is not None:

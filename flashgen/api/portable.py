@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..plan import plan_prefill
+from ..plan import SplitPolicy, plan_prefill
 from ..plan.mask_tiles import split_plan_mask_tiles
 from ..spec import CustomMask, NoMask
 from .custom_mask import custom_mask_bits, mask_extras
@@ -87,7 +87,7 @@ class PortablePrefill:
         self._params = self._kernel.params["prefill"].bind(RUNTIME_FIELDS)
 
     def plan(self, qo: np.ndarray, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime,
-             custom_mask, enable_split: bool) -> int:
+             custom_mask, enable_split: bool, split_policy: SplitPolicy | None = None) -> int:
         """Plan and upload; returns the rows of q and out (total_q, or max_total_q in CUDA-graph mode)."""
         core = self.core
         if self._kernel is None:
@@ -97,7 +97,8 @@ class PortablePrefill:
         plan = core.staging.plan(lambda host: plan_prefill(
             qo, table.kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, tile_rows=cfg.tile_q,
             kv_granularity=cfg.tile_kv, num_sms=core.num_sms * cfg.ctas_per_sm, enable_split=enable_split,
-            balance_tail=enable_split and isinstance(self.spec.mask, NoMask), host_buffer=host, **options))
+            balance_tail=enable_split and isinstance(self.spec.mask, NoMask), split_policy=split_policy,
+            host_buffer=host, **options))
         info = plan.info
         self.last_plan = plan  # the Plan (host view) that the current params point into
         extras, pages_host = table_extras(table, core.max_batch_size)

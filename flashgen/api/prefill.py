@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import family
-from ..plan import PlanError, host_array
+from ..plan import PlanError, SplitPolicy, host_array
 from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Ragged
 from .backends import select
 from .checks import check_tensor
@@ -73,7 +73,8 @@ class BatchPrefillWrapper:
     def plan(self, *, qo_indptr, num_qo_heads: int, num_kv_heads: int, kv_indptr=None, kv_indices=None,
              kv_last_page_len=None, block_table=None, seq_lens=None, custom_mask=None, sm_scale: float | None = None,
              rope_theta: float | None = None, rope_scale: float | None = None, window_left: int | None = None,
-             soft_cap: float | None = None, num_pages: int | None = None, enable_split: bool = True) -> None:
+             soft_cap: float | None = None, num_pages: int | None = None, enable_split: bool = True,
+             split_policy: SplitPolicy | None = None) -> None:
         """Plan a batch. ``qo_indptr [batch + 1]`` and the lengths (``kv_indptr``, ``kv_last_page_len``,
         ``seq_lens``) are host arrays: planning never synchronises with the GPU. Page ids (``kv_indices`` or
         ``block_table``) may be device int32 tensors (read in place) or host arrays (validated, copied).
@@ -82,7 +83,8 @@ class BatchPrefillWrapper:
         request's ``[qo_len, kv_len]`` mask row-major, requests concatenated, little-endian bits; host or
         device), or a list of bool ``[qo_len, kv_len]`` tensors. Runtime values default to the spec's.
         ``enable_split`` lets the portable backend split long KV ranges to fill the GPU; the sm90 backend
-        ignores it (v1 plans every request unsplit: one work item per 128-row q tile, its whole KV).
+        ignores it (v1 plans every request unsplit: one work item per 128-row q tile, its whole KV), and so
+        ``split_policy`` (``flashgen.plan.SplitPolicy``: how the portable backend's planner splits).
         """
         if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
             raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
@@ -95,7 +97,8 @@ class BatchPrefillWrapper:
         if custom_mask is not None and not isinstance(spec.mask, CustomMask):
             raise PlanError("custom_mask: this spec's mask is not CustomMask()")
         runtime = self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap)
-        rows = self._impl.plan(qo, table, num_qo_heads, num_kv_heads, runtime, custom_mask, enable_split)
+        rows = self._impl.plan(qo, table, num_qo_heads, num_kv_heads, runtime, custom_mask, enable_split,
+                               split_policy)
         self._core.set_planned(rows, num_qo_heads, num_kv_heads, table)
 
     # ------------------------------------------------------------------------------------------ run

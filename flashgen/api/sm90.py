@@ -148,9 +148,10 @@ class SM90Prefill:
         self._params = layout.bind(names[: names.index("lse") + 1])  # tensor maps, K / V, q, o, lse: at run()
 
     def plan(self, qo: np.ndarray, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime,
-             custom_mask, enable_split: bool) -> int:
-        """Plan unsplit (``enable_split`` is ignored) and upload; returns the rows of q and out (total_q, or
-        max_total_q in CUDA-graph mode). ``custom_mask``: CustomMask specs only (the wrapper checked)."""
+             custom_mask, enable_split: bool, split_policy=None) -> int:
+        """Plan unsplit (``enable_split`` and ``split_policy`` are ignored) and upload; returns the rows of q and
+        out (total_q, or max_total_q in CUDA-graph mode). ``custom_mask``: CustomMask specs only (the wrapper
+        checked)."""
         if not runtime.sm_scale > 0:
             raise PlanError(f"sm_scale: the sm90 backend needs sm_scale > 0, got {runtime.sm_scale} "
                             "(backend='portable' takes any value)")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import flashgen
+from flashgen.plan import plan_decode
 from flashgen.kernels import Param, ParamsLayout, family, launch_config
 from flashgen.spec import AttentionSpec, Causal, CustomMask, MergeSpec, Paged, Ragged, RoPE
 
@@ -137,3 +138,27 @@ def test_prefill_plans_fill_every_field_by_name():
                 assert got["q_tma"] == 1 and got["num_kv_heads"] == 8 and got["custom_mask"] == 0
             else:
                 assert got["tiles"] == 0 and got["counters"] == w._core._counters.data_ptr()
+
+
+def test_wrappers_pass_split_policy_to_the_planner():
+    from flashgen.plan import SplitPolicy
+
+    forced = SplitPolicy(candidates=lambda max_len, work, num_kv_heads, num_sms, granularity: [1024])
+    with stubbed_cuda():
+        w = flashgen.BatchDecodeWrapper(SPECS["decode"], num_sms=132)
+        kw = dict(kv_indptr=[0, 600], kv_indices=list(range(600)), kv_last_page_len=[16], num_qo_heads=32,
+                  num_kv_heads=8)
+        chunks = []
+        for policy in (None, forced):  # 9600 tokens: split by default; with only 1024 on offer, not split
+            w.plan(**kw, split_policy=policy)
+            buf, base = _planned_arrays(w)
+            chunks.append(int(buf[(_fields(w)["num_chunks"] - base) // 4]))
+        cfg = w._impl._launch
+        slots = 132 * cfg.ctas_per_sm
+        expect = [int(plan_decode([9600], num_qo_heads=32, num_kv_heads=8, tile_rows=cfg.tile_q,
+                                  kv_granularity=cfg.tile_kv, num_sms=slots, split_policy=p).numpy("num_chunks")[0])
+                  for p in (None, forced)]
+        assert chunks == expect and expect[0] > 1 and expect[1] == 1
+        p = flashgen.BatchPrefillWrapper(AttentionSpec(128, kv_layout=Ragged()), num_sms=132, backend="portable")
+        p.plan(qo_indptr=[0, 64], kv_indptr=[0, 8192], num_qo_heads=32, num_kv_heads=8, split_policy=forced)
+        assert p._impl.last_plan.info.kv_chunk == 1024
