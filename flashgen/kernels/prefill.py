@@ -160,13 +160,13 @@ def prefill_q_in_regs(head_dim: int, head_dim_vo: int, tiles: str | None = None)
 
 
 def prefill_late_copies(spec: AttentionSpec) -> bool:
-    """Whether a tile's cp.async copies of the next tile go after the softmax (in the basic block of the exp2 and
-    P V) rather than after Q K^T: ragged KV without a custom mask. Measured on the H200 at d=128 against
-    FlashInfer FA2 in the same runs (2026-11, ``benchmarks/results/s11/``): ragged none +1 % (0.99 -> 1.00-1.01x
-    FA2), window +0.5-1 %, causal even, and the loop-top barrier waits half as long (ncu stall samples). Paged
-    copies, which read their row offsets from shared memory first, lost 1-8 % there (window and causal most), and
-    a custom mask's element pass (its bit loads) between Q K^T and the softmax lost 1.5-3 %: both keep the copies
-    after Q K^T. Other head dims (other tiles, Q in registers at 64) are not measured yet and keep them too."""
+    """Whether a tile's cp.async copies of the next tile go after the softmax (in the basic block of the exp2 and P V)
+    rather than after Q K^T: ragged KV without a custom mask. Measured on the H200 at d=128 against FlashInfer FA2 in
+    the same runs (2026-11, cb87f38; docs/performance.md "Portable prefill"): ragged none +1 % (0.99 -> 1.00-1.01x
+    FA2), window +0.5-1 %, causal even, and the loop-top barrier waits half as long (ncu stall samples). Paged copies,
+    which read their row offsets from shared memory first, lost 1-8 % there (window and causal most), and a custom
+    mask's element pass (its bit loads) between Q K^T and the softmax lost 1.5-3 %: both keep the copies after Q K^T.
+    Other head dims (other tiles, Q in registers at 64) are not measured yet and keep them too."""
     return (isinstance(spec.kv_layout, Ragged) and not isinstance(spec.mask, CustomMask)
             and spec.head_dim == spec.head_dim_vo == 128)
 
