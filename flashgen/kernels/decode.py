@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..spec import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, ALiBi, SlidingWindow, SpecError
-from .family import AttentionFamily, EntryPoint, LaunchConfig, struct
+from .family import AttentionFamily, EntryPoint, LaunchConfig, split_kv_struct
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float8_e4m3fn": "__nv_fp8_e4m3",
              "float8_e5m2": "__nv_fp8_e5m2"}
@@ -101,19 +101,6 @@ class DecodeFamily(AttentionFamily):
                             ctas_per_sm=decode_ctas_per_sm(spec.head_dim, spec.head_dim_vo, kv_bytes), stages=stages)
 
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
-        q, kv = CPP_TYPES[spec.dtype], CPP_TYPES[spec.kv_dtype]
-        i32 = "const int32_t*"
-        decode = struct(
-            "DecodeParams",
-            (f"const {q}*", "q"), (f"const {kv}*", "k"), (f"const {kv}*", "v"), (f"{q}*", "o"), ("float*", "lse"),
-            ("float*", "tmp_o"), ("float*", "tmp_lse"),
-            (i32, "kv_indptr"), (i32, "kv_indices"), (i32, "block_table"),
-            (i32, "qo_indptr"), (i32, "kv_len"), (i32, "request_idx"), (i32, "qo_tile_idx"), (i32, "chunk_idx"),
-            (i32, "kv_start"), (i32, "kv_end"), (i32, "merge_indptr"), (i32, "num_chunks"), ("int32_t*", "counters"),
-            ("int64_t", "stride_page"), ("int64_t", "stride_token"), ("int64_t", "stride_head"),
-            ("int32_t", "block_table_stride"), ("int32_t", "num_qo_heads"), ("int32_t", "group_size"),
-            ("int32_t", "window_left"),
-            ("float", "sm_scale"), ("float", "soft_cap"), ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"),
-            ("float", "v_scale"),
-        )
+        decode = split_kv_struct("DecodeParams", CPP_TYPES[spec.dtype], CPP_TYPES[spec.kv_dtype],
+                                 after=(("float", "v_scale"),))
         return (EntryPoint("decode", decode),)

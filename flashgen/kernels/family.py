@@ -138,3 +138,26 @@ def ops() -> tuple[str, ...]:
 def struct(name: str, *fields: tuple[str, str]) -> ParamsLayout:
     """``struct("MergeParams", ("const float*", "s"), ...)``: a params layout from (ctype, name) pairs."""
     return ParamsLayout.of(name, tuple(Param(n, t) for t, n in fields))
+
+
+_I32 = "const int32_t*"
+
+
+def split_kv_struct(name: str, q: str, kv: str, *, before_strides: tuple = (), after: tuple = ()) -> ParamsLayout:
+    """The params of a split-KV kernel (decode, the portable prefill): q / k / v / o / lse, the partials, the page
+    table, the plan's fields (``SPLIT_KV_SCHEMA``'s names, which the api fills by name) and the merge counters,
+    then ``before_strides``, the cache's strides, the runtime values, then ``after``. ``q``, ``kv``: C++ types."""
+    return struct(
+        name,
+        (f"const {q}*", "q"), (f"const {kv}*", "k"), (f"const {kv}*", "v"), (f"{q}*", "o"), ("float*", "lse"),
+        ("float*", "tmp_o"), ("float*", "tmp_lse"),
+        (_I32, "kv_indptr"), (_I32, "kv_indices"), (_I32, "block_table"),
+        (_I32, "qo_indptr"), (_I32, "kv_len"), (_I32, "request_idx"), (_I32, "qo_tile_idx"), (_I32, "chunk_idx"),
+        (_I32, "kv_start"), (_I32, "kv_end"), (_I32, "merge_indptr"), (_I32, "num_chunks"), ("int32_t*", "counters"),
+        *before_strides,
+        ("int64_t", "stride_page"), ("int64_t", "stride_token"), ("int64_t", "stride_head"),
+        ("int32_t", "block_table_stride"), ("int32_t", "num_qo_heads"), ("int32_t", "group_size"),
+        ("int32_t", "window_left"),
+        ("float", "sm_scale"), ("float", "soft_cap"), ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"),
+        *after,
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
-from .family import AttentionFamily, EntryPoint, LaunchConfig, struct
+from .family import AttentionFamily, EntryPoint, LaunchConfig, split_kv_struct
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 PREFILL_HEAD_DIMS = (64, 128, 192, 256)  # rows of whole 128-byte lines (the swizzle needs 8k chunks)
@@ -254,19 +254,9 @@ class PrefillFamily(AttentionFamily):
         }
 
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
-        q, kv = CPP_TYPES[spec.dtype], CPP_TYPES[spec.kv_dtype]
         i32 = "const int32_t*"
-        prefill = struct(
-            "PrefillParams",
-            (f"const {q}*", "q"), (f"const {kv}*", "k"), (f"const {kv}*", "v"), (f"{q}*", "o"), ("float*", "lse"),
-            ("float*", "tmp_o"), ("float*", "tmp_lse"),
-            (i32, "kv_indptr"), (i32, "kv_indices"), (i32, "block_table"),
-            (i32, "qo_indptr"), (i32, "kv_len"), (i32, "request_idx"), (i32, "qo_tile_idx"), (i32, "chunk_idx"),
-            (i32, "kv_start"), (i32, "kv_end"), (i32, "merge_indptr"), (i32, "num_chunks"), ("int32_t*", "counters"),
-            ("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"), (i32, "tile_indptr"), (i32, "tiles"),
-            ("int64_t", "stride_page"), ("int64_t", "stride_token"), ("int64_t", "stride_head"),
-            ("int32_t", "block_table_stride"), ("int32_t", "num_qo_heads"), ("int32_t", "group_size"),
-            ("int32_t", "window_left"),
-            ("float", "sm_scale"), ("float", "soft_cap"), ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"),
-        )
+        mask = (("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"), (i32, "tile_indptr"),
+                (i32, "tiles"))
+        prefill = split_kv_struct("PrefillParams", CPP_TYPES[spec.dtype], CPP_TYPES[spec.kv_dtype],
+                                  before_strides=mask)
         return (EntryPoint("prefill", prefill),)
