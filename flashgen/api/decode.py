@@ -11,9 +11,8 @@ import torch
 from ..kernels import family
 from ..plan import PlanError, SplitPolicy, plan_decode
 from ..spec import AttentionSpec
-from .device import current_stream
-from .kv_inputs import KVView, PageTable, kv_view, page_table
-from .portable import HOST_ARRAYS_HINT, RUNTIME_FIELDS, page_fields, split_kv_fields, table_extras
+from .kv_inputs import PageTable, kv_view, page_table
+from .portable import HOST_ARRAYS_HINT, RUNTIME_FIELDS, SplitKVLaunch, page_fields, split_kv_fields, table_extras
 from .staging import DeviceBuffer
 from .wrapper import Runtime, WrapperCore, graph_capacity, resolve_device
 
@@ -95,7 +94,7 @@ class BatchDecodeWrapper:
         return (out, lse) if return_lse else out
 
 
-class DecodeBackend:
+class DecodeBackend(SplitKVLaunch):
     """The decode kernel: plan (``plan_decode``, slots = SMs x CTAs an SM), upload, params by name, launch."""
 
     def __init__(self, core: WrapperCore):
@@ -140,13 +139,3 @@ class DecodeBackend:
         # more than one wave: kv head fastest, for DRAM locality; one wave: item fastest (decode/kernel.cuh)
         items = info.capacity * num_kv_heads
         self._grid = (items, 1, 1) if items > slots else (info.capacity, num_kv_heads, 1)
-
-    def kv_args(self, kv: KVView) -> tuple:
-        return (kv.k.data_ptr(), kv.v.data_ptr(), kv.stride_page, kv.stride_token, kv.stride_head)
-
-    def launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        params = self._params
-        params.set(q.data_ptr(), kv[0], kv[1], out.data_ptr(), 0 if lse is None else lse.data_ptr(), kv[2], kv[3],
-                   kv[4])
-        self._fn.launch_params(self._grid, self._launch.block, self._launch.smem_bytes,
-                               current_stream(self.core.device.index), params.address)

@@ -66,7 +66,23 @@ def split_kv_fields(addresses: dict[str, int], tmp_o: int, tmp_lse: int, counter
     return fields
 
 
-class PortablePrefill:
+class SplitKVLaunch:
+    """``kv_args`` and ``launch`` of the backends whose params take the cache's k, v and strides (decode, the
+    portable prefill): ``run()`` writes ``RUNTIME_FIELDS`` into the params packed at ``plan()`` and launches.
+    A subclass sets ``core``, ``_params`` (bound to ``RUNTIME_FIELDS``), ``_fn``, ``_launch`` and ``_grid``."""
+
+    def kv_args(self, kv: KVView) -> tuple:
+        return (kv.k.data_ptr(), kv.v.data_ptr(), kv.stride_page, kv.stride_token, kv.stride_head)
+
+    def launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        params = self._params
+        params.set(q.data_ptr(), kv[0], kv[1], out.data_ptr(), 0 if lse is None else lse.data_ptr(), kv[2], kv[3],
+                   kv[4])
+        self._fn.launch_params(self._grid, self._launch.block, self._launch.smem_bytes,
+                               current_stream(self.core.device.index), params.address)
+
+
+class PortablePrefill(SplitKVLaunch):
     """The mma.sync prefill kernel behind ``BatchPrefillWrapper``: plan, upload, params, launch. ``options``:
     the family's kernel options (``{"tiles": "kv32"}``)."""
 
@@ -138,13 +154,3 @@ class PortablePrefill:
         dense = int(np.maximum(-(-end // tile_kv) - start // tile_kv, 0).sum())  # the most any mask lists
         out = mask_extras(plan.numel, bits, indptr, entries, extras, pages_host, self.core.max_batch_size)
         return out, bits.device, max(dense - entries.size, 0)
-
-    def kv_args(self, kv: KVView) -> tuple:
-        return (kv.k.data_ptr(), kv.v.data_ptr(), kv.stride_page, kv.stride_token, kv.stride_head)
-
-    def launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        params = self._params
-        params.set(q.data_ptr(), kv[0], kv[1], out.data_ptr(), 0 if lse is None else lse.data_ptr(), kv[2], kv[3],
-                   kv[4])
-        self._fn.launch_params(self._grid, self._launch.block, self._launch.smem_bytes,
-                               current_stream(self.core.device.index), params.address)
