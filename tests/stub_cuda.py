@@ -4,6 +4,7 @@ for benchmarks/experiments/plan_host_stubbed.py (plan()'s host time without a GP
 
 from __future__ import annotations
 
+import ctypes
 from contextlib import contextmanager
 from unittest import mock
 
@@ -32,6 +33,9 @@ def fake_build(spec, op, device=None, arch=None, options=None):
 
 
 class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
     def record(self, stream=None):
         pass
 
@@ -39,9 +43,14 @@ class _Event:
         pass
 
 
+def _copy_to_device_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    ctypes.memmove(dst, src, nbytes)  # "device" buffers are CPU tensors here
+
+
 @contextmanager
 def stubbed_cuda():
-    """Wrappers on the CPU: pinned buffers become plain ones, events and streams no-ops, kernels fakes."""
+    """Wrappers on the CPU: pinned buffers become plain ones, the plan upload a memmove, events and streams
+    no-ops, kernels fakes."""
     real_empty = torch.empty
 
     def empty(*args, pin_memory=False, **kwargs):
@@ -51,6 +60,9 @@ def stubbed_cuda():
     with mock.patch.object(decode, "resolve_device", cpu), mock.patch.object(prefill, "resolve_device", cpu), \
             mock.patch.object(staging.torch, "empty", empty), \
             mock.patch.object(torch.cuda, "Event", _Event), \
+            mock.patch.object(staging.driver, "StreamEvent", _Event), \
+            mock.patch.object(staging.driver, "copy_to_device_async", _copy_to_device_async), \
+            mock.patch.object(staging, "current_stream", lambda index: 0), \
             mock.patch.object(torch.cuda, "current_stream", lambda device=None: None), \
             mock.patch.object(jit, "build", fake_build):
         yield

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from ..plan import Plan, PlanError
-from .device import current_torch_stream
+from ..runtime import driver
+from .device import current_stream
 
 _ALIGN = 4  # int32 elements: 16-byte aligned extra arrays
 
@@ -53,12 +54,12 @@ class HostStaging:
     def __init__(self, device: torch.device):
         self.device = device
         self._buffers: list[torch.Tensor | None] = [None, None]
-        self._events: list[torch.cuda.Event | None] = [None, None]  # made once each, recorded at every upload
+        self._events: list[driver.StreamEvent | None] = [None, None]  # made once each, recorded at every upload
         self._recorded = [False, False]
         self._views: dict[int, np.ndarray] = {}
         self._addresses: dict[tuple, tuple] = {}  # (schema id, device base, extras) -> (schema, addresses)
         self._layouts: dict[tuple, tuple] = {}  # (plan numel, extras' names and sizes) -> extra_offsets
-        self._slices: list[tuple | None] = [None, None]  # a turn's (device, host buffer, numel, their views)
+        self._slices: list[tuple | None] = [None, None]  # a turn's (host buffer, its address)
         self._turn = 0
 
     def _take(self, numel: int) -> torch.Tensor:
@@ -109,24 +110,24 @@ class HostStaging:
         if device_buffer.tensor is None and device_buffer.fixed:
             device_buffer.get(offset + reserve, "plan", hint)
         dev = device_buffer.get(offset, "plan", hint)
-        dev_part, host_part = self._parts(dev, host, offset)
-        dev_part.copy_(host_part, non_blocking=True)
+        base = dev.data_ptr()
+        stream = current_stream(self.device.index)
+        # one driver call: the host buffer stays untouched until this turn's event (below) has passed
+        driver.copy_to_device_async(base, self._host_address(host), 4 * offset, stream)
         event = self._events[self._turn]
         if event is None:
-            event = self._events[self._turn] = torch.cuda.Event()
-        event.record(current_torch_stream(self.device))
+            event = self._events[self._turn] = driver.StreamEvent(self.device.index)
+        event.record(stream)
         self._recorded[self._turn] = True
         self._turn ^= 1
-        return self._device_addresses(plan, dev.data_ptr(), starts)
+        return self._device_addresses(plan, base, starts)
 
-    def _parts(self, dev: torch.Tensor, host: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(dev[:numel], host[:numel])``, kept for this turn's buffer (slicing a tensor is a torch call of
-        several µs; a decode loop uploads a plan of the same length every step). One entry a turn: a grown
-        buffer is let go at that turn's next upload."""
+    def _host_address(self, host: torch.Tensor) -> int:
+        """``host.data_ptr()``, kept for this turn's buffer (a torch call costs more than the lookup)."""
         cached = self._slices[self._turn]
-        if cached is None or cached[0] is not dev or cached[1] is not host or cached[2] != numel:
-            cached = self._slices[self._turn] = (dev, host, numel, dev[:numel], host[:numel])
-        return cached[3], cached[4]
+        if cached is None or cached[0] is not host:
+            cached = self._slices[self._turn] = (host, host.data_ptr())
+        return cached[1]
 
     def _device_addresses(self, plan: Plan, base: int, starts: dict[str, int]) -> dict[str, int]:
         """Device address of every plan field, extra and ``"base"``; made once per (schema, base, extras' places)
