@@ -5,6 +5,8 @@ the decode backend shares with it.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 import torch
 
@@ -40,7 +42,7 @@ def table_extras(table: PageTable, max_batch_size: int | None) -> tuple[dict, np
     return extras, ids.numpy().reshape(-1)  # int64 ids become int32 as they are written into the staging buffer
 
 
-def page_fields(table: PageTable, device: torch.device, addresses: dict[str, int]) -> tuple[dict, object]:
+def page_fields(table: PageTable, device: torch.device, addresses: Mapping[str, int]) -> tuple[dict, object]:
     """``kv_indptr``, ``kv_indices``, ``block_table`` and ``block_table_stride`` of the params, and the device
     page table the plan reads in place (to be held while the plan is used), if any."""
     ids = table.block_table if table.block_table is not None else table.kv_indices
@@ -54,7 +56,7 @@ def page_fields(table: PageTable, device: torch.device, addresses: dict[str, int
             "block_table": pages if block_table else 0, "block_table_stride": stride}, held
 
 
-def split_kv_fields(addresses: dict[str, int], tmp_o: int, tmp_lse: int, counters: int, num_qo_heads: int,
+def split_kv_fields(addresses: Mapping[str, int], tmp_o: int, tmp_lse: int, counters: int, num_qo_heads: int,
                     num_kv_heads: int, runtime: Runtime) -> dict:
     """The split-KV plan's params shared by decode and the portable prefill (names of ``SPLIT_KV_SCHEMA``)."""
     fields = {name: addresses[name] for name in ("qo_indptr", "kv_len", "request_idx", "qo_tile_idx", "chunk_idx",

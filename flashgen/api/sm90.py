@@ -11,6 +11,8 @@ in place with every tile treated as partial (no sync, no skipping).
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import ctypes
 
 import numpy as np
@@ -210,7 +212,7 @@ class SM90Prefill:
         indptr, entries = plan_mask_tiles(plan, bits.host, bits.offsets, kv_lens, tile_kv=self._tile_kv)
         return mask_extras(plan.numel, bits, indptr, entries, extras, pages_host, self.max_batch_size)
 
-    def _plan_rope(self, addresses: dict[str, int], total_q: int, total_kv: int, batch: int, num_qo_heads: int,
+    def _plan_rope(self, addresses: Mapping[str, int], total_q: int, total_kv: int, batch: int, num_qo_heads: int,
                    num_kv_heads: int, runtime: Runtime, tables: dict) -> None:
         """Scratch for rotated q, K and V; the scratch K / V tensor maps; the pre-pass's plan-time params."""
         d = self.spec.head_dim

@@ -4,6 +4,8 @@ and the arrays that travel with it (kv_indptr, host page ids, custom-mask bits a
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import numpy as np
 import torch
 
@@ -83,10 +85,10 @@ class HostStaging:
         raise PlanError("host_buffer: the plan did not fit a staging buffer of 4**8 times the initial size")
 
     def upload(self, plan: Plan, extras: dict[str, np.ndarray], device_buffer,
-               hint: str = "raise max_batch_size", reserve: int = 0) -> dict[str, int]:
+               hint: str = "raise max_batch_size", reserve: int = 0) -> MappingProxyType:
         """Append ``extras`` (int32-convertible 1-D arrays) after the plan in its host buffer and copy both to
         the device in one async copy; returns the device address of every plan field and extra (and
-        ``"base"``, the buffer's start). The extras land where ``extra_offsets`` says. ``hint``: how to make
+        ``"base"``, the buffer's start), a read-only mapping shared by the plans of one layout. The extras land where ``extra_offsets`` says. ``hint``: how to make
         room, for the error of a fixed (CUDA-graph) buffer that a later plan outgrows (extras sized by the
         batch's KV, not by max_batch_size, need their own); ``reserve``: int32 elements the first sizing of a
         fixed buffer adds (room for what later plans may append)."""
@@ -131,7 +133,7 @@ class HostStaging:
 
     def _device_addresses(self, plan: Plan, base: int, starts: dict[str, int]) -> dict[str, int]:
         """Device address of every plan field, extra and ``"base"``; made once per (schema, base, extras' places)
-        and returned as a copy (the caller may keep or change it)."""
+        and shared, read-only (a ``MappingProxyType``: copying a dict of ~15 entries each plan costs more)."""
         key = (id(plan.schema), base, tuple(starts.items()))  # schemas are shared between plans, never mutated
         cached = self._addresses.get(key)
         if cached is None or cached[0] is not plan.schema:
@@ -141,8 +143,8 @@ class HostStaging:
             for name, start in starts.items():
                 addresses[name] = base + 4 * start
             addresses["base"] = base
-            cached = self._addresses[key] = (plan.schema, addresses)
-        return dict(cached[1])
+            cached = self._addresses[key] = (plan.schema, MappingProxyType(addresses))
+        return cached[1]
 
     def _flat(self, host: torch.Tensor) -> np.ndarray:
         """The numpy view of a staging buffer (made once per buffer)."""

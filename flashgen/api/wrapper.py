@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -153,8 +153,9 @@ class WrapperCore:
     # ------------------------------------------------------------------------------------------ plan
 
     def upload(self, plan: Plan, extras: dict[str, np.ndarray], hint: str = "raise max_batch_size",
-               reserve: int = 0) -> dict[str, torch.Tensor]:
-        """The plan and ``extras`` to the device in one async copy (``HostStaging.upload``); device views."""
+               reserve: int = 0) -> Mapping[str, int]:
+        """The plan and ``extras`` to the device in one async copy (``HostStaging.upload``); their device
+        addresses (read-only, shared by plans of one layout)."""
         return self.staging.upload(plan, extras, self.plan_buffer, hint, reserve)
 
     def counters(self, numel: int, hint: str) -> torch.Tensor:

@@ -241,6 +241,12 @@ def write_ramps(merge: np.ndarray, ramps) -> int:
         return 0
     first, end = ramps[0][0], ramps[-1][0] + ramps[-1][1]
     merge[: first + 1] = 0
+    if len(ramps) == 1:  # one split tile or request (a small batch): c, 2c, ... over its tokens
+        c = ramps[0][2]
+        rows = (end - first) * c
+        np.multiply(iota(end - first + 1)[1:], c, out=merge[first + 1: end + 1])
+        merge[end + 1:] = rows
+        return rows
     span = merge[first + 1: end + 1]
     span[:] = 0
     if len(ramps) <= 16:

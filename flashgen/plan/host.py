@@ -12,6 +12,7 @@ import torch
 
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 _INT_DTYPE_SET = frozenset(_INT_DTYPES)
+_INT32_64 = frozenset(np.dtype(t).char for t in (np.int32, np.int64))  # numpy's own int32 / int64 (no copy needed)
 
 
 class PlanError(ValueError):
@@ -26,6 +27,8 @@ def host_array(name: str, value: object, ndim: int = 1, error: type[PlanError] =
     >>> host_array("kv_indptr", [0, 2, 5])
     array([0, 2, 5])
     """
+    if type(value) is np.ndarray and value.dtype.char in _INT32_64 and value.ndim == ndim:
+        return value  # the common case, taken first (a plan() passes several such arrays)
     if isinstance(value, torch.Tensor):
         # a plain tensor's is_cpu is its device; a subclass may say otherwise in its device
         if not (value.is_cpu and type(value) is torch.Tensor) and (value.is_cuda or value.device.type != "cpu"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 
 import numpy as np
+import pytest
 import torch
 
 from flashgen.api.staging import DeviceBuffer, HostStaging, extra_offsets
@@ -29,7 +30,8 @@ def _check_upload(staging, device_buffer, lens, extras):
     for name, values in extras.items():
         assert addresses[name] == base + 4 * starts[name]
         assert dev[starts[name]: starts[name] + values.size].tolist() == values.tolist()
-    addresses["base"] = -1  # the caller's copy: changing it changes nothing kept
+    with pytest.raises(TypeError):  # shared between plans of one layout: read-only
+        addresses["base"] = -1
     return end
 
 
