@@ -77,7 +77,8 @@ class BatchDecodeWrapper:
             raise PlanError("k_scale: per-tensor scales apply to fp8 K/V only")
         runtime = self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap)
         # q.(k * k_scale) = (q.k) * k_scale: the K scale folds into sm_scale, before any logits transform
-        runtime = runtime._replace(sm_scale=runtime.sm_scale * float(k_scale))
+        if k_scale != 1.0:
+            runtime = runtime._replace(sm_scale=runtime.sm_scale * float(k_scale))
         self._impl.plan(table, num_qo_heads, num_kv_heads, runtime, float(v_scale), enable_split, split_policy)
         rows = batch if not self.use_cuda_graph else self.max_batch_size
         self._core.set_planned(rows, num_qo_heads, num_kv_heads, table)

@@ -9,11 +9,11 @@ backend owns its planner call, its params and its launch.
 Cost model of ``plan()`` (host time on the H200 host; measured 2026-12): the planner itself (``flashgen.plan``)
 is 15-60 µs; every torch call costs several µs there (a ``non_blocking`` ``copy_`` of a pinned tensor ~5 µs,
 ``torch.empty`` on the device ~3-5 µs, ``torch.zeros`` more, ``pin_memory()`` tens of µs, a
-``get_device_properties`` ~10 µs) against ~0.1 µs for a dict or attribute access and ~1 µs for a small numpy
-write. So a plan makes one torch call in the steady state — the upload's ``copy_`` — plus the event that
-guards the staging buffer; device buffers, counters and pinned buffers are sized on the first plan and grow
-only when a batch outgrows them; device facts are read once per process; the params struct is packed once,
-by name (``BoundParams``). ``run()`` (~8-10 µs) checks q / out with attribute compares, looks the cache up in
+``get_device_properties`` ~10 µs) against ~0.1 µs for a dict or attribute access, ~1 µs for a small numpy
+write and ~1 µs for a driver call through cuda-python. So a plan makes no torch call in the steady state: the
+upload is one driver copy and one driver event that guards the staging buffer; device buffers, counters and
+pinned buffers are sized on the first plan and grow only when a batch outgrows them; device facts are read
+once per process; the params struct is packed once, by name (``BoundParams``). ``run()`` (~8-10 µs) checks q / out with attribute compares, looks the cache up in
 the memo, writes the run-time params and launches.
 """
 

@@ -215,14 +215,31 @@ def plan_decode_lists(req: PlanRequest) -> Plan:
 
 
 def _write_decode_rows(flat, items_at, stride, lens, counts, kv_chunk, n):
-    rows = []  # (start - end, request, chunk_idx, start, end) in (request, chunk) order
+    # decode items, stably sorted longest first: the chunks of kv_chunk tokens (every chunk of a request but its
+    # last, and a last one of exactly kv_chunk) keep (request, chunk) order, written as ranges; the shorter last
+    # chunks (and unsplit requests) follow, sorted by length
+    request, chunk, start, end = [], [], [], []
+    short = []  # (start - end, request, chunk_idx, start, end)
     for r, (x, c) in enumerate(zip(lens, counts)):
         if c == 1:  # unsplit: x <= kv_chunk
-            rows.append((-x, r, -1, 0, x))
-        else:  # chunk j < c - 1 ends at (j + 1) * kv_chunk < x
-            rows += [(-kv_chunk, r, j, j * kv_chunk, (j + 1) * kv_chunk) for j in range(c - 1)]
-            start = (c - 1) * kv_chunk
-            rows.append((start - x, r, c - 1, start, x))
-    rows.sort(key=_first_key)  # stable: longest first, ties in list order
-    _, request, chunk, start, end = zip(*rows)
+            if x == kv_chunk:
+                request.append(r), chunk.append(-1), start.append(0), end.append(x)
+            else:
+                short.append((-x, r, -1, 0, x))
+            continue
+        last = (c - 1) * kv_chunk  # chunk j < c - 1 is [j * kv_chunk, (j + 1) * kv_chunk)
+        full = c if x - last == kv_chunk else c - 1
+        request += [r] * full
+        chunk += range(full)
+        start += range(0, full * kv_chunk, kv_chunk)
+        end += range(kv_chunk, (full + 1) * kv_chunk, kv_chunk)
+        if full < c:
+            short.append((last - x, r, c - 1, last, x))
+    if short:
+        short.sort(key=_first_key)  # stable: ties in request order
+        _, r_short, c_short, s_short, e_short = zip(*short)
+        request += r_short
+        chunk += c_short
+        start += s_short
+        end += e_short
     _pack_items(flat, items_at, stride, n, (request, (0,) * n, chunk, start, end))

@@ -109,3 +109,16 @@ def test_invalid_small_batches_raise_the_checks_errors():
         plan_prefill(torch.tensor([0, 3, 5]), torch.tensor([10]), num_qo_heads=4, num_kv_heads=4)
     with pytest.raises(PlanError, match=r"kv_lens\[1\] = -1, expected >= 0"):
         plan_decode(np.array([5, -1, 3]), num_qo_heads=4, num_kv_heads=4)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_decode_list_path_ties_at_the_chunk_length(seed):
+    # lengths that are multiples of the granularity, so that last chunks (and unsplit requests) of exactly
+    # kv_chunk tokens tie with the full chunks: the list path's item order must stay the reference's
+    rng = np.random.default_rng(seed)
+    batch = int(rng.integers(1, 25))
+    kv_lens = rng.integers(0, 64, batch) * 64
+    kv_lens[rng.integers(0, batch)] = int(rng.integers(1, 5000))
+    for options in ({}, {"num_sms": 8}, {"num_sms": 2, "kv_granularity": 64}, {"max_batch_size": batch + 2}):
+        heads = dict(num_qo_heads=16, num_kv_heads=2, tile_rows=16, **options)
+        assert_same_plan(plan_decode(kv_lens, **heads), reference(np.arange(batch + 1), kv_lens, **heads))
