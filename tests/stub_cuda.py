@@ -31,6 +31,18 @@ def fake_build(spec, op, device=None, arch=None, options=None):
                       fam.launch(projected), {e.name: e.params for e in entries})
 
 
+class DeviceTensor(torch.Tensor):
+    """A CPU tensor that the wrappers take for a device one (``is_cuda``): page ids or a mask read in place."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    is_cuda = True
+
+
+def on_device(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a CPU tensor) as a ``DeviceTensor``, sharing its storage."""
+    return torch.Tensor._make_subclass(DeviceTensor, t)
+
+
 class _Event:
     def record(self, stream=None):
         pass

@@ -1,0 +1,73 @@
+"""The wrappers' intake of page tables and runtime values on the CPU (CUDA calls stubbed, tests/stub_cuda.py):
+page ids "on the device" are CPU tensors that say they are CUDA ones, so what plan() checks, copies and packs
+is seen without a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import flashgen
+from flashgen import AttentionSpec, Paged
+from flashgen.plan import PageTableError
+
+from stub_cuda import on_device, stubbed_cuda
+
+PAGED = AttentionSpec(128, kv_layout=Paged(16))
+HEADS = dict(num_qo_heads=8, num_kv_heads=2)
+
+
+def _csr(last, indptr=(0, 2, 3)):
+    ids = torch.arange(indptr[-1], dtype=torch.int32)
+    return dict(kv_indptr=list(indptr), kv_last_page_len=list(last)), ids
+
+
+@pytest.mark.parametrize("last, indptr, message", [
+    ([0, 5], (0, 2, 3), r"kv_last_page_len\[0\] = 0, expected 1..16"),
+    ([17, 5], (0, 2, 3), r"kv_last_page_len\[0\] = 17, expected 1..16"),
+    ([-3, 5], (0, 2, 3), r"kv_last_page_len\[0\] = -3, expected 1..16"),
+    ([5, 5], (0, 0, 3), r"kv_last_page_len\[0\] = 5, expected 0 \(the request has no pages\)"),
+])
+@pytest.mark.parametrize("wrapper", ["decode", "prefill"])
+def test_last_page_len_is_checked_for_device_and_host_ids(last, indptr, message, wrapper):
+    with stubbed_cuda():
+        if wrapper == "decode":
+            w, extra = flashgen.BatchDecodeWrapper(PAGED, num_sms=132), {}
+        else:
+            w = flashgen.BatchPrefillWrapper(PAGED, num_sms=132, backend="portable")
+            extra = {"qo_indptr": [0, 1, 2]}
+        arrays, ids = _csr(last, indptr)
+        for kv_indices in (on_device(ids), ids):
+            with pytest.raises(PageTableError, match=message):
+                w.plan(**arrays, kv_indices=kv_indices, **HEADS, **extra)
+
+
+def test_last_page_len_of_a_large_batch_with_device_ids():
+    lens = np.full(256, 40)
+    lens[200] = 0
+    indptr = np.concatenate([[0], np.cumsum(-(-lens // 16))]).astype(np.int32)
+    last = np.where(lens > 0, 8, 0).astype(np.int32)
+    last[77] = 40
+    with stubbed_cuda():
+        w = flashgen.BatchDecodeWrapper(PAGED, num_sms=132)
+        ids = on_device(torch.arange(int(indptr[-1]), dtype=torch.int32))
+        with pytest.raises(PageTableError, match=r"kv_last_page_len\[77\] = 40, expected 1..16"):
+            w.plan(kv_indptr=indptr, kv_indices=ids, kv_last_page_len=last, **HEADS)
+        last[77] = 8
+        w.plan(kv_indptr=indptr, kv_indices=ids, kv_last_page_len=last, **HEADS)
+        assert w._impl.core.planned.q_shape[0] == 256
+
+
+@pytest.mark.parametrize("seq_lens, message", [
+    ([-1, 5], r"seq_lens\[0\] = -1, expected 0..48"),
+    ([5, 49], r"seq_lens\[1\] = 49, expected 0..48 \(block_table's 3 columns of 16 tokens\)"),
+    ([5], r"seq_lens: has 1 entries, expected batch_size = 2"),
+])
+def test_seq_lens_must_fit_a_device_block_table(seq_lens, message):
+    with stubbed_cuda():
+        w = flashgen.BatchDecodeWrapper(PAGED, num_sms=132)
+        table = on_device(torch.zeros(2, 3, dtype=torch.int32))
+        with pytest.raises(PageTableError, match=message):
+            w.plan(block_table=table, seq_lens=seq_lens, **HEADS)
+        w.plan(block_table=table, seq_lens=[48, 0], **HEADS)
