@@ -14,7 +14,7 @@ from ..spec import AttentionSpec
 from .kv_inputs import PageTable, kv_view, page_table
 from .portable import HOST_ARRAYS_HINT, RUNTIME_FIELDS, SplitKVLaunch, page_fields, split_kv_fields, table_extras
 from .staging import DeviceBuffer
-from .wrapper import Runtime, WrapperCore, graph_capacity, resolve_device
+from .wrapper import Runtime, WrapperCore, check_count, check_heads, graph_capacity, positive, resolve_device
 
 
 class BatchDecodeWrapper:
@@ -41,6 +41,7 @@ class BatchDecodeWrapper:
                  num_sms: int | None = None):
         self.spec = family("decode").project(spec)
         family("decode").check(self.spec)
+        max_batch_size = check_count("max_batch_size", max_batch_size)
         if use_cuda_graph and not max_batch_size:
             raise ValueError("max_batch_size: required with use_cuda_graph=True (the graph's fixed capacity)")
         self.device = resolve_device(device)
@@ -66,21 +67,30 @@ class BatchDecodeWrapper:
         per-tensor scales of fp8 K/V (the cache holds K/k_scale and V/v_scale). ``split_policy``: the planner's
         split policy (``flashgen.plan.SplitPolicy``; default ``DEFAULT_SPLIT_POLICY``).
         """
-        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
-            raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
+        check_heads(num_qo_heads, num_kv_heads)
         table = page_table(self.spec, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
                            block_table=block_table, seq_lens=seq_lens, num_pages=num_pages)
         batch = table.kv_lens.size
         if self.use_cuda_graph and batch > self.max_batch_size:
-            raise PlanError(f"kv_lens: batch_size {batch} exceeds max_batch_size = {self.max_batch_size}")
-        if not self._fp8 and k_scale != 1.0:
-            raise PlanError("k_scale: per-tensor scales apply to fp8 K/V only")
+            name = "seq_lens" if block_table is not None else "kv_indptr"
+            raise PlanError(f"{name}: batch_size {batch} exceeds max_batch_size = {self.max_batch_size} (the "
+                            "CUDA-graph capacity)")
         runtime = self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap)
-        # q.(k * k_scale) = (q.k) * k_scale: the K scale folds into sm_scale, before any logits transform
-        runtime = runtime._replace(sm_scale=runtime.sm_scale * float(k_scale))
+        if k_scale != 1.0 or v_scale != 1.0:
+            runtime = self._scaled(runtime, k_scale, v_scale)
         self._impl.plan(table, num_qo_heads, num_kv_heads, runtime, float(v_scale), enable_split, split_policy)
         rows = batch if not self.use_cuda_graph else self.max_batch_size
         self._core.set_planned(rows, num_qo_heads, num_kv_heads, table)
+
+    def _scaled(self, runtime: Runtime, k_scale, v_scale) -> Runtime:
+        """``runtime`` with fp8 K's scale folded into sm_scale: q.(k * k_scale) = (q.k) * k_scale, before any
+        logits transform (V's is applied to the output by the kernel); both checked."""
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if value != 1.0 and not self._fp8:
+                raise PlanError(f"{name}: got {value!r}; per-tensor scales apply to fp8 K/V only (expected 1.0)")
+            positive(name, value)
+        return runtime._replace(sm_scale=positive("k_scale", runtime.sm_scale * float(k_scale),
+                                                  " (sm_scale * k_scale must be a finite fp32)"))
 
     def run(self, q: torch.Tensor, kv_cache, out: torch.Tensor | None = None, return_lse: bool = False):
         """Attend ``q [batch, num_qo_heads, head_dim]`` over the planned batch of ``kv_cache``.

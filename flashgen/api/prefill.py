@@ -18,7 +18,7 @@ from .checks import check_tensor
 from .kv_inputs import kv_view, page_table
 from .portable import PortablePrefill
 from .sm90 import SM90Prefill
-from .wrapper import WrapperCore, graph_capacity, resolve_device
+from .wrapper import WrapperCore, check_count, check_heads, graph_capacity, resolve_device
 
 
 class BatchPrefillWrapper:
@@ -56,6 +56,8 @@ class BatchPrefillWrapper:
             family("prefill", kernel_options).check(self.spec)
         elif kernel_options:
             raise ValueError(f"kernel_options: the sm90 backend takes none, got {kernel_options!r}")
+        max_batch_size = check_count("max_batch_size", max_batch_size)
+        max_total_q = check_count("max_total_q", max_total_q)
         if use_cuda_graph and not (max_batch_size and max_total_q):
             raise ValueError("max_batch_size: max_batch_size and max_total_q are required with use_cuda_graph=True "
                              "(the graph's fixed capacity)")
@@ -86,8 +88,7 @@ class BatchPrefillWrapper:
         ignores it (v1 plans every request unsplit: one work item per 128-row q tile, its whole KV), and so
         ``split_policy`` (``flashgen.plan.SplitPolicy``: how the portable backend's planner splits).
         """
-        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
-            raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
+        check_heads(num_qo_heads, num_kv_heads)
         spec = self.spec
         table = page_table(spec, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
                            block_table=block_table, seq_lens=seq_lens, num_pages=num_pages)

@@ -71,3 +71,34 @@ def test_seq_lens_must_fit_a_device_block_table(seq_lens, message):
         with pytest.raises(PageTableError, match=message):
             w.plan(block_table=table, seq_lens=seq_lens, **HEADS)
         w.plan(block_table=table, seq_lens=[48, 0], **HEADS)
+
+
+def test_runtime_value_conventions():
+    from flashgen import SlidingWindow
+    from flashgen.api.wrapper import WINDOW_NONE, runtime_values
+
+    window = AttentionSpec(128, mask=SlidingWindow(64))
+    assert runtime_values(window).window_left == 64
+    assert runtime_values(window, window_left=-1).window_left == WINDOW_NONE  # FlashInfer's "no window"
+    assert runtime_values(window, window_left=np.int64(7)).window_left == 7
+    assert runtime_values(window, window_left=2**40).window_left == WINDOW_NONE  # wider than any KV: none
+    assert runtime_values(PAGED, window_left=-1).window_left == 0  # no window to turn off
+    assert runtime_values(PAGED, soft_cap=0.0).soft_cap == 0.0  # FlashInfer's "off"
+    assert runtime_values(PAGED, sm_scale=np.float32(0.5)).sm_scale == 0.5
+    capped = AttentionSpec(128, soft_cap=30.0)
+    assert runtime_values(capped).soft_cap == 30.0 and runtime_values(capped, soft_cap=5).soft_cap == 5.0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"window_left": 5}, r"^window_left: got 5, but this spec has no sliding window"),
+    ({"soft_cap": 5.0}, r"^soft_cap: got 5.0, but this spec has no soft-cap"),
+    ({"sm_scale": -0.1}, r"^sm_scale: got -0.1, expected a finite number > 0"),
+    ({"sm_scale": 1e39}, r"^sm_scale: got 1e\+39, expected a finite number > 0"),
+    ({"rope_scale": 1e-300}, r"^rope_scale: got 1e-300, expected a finite number > 0 whose inverse"),
+])
+def test_runtime_values_the_kernels_would_misread_are_refused(kwargs, message):
+    from flashgen.api.wrapper import runtime_values
+    from flashgen.plan import PlanError
+
+    with pytest.raises(PlanError, match=message):
+        runtime_values(PAGED, **kwargs)

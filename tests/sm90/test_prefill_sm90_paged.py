@@ -136,7 +136,7 @@ def test_sm_scale_must_be_positive():
     from flashgen.plan import PlanError
 
     wrapper = flashgen.BatchPrefillWrapper(AttentionSpec(64, kv_layout=Ragged()), backend="sm90")
-    with pytest.raises(PlanError, match="^sm_scale: the sm90 backend needs sm_scale > 0"):
+    with pytest.raises(PlanError, match="^sm_scale: got -0.1, expected a finite number > 0"):
         wrapper.plan(qo_indptr=[0, 4], kv_indptr=[0, 4], num_qo_heads=2, num_kv_heads=1, sm_scale=-0.1)
 
 
