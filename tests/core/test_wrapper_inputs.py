@@ -102,3 +102,35 @@ def test_runtime_values_the_kernels_would_misread_are_refused(kwargs, message):
 
     with pytest.raises(PlanError, match=message):
         runtime_values(PAGED, **kwargs)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_custom_mask_list_has_one_mask_a_request(count):
+    from flashgen import CustomMask, Ragged
+    from flashgen.plan import PlanError
+
+    with stubbed_cuda():
+        w = flashgen.BatchPrefillWrapper(AttentionSpec(128, kv_layout=Ragged(), mask=CustomMask()), num_sms=132,
+                                         backend="portable")
+        masks = [torch.ones(2, 3, dtype=torch.bool)] * count
+        with pytest.raises(PlanError, match=rf"^custom_mask: got {count} masks, expected batch_size = 2"):
+            w.plan(qo_indptr=[0, 2, 4], kv_indptr=[0, 3, 6], custom_mask=masks, **HEADS)
+        w.plan(qo_indptr=[0, 2, 4], kv_indptr=[0, 3, 6], custom_mask=[torch.ones(2, 3, dtype=torch.bool)] * 2,
+               **HEADS)
+
+
+@pytest.mark.parametrize("form", ["csr", "block_table", "ragged"])
+@pytest.mark.parametrize("wrapper", ["decode", "prefill"])
+def test_an_empty_batch_given_as_python_lists(form, wrapper):
+    from flashgen import Ragged
+
+    spec = AttentionSpec(128, kv_layout=Ragged()) if form == "ragged" else PAGED
+    tables = {"csr": dict(kv_indptr=[0], kv_indices=[], kv_last_page_len=[]),
+              "block_table": dict(block_table=[], seq_lens=[]), "ragged": dict(kv_indptr=[0])}
+    with stubbed_cuda():
+        if wrapper == "decode":
+            w, extra = flashgen.BatchDecodeWrapper(spec, num_sms=132), {}
+        else:
+            w, extra = flashgen.BatchPrefillWrapper(spec, num_sms=132, backend="portable"), {"qo_indptr": [0]}
+        w.plan(**tables[form], **HEADS, **extra)
+        assert w._core.planned.q_shape[0] == 0
