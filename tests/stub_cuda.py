@@ -10,7 +10,7 @@ from unittest import mock
 import torch
 
 from flashgen import jit
-from flashgen.api import decode, prefill, staging
+from flashgen.api import decode, page_ids, portable, prefill, sm90, staging
 from flashgen.kernels import family
 
 
@@ -53,7 +53,9 @@ class _Event:
 
 @contextmanager
 def stubbed_cuda():
-    """Wrappers on the CPU: pinned buffers become plain ones, events and streams no-ops, kernels fakes."""
+    """Wrappers on the CPU: pinned buffers become plain ones, events and streams no-ops, kernels fakes (so run()
+    checks its arguments and launches nothing, given ``DeviceTensor`` q and caches); the CUDA-graph page-id buffer
+    a ``DeviceTensor``."""
     real_empty = torch.empty
 
     def empty(*args, pin_memory=False, **kwargs):
@@ -64,5 +66,9 @@ def stubbed_cuda():
             mock.patch.object(staging.torch, "empty", empty), \
             mock.patch.object(torch.cuda, "Event", _Event), \
             mock.patch.object(torch.cuda, "current_stream", lambda device=None: None), \
-            mock.patch.object(jit, "build", fake_build):
+            mock.patch.object(jit, "build", fake_build), \
+            mock.patch.object(portable, "current_stream", lambda index: 0), \
+            mock.patch.object(sm90, "current_stream", lambda index: 0), \
+            mock.patch.object(page_ids, "device_ids_buffer", lambda shape, device: on_device(
+                real_empty(shape, dtype=torch.int32))):
         yield

@@ -11,10 +11,12 @@ import torch
 from ..kernels import family
 from ..plan import PlanError, SplitPolicy, plan_decode
 from ..spec import AttentionSpec
+from .checks import check_count
 from .kv_inputs import PageTable, kv_view, page_table
+from .page_ids import page_ids_for
 from .portable import HOST_ARRAYS_HINT, RUNTIME_FIELDS, SplitKVLaunch, page_fields, split_kv_fields, table_extras
 from .staging import DeviceBuffer
-from .wrapper import Runtime, WrapperCore, check_count, check_heads, graph_capacity, positive, resolve_device
+from .wrapper import Runtime, WrapperCore, check_heads, graph_capacity, positive, resolve_device
 
 
 class BatchDecodeWrapper:
@@ -30,7 +32,17 @@ class BatchDecodeWrapper:
 
     ``use_cuda_graph=True`` with ``max_batch_size``: every buffer and the grid are sized for that batch, so a
     graph captured around ``run()`` replays correctly after ``plan()`` of any batch up to it (q and out of
-    ``max_batch_size`` rows; page-table device tensors must keep their addresses).
+    ``max_batch_size`` rows, the KV cache at the captured address). Device page ids are copied at each plan into
+    a buffer the wrapper owns (``page_ids.PageIds``), so each plan may pass a fresh tensor; its size:
+    ``max_num_pages``, the most page ids one plan uses (``kv_indptr[-1]``), or for a block table
+    ``max_pages_per_request``, the columns kept of each row (the buffer is ``max_batch_size x
+    max_pages_per_request``); by default the first plan's ``kv_indices.numel()`` or block-table width. Both are
+    used in CUDA-graph mode only. Outside it, device page ids are read in place (no copy).
+
+    ``check_indices=True`` (default: ``FLASHGEN_CHECK_INDICES=1``): plan() checks device page ids on the GPU
+    (a debugging aid: it synchronises, and is refused during a CUDA-graph capture): ids a request uses lie in
+    ``[0, num_pages)`` (``num_pages`` given to plan(), else ``>= 0`` there and below the cache's page count at
+    run()), the error naming the first bad position. Host page ids are always checked in full.
 
     ``workspace`` is accepted for FlashInfer-style call sites and not used: the wrapper sizes its own
     buffers (fixed at the first plan in CUDA-graph mode).
@@ -38,7 +50,8 @@ class BatchDecodeWrapper:
 
     def __init__(self, spec: AttentionSpec, workspace: torch.Tensor | None = None, use_cuda_graph: bool = False,
                  max_batch_size: int | None = None, device: torch.device | int | None = None,
-                 num_sms: int | None = None):
+                 num_sms: int | None = None, max_num_pages: int | None = None,
+                 max_pages_per_request: int | None = None, check_indices: bool | None = None):
         self.spec = family("decode").project(spec)
         family("decode").check(self.spec)
         max_batch_size = check_count("max_batch_size", max_batch_size)
@@ -46,8 +59,10 @@ class BatchDecodeWrapper:
             raise ValueError("max_batch_size: required with use_cuda_graph=True (the graph's fixed capacity)")
         self.device = resolve_device(device)
         self.use_cuda_graph, self.max_batch_size = use_cuda_graph, max_batch_size
-        self._core = WrapperCore(self.spec, self.device, num_sms,
-                                 graph_capacity(use_cuda_graph, max_batch_size, max_batch_size), align=0)
+        graph = graph_capacity(use_cuda_graph, max_batch_size, max_batch_size)
+        page_ids = page_ids_for(self.spec, self.device, max_batch_size if graph else None, max_num_pages,
+                                max_pages_per_request, check_indices)
+        self._core = WrapperCore(self.spec, self.device, num_sms, graph, align=0, page_ids=page_ids)
         self.num_sms = self._core.num_sms
         self._impl = DecodeBackend(self._core)
         self._fp8 = self.spec.kv_dtype.startswith("float8")
@@ -58,8 +73,9 @@ class BatchDecodeWrapper:
              num_pages: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
              enable_split: bool = True, split_policy: SplitPolicy | None = None) -> None:
         """Plan a batch. Lengths (``kv_indptr``, ``kv_last_page_len``, ``seq_lens``) are host arrays: planning
-        never synchronises with the GPU. Page ids (``kv_indices`` or ``block_table``) may be device int32
-        tensors, read in place by the kernel, or host arrays, then validated and copied to the device.
+        never synchronises with the GPU (unless ``check_indices``). Page ids (``kv_indices`` or ``block_table``)
+        may be device int32 tensors, read in place by the kernel (copied into the wrapper's buffer in CUDA-graph
+        mode), or host arrays, then validated and copied to the device.
 
         Runtime values default to the spec's: ``sm_scale`` (1/sqrt(head_dim)), RoPE ``rope_theta`` and
         ``rope_scale``, the window's ``window_left``, ``soft_cap``. ``num_pages`` (the pool size) bounds host
@@ -75,6 +91,8 @@ class BatchDecodeWrapper:
             name = "seq_lens" if block_table is not None else "kv_indptr"
             raise PlanError(f"{name}: batch_size {batch} exceeds max_batch_size = {self.max_batch_size} (the "
                             "CUDA-graph capacity)")
+        if self._core.page_ids is not None:
+            self._core.page_ids.take(table, num_pages)
         runtime = self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap)
         if k_scale != 1.0 or v_scale != 1.0:
             runtime = self._scaled(runtime, k_scale, v_scale)

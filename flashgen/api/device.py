@@ -30,3 +30,8 @@ def current_torch_stream(device: torch.device) -> torch.cuda.Stream:
             _STREAMS.clear()
         stream = _STREAMS[data] = torch.cuda.current_stream(device)
     return stream
+
+
+def capturing() -> bool:
+    """Whether torch's current stream is capturing a CUDA graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

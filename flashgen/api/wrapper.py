@@ -29,8 +29,9 @@ import torch
 
 from ..plan import Plan, PlanError
 from ..spec import AttentionSpec, Paged, RoPE, SlidingWindow
-from .checks import check_tensor
+from .checks import check_count, check_tensor
 from .kv_inputs import TORCH_DTYPES, KVView, PageTable
+from .page_ids import PageIds
 from .staging import DeviceBuffer, HostStaging
 
 KV_MEMO_HELD = 256  # validated caches remembered before the memo starts over (a loop has one per layer)
@@ -134,17 +135,6 @@ def check_heads(num_qo_heads, num_kv_heads) -> None:
         raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
 
 
-def check_count(name: str, value, minimum: int = 1, optional: bool = True):
-    """``value`` as an int >= ``minimum`` (None passes when ``optional``), else ``ValueError`` naming it: the
-    wrappers' constructor arguments."""
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        expect = f"an int >= {minimum}" + (" or None" if optional else "")
-        raise ValueError(f"{name}: got {value!r}, expected {expect}")
-    return int(value)
-
-
 def kv_key(kv_cache, num_kv_heads: int) -> tuple | None:
     """Memo key of a cache: what its validation and kernel arguments depend on (addresses, shapes, strides,
     dtypes); None for anything that is not one tensor or a pair of tensors (validated every time)."""
@@ -195,8 +185,9 @@ class WrapperCore:
     """
 
     def __init__(self, spec: AttentionSpec, device: torch.device, num_sms: int | None,
-                 graph: tuple[int, int] | None, align: int):
+                 graph: tuple[int, int] | None, align: int, page_ids: PageIds | None = None):
         self.spec, self.device = spec, device
+        self.page_ids = page_ids  # device page ids copied (CUDA graphs) or checked (check_indices), else None
         num_sms = check_count("num_sms", num_sms)
         self.num_sms = device_sms(device.index) if num_sms is None else num_sms
         self.graph = graph
@@ -282,7 +273,8 @@ class WrapperCore:
                     self._kv_memo.clear()
                 self._kv_memo[key] = hit
         if hit[0] < planned.kv_need:
-            raise kv_short_error(planned.kv_short, hit[0])
+            found = self.page_ids.run_error(hit[0]) if self.page_ids is not None else None
+            raise ValueError(found) if found else kv_short_error(planned.kv_short, hit[0])
         return hit[1]
 
 
