@@ -10,7 +10,7 @@ from unittest import mock
 import torch
 
 from flashgen import jit
-from flashgen.api import decode, page_ids, portable, prefill, sm90, staging
+from flashgen.api import decode, merge, page_ids, portable, prefill, sm90, staging, wrapper
 from flashgen.kernels import family
 
 
@@ -19,6 +19,9 @@ class _Function:
         pass
 
     def launch_params(self, *args):
+        pass
+
+    def launch(self, *args):
         pass
 
 
@@ -53,9 +56,9 @@ class _Event:
 
 @contextmanager
 def stubbed_cuda():
-    """Wrappers on the CPU: pinned buffers become plain ones, events and streams no-ops, kernels fakes (so run()
-    checks its arguments and launches nothing, given ``DeviceTensor`` q and caches); the CUDA-graph page-id buffer
-    a ``DeviceTensor``."""
+    """Wrappers on the CPU: pinned buffers become plain ones, events and streams no-ops, 132 SMs, kernels fakes
+    (so run() and merge check their arguments and launch nothing, given ``DeviceTensor`` q, caches and states);
+    the CUDA-graph page-id buffer a ``DeviceTensor``."""
     real_empty = torch.empty
 
     def empty(*args, pin_memory=False, **kwargs):
@@ -68,7 +71,10 @@ def stubbed_cuda():
             mock.patch.object(torch.cuda, "current_stream", lambda device=None: None), \
             mock.patch.object(jit, "build", fake_build), \
             mock.patch.object(portable, "current_stream", lambda index: 0), \
+            mock.patch.object(wrapper, "device_sms", lambda index: 132), \
             mock.patch.object(sm90, "current_stream", lambda index: 0), \
+            mock.patch.object(merge, "current_stream", lambda index: 0), \
+            mock.patch.object(merge, "_functions", {}), mock.patch.object(prefill, "_WRAPPERS", {}), \
             mock.patch.object(page_ids, "device_ids_buffer", lambda shape, device: on_device(
                 real_empty(shape, dtype=torch.int32))):
         yield

@@ -133,8 +133,8 @@ class PageIds:
         return f"{first_bad(name, ids, kv_lens, self.page_size, total, held)} is outside kv_cache's {held} pages"
 
 
-def page_ids_for(spec: AttentionSpec, device: torch.device, graph_rows: int | None, max_num_pages, max_pages_per_request,
-                 check_indices: bool | None) -> PageIds | None:
+def page_ids_for(spec: AttentionSpec, device: torch.device, graph_rows: int | None, max_num_pages,
+                 max_pages_per_request, check_indices: bool | None) -> PageIds | None:
     """The ``PageIds`` of a wrapper, or None where it has nothing to do (not paged, or neither a CUDA-graph
     wrapper nor checking); the arguments checked (``ValueError`` naming them). ``check_indices`` None: the
     ``FLASHGEN_CHECK_INDICES`` knob."""

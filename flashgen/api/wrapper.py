@@ -242,13 +242,13 @@ class WrapperCore:
         planned = self.planned
         if planned is None:
             raise RuntimeError("run: call plan() first")
-        if (q.shape != planned.q_shape or q.dtype != self.dtype or not q.is_contiguous() or q.device != self.device
-                or (self.align and q.data_ptr() % self.align)):
+        if (not isinstance(q, torch.Tensor) or q.shape != planned.q_shape or q.dtype != self.dtype
+                or not q.is_contiguous() or q.device != self.device or (self.align and q.data_ptr() % self.align)):
             self._bad_tensor("q", q, planned.q_shape, self.dtype)
         if out is None:
             out = torch.empty(planned.out_shape, dtype=q.dtype, device=q.device)
-        elif (out.shape != planned.out_shape or out.dtype != q.dtype or not out.is_contiguous()
-              or out.device != q.device or (self.align and out.data_ptr() % self.align)):
+        elif (not isinstance(out, torch.Tensor) or out.shape != planned.out_shape or out.dtype != q.dtype
+              or not out.is_contiguous() or out.device != q.device or (self.align and out.data_ptr() % self.align)):
             self._bad_tensor("out", out, planned.out_shape, q.dtype)
         lse = torch.empty(planned.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         return out, lse
