@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import AttentionSpec, Causal, CustomMask, MergeSpec, Paged, Ragged, RoPE, SlidingWindow, SpecError
+from flashgen import AttentionSpec, CustomMask, MergeSpec, Paged, Ragged, RoPE, SlidingWindow, SpecError
 from flashgen.plan import PlanError, csr_to_block_table, plan_decode, plan_split_kv, validate_csr
 from flashgen.spec import BlockSparse, spec_from_dict
 
