@@ -164,10 +164,6 @@ def _check_options(num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sm
         raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
 
 
-def _check_heads(num_qo_heads, num_kv_heads) -> None:
-    _check_options(num_qo_heads, num_kv_heads, None, 1, 1, 0)
-
-
 def _check_capacity(max_batch_size, max_total_q, capacity) -> None:
     for name, value in (("max_batch_size", max_batch_size), ("max_total_q", max_total_q), ("capacity", capacity)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):

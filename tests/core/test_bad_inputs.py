@@ -12,7 +12,8 @@ import torch
 
 import flashgen
 from flashgen import AttentionSpec, CustomMask, MergeSpec, Paged, Ragged, RoPE, SlidingWindow, SpecError
-from flashgen.plan import PlanError, csr_to_block_table, plan_decode, plan_split_kv, validate_csr
+from flashgen.plan import (PlanError, csr_to_block_table, plan_block_sparse, plan_cascade, plan_decode,
+                           plan_split_kv, validate_csr)
 from flashgen.spec import BlockSparse, spec_from_dict
 
 from stub_cuda import on_device, stubbed_cuda
@@ -286,6 +287,15 @@ PLANNER_CASES = [
      PlanError, r"^max_batch_size: got 2.5"),
     ("planner-capacity-small", lambda: plan_decode([1, 2, 3], num_qo_heads=4, num_kv_heads=4, max_batch_size=8,
                                                    capacity=2), PlanError, r"^capacity: .*more than the capacity of 2"),
+    ("planner-cascade-kv_granularity", lambda: plan_cascade([([0, 7], [4096])], num_qo_heads=8, num_kv_heads=2,
+                                                            kv_granularity=0), PlanError, r"^kv_granularity: got 0"),
+    ("planner-cascade-levels", lambda: plan_cascade([], num_qo_heads=8, num_kv_heads=2), PlanError, r"^levels: empty"),
+    ("planner-block_sparse-block_q", lambda: plan_block_sparse([0, 1, 1], [1], block_q=0, block_kv=4, qo_len=8,
+                                                               kv_len=8, num_qo_heads=2, num_kv_heads=2), PlanError,
+     r"^block_q: got 0, expected an int >= 1"),
+    ("planner-block_sparse-num_sms", lambda: plan_block_sparse([0, 1, 1], [1], block_q=4, block_kv=4, qo_len=8,
+                                                               kv_len=8, num_qo_heads=2, num_kv_heads=2, num_sms=-1),
+     PlanError, r"^num_sms: got -1"),
     ("planner-page_size-zero", lambda: validate_csr([0, 1], [0], [1], page_size=0), PlanError, r"^page_size: got 0"),
     ("csr_to_block_table-max_blocks", lambda: csr_to_block_table([0, 3], [0, 1, 2], [1], 16, max_blocks=2),
      PlanError, r"^kv_indptr: request 0 has 3 pages, more than max_blocks = 2"),
