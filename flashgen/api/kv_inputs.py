@@ -99,8 +99,8 @@ class PageTable:
 def page_table(spec: AttentionSpec, *, kv_indptr=None, kv_indices=None, kv_last_page_len=None, block_table=None,
                seq_lens=None, num_pages: int | None = None) -> PageTable:
     """Check and take in one of the page-table forms (host arrays are validated in full)."""
-    if num_pages is not None and type(num_pages) is not int:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)):
+    if num_pages is not None and (type(num_pages) is not int or num_pages < 0):
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
             raise PlanError(f"num_pages: got {num_pages!r}, expected None or an int >= 0 (the page pool's size)")
         num_pages = int(num_pages)
     if not isinstance(spec.kv_layout, Paged):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 from typing import NamedTuple
 
 import numpy as np
@@ -95,10 +96,16 @@ def runtime_values(spec: AttentionSpec, sm_scale=None, rope_theta=None, rope_sca
 
 
 def positive(name: str, value, note: str = "") -> float:
-    """``value`` as a float, or ``PlanError`` unless it is a finite number > 0 (fp32)."""
-    if type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
-        raise PlanError(f"{name}: got {value!r}, expected a finite number > 0{note}")
-    number = float(value)
+    """``value`` (a number: numpy's and one-element tensors' too) as a float, or ``PlanError`` unless it is a
+    finite number > 0 (fp32)."""
+    number = value
+    if type(value) is not float:
+        try:
+            if isinstance(value, (bool, str, bytes)):
+                raise TypeError
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            number = math.nan
     if not 0.0 < number <= F32_MAX:  # NaN fails both compares
         raise PlanError(f"{name}: got {value!r}, expected a finite number > 0{note}")
     return number
@@ -109,9 +116,12 @@ def _window(spec: AttentionSpec, window_left) -> int:
     windowed = isinstance(spec.mask, SlidingWindow)
     if window_left is None:
         return min(spec.mask.left, WINDOW_NONE) if windowed else 0
-    if isinstance(window_left, bool) or not isinstance(window_left, numbers.Integral):
-        raise PlanError(f"window_left: got {window_left!r}, expected an int >= -1 (-1: no window)")
-    window_left = int(window_left)
+    try:
+        if isinstance(window_left, bool):
+            raise TypeError
+        window_left = operator.index(window_left)  # ints, numpy's, one-element integer tensors; not 1.5
+    except TypeError:
+        raise PlanError(f"window_left: got {window_left!r}, expected an int >= -1 (-1: no window)") from None
     if window_left < -1:
         raise PlanError(f"window_left: got {window_left}, expected >= -1 (keys visible to the left of a query; "
                         "-1: no window)")

@@ -134,3 +134,12 @@ def test_an_empty_batch_given_as_python_lists(form, wrapper):
             w, extra = flashgen.BatchPrefillWrapper(spec, num_sms=132, backend="portable"), {"qo_indptr": [0]}
         w.plan(**tables[form], **HEADS, **extra)
         assert w._core.planned.q_shape[0] == 0
+
+
+def test_runtime_numbers_may_be_numpy_or_one_element_tensors():
+    from flashgen import SlidingWindow
+    from flashgen.api.wrapper import runtime_values
+
+    window = AttentionSpec(128, mask=SlidingWindow(64))
+    got = runtime_values(window, sm_scale=torch.tensor(0.25), window_left=torch.tensor(9), rope_theta=np.float32(1e4))
+    assert (got.sm_scale, got.window_left) == (0.25, 9) and isinstance(got.window_left, int)
