@@ -93,7 +93,8 @@ class BatchPrefillWrapper:
 
         ``custom_mask`` (CustomMask specs): packed bits, uint8 ``[ceil(sum(qo_len * kv_len) / 8)]`` (each
         request's ``[qo_len, kv_len]`` mask row-major, requests concatenated, little-endian bits; host or
-        device), or a list of bool ``[qo_len, kv_len]`` tensors. Runtime values default to the spec's.
+        device), or a list of bool ``[qo_len, kv_len]`` tensors, one a request. Runtime values default to the spec's
+        and are checked as ``BatchDecodeWrapper.plan``'s.
         ``enable_split`` lets the portable backend split long KV ranges to fill the GPU; the sm90 backend
         ignores it (v1 plans every request unsplit: one work item per 128-row q tile, its whole KV), and so
         ``split_policy`` (``flashgen.plan.SplitPolicy``: how the portable backend's planner splits).
