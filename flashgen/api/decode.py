@@ -79,10 +79,11 @@ class BatchDecodeWrapper:
 
         Runtime values default to the spec's: ``sm_scale`` (1/sqrt(head_dim)), RoPE ``rope_theta`` and
         ``rope_scale``, the window's ``window_left``, ``soft_cap``; numbers must be finite and > 0,
-        ``window_left=-1`` means no window and ``soft_cap=0`` no cap, as in FlashInfer (``wrapper.runtime_values``).
-        ``num_pages`` (the pool size) bounds host page ids here; without it they are checked against the cache at ``run()``. ``k_scale``/``v_scale``:
-        per-tensor scales of fp8 K/V (the cache holds K/k_scale and V/v_scale; 1.0 for other caches). ``split_policy``: the planner's
-        split policy (``flashgen.plan.SplitPolicy``; default ``DEFAULT_SPLIT_POLICY``).
+        ``window_left=-1`` means no window and ``soft_cap=0`` no cap, as in FlashInfer
+        (``wrapper.runtime_values``). ``num_pages`` (the pool size) bounds host page ids here; without it they
+        are checked against the cache at ``run()``. ``k_scale``/``v_scale``: per-tensor scales of fp8 K/V (the
+        cache holds K/k_scale and V/v_scale; 1.0 for other caches). ``split_policy``: the planner's split policy
+        (``flashgen.plan.SplitPolicy``; default ``DEFAULT_SPLIT_POLICY``).
         """
         check_heads(num_qo_heads, num_kv_heads)
         table = page_table(self.spec, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
