@@ -58,17 +58,54 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+class UsageError(Exception):
+    """A mistake on the command line or in a file it names: one line on stderr, exit code 2 (as argparse's)."""
+
+
 def _plan_builds(path: Path) -> list[tuple[str, object]]:
     """A build plan: JSON list of {"op": ..., "spec": {...}} (see plans/). A ``prefill_sm90`` item stands for
     the kernels the sm90 backend runs for its spec (for RoPE: the rope_gather pre-pass and the ragged twin's
-    kernel), so a plan names the spec a model serves, not the backend's internals."""
+    kernel), so a plan names the spec a model serves, not the backend's internals. Every mistake in the file is
+    a ``UsageError`` naming it, and the item."""
     from .api.backends import kernels_for
+    from .kernels import ops
+    from .spec import SpecError
 
+    try:
+        items = json.loads(path.read_text())
+    except OSError as exc:
+        raise UsageError(f"--plan {path}: cannot read it ({exc.strerror or exc})") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--plan {path}: not valid JSON ({exc})") from exc
+    form = 'a JSON list of {"op": ..., "spec": {...}} items'
+    if not isinstance(items, list):
+        kind = {dict: "object", str: "string", int: "number", float: "number"}.get(type(items), json.dumps(items))
+        raise UsageError(f"--plan {path}: got a JSON {kind}, expected {form}")
     builds = []
-    for item in json.loads(path.read_text()):
-        op, spec = item["op"], spec_from_dict(item["spec"])
+    for i, item in enumerate(items):
+        where = f"--plan {path}: item {i}"
+        if not isinstance(item, dict) or not isinstance(item.get("spec"), dict) or "op" not in item:
+            raise UsageError(f"{where}: got {json.dumps(item)[:80]}, expected {{\"op\": ..., \"spec\": {{...}}}}")
+        op = item["op"]
+        if op not in ops():
+            raise UsageError(f"{where}: op {op!r}, expected one of {', '.join(ops())}")
+        try:
+            spec = spec_from_dict(item["spec"])
+        except SpecError as exc:
+            raise UsageError(f"{where}: spec: {exc}") from exc
         builds += kernels_for(spec, "sm90") if op == "prefill_sm90" else [(op, spec)]
     return builds
+
+
+def _jobs(text: str) -> int:
+    """``-j``: parallel compiles, an int >= 1 (argparse reports the error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected an int >= 1")
+    return value
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -76,13 +113,19 @@ def cmd_build(args: argparse.Namespace) -> int:
     from .compile import choose_arch
     from .jit import ensure_compiled
 
-    arch = choose_arch(args.arch)
     builds = [b for plan in args.plan for b in _plan_builds(Path(plan))] if args.plan else list(DEFAULT_BUILDS)
+    if not builds:
+        print("nothing to build: the plans list no kernels")
+        return 0
+    arch = choose_arch(args.arch)
     if arch != "sm_90a":
         skipped = [op for op, _ in builds if op in SM90_OPS]
         if skipped:
             print(f"{arch}  skipping {len(skipped)} sm_90a-only build(s): {', '.join(sorted(set(skipped)))}")
         builds = [b for b in builds if b[0] not in SM90_OPS]
+    if not builds:
+        print(f"{arch}  nothing to build for this arch")
+        return 0
     store = _store()
 
     def one(item):
@@ -170,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     build = sub.add_parser("build", help="compile kernels into the cache (needs nvcc, not a GPU)")
     build.add_argument("--arch", help="target arch, e.g. sm_90a (default: FLASHGEN_CUDA_ARCH, else the GPU's)")
     build.add_argument("--plan", action="append", default=[], help="a JSON build plan (repeatable); default: the built-in kernels")
-    build.add_argument("-j", "--jobs", type=int, default=2, help="parallel compiles")
+    build.add_argument("-j", "--jobs", type=_jobs, default=2, help="parallel compiles (>= 1)")
     build.set_defaults(func=cmd_build)
     cache = sub.add_parser("cache", help="list, verify or clean the kernel cache")
     cache.add_argument("action", choices=("list", "verify", "clean"))
@@ -187,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         from .jit import MissingKernelError
         from .spec import SpecError
 
-        if isinstance(exc, (CompileError, ToolchainError, MissingKernelError, SpecError, FileNotFoundError)):
-            print(f"flashgen {args.command}: {exc}", file=sys.stderr)
+        if isinstance(exc, (UsageError, CompileError, ToolchainError, MissingKernelError, SpecError,
+                            FileNotFoundError)):
+            message = " ".join(str(exc).split())  # one line
+            print(f"flashgen {args.command}: error: {message}", file=sys.stderr)
             return 2
         raise
 

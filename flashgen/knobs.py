@@ -12,6 +12,7 @@ shapes a kernel: a kernel-shaping choice is a family option that enters the kern
 | ``FLASHGEN_DISABLE_JIT`` | ``1``: a cache miss raises ``MissingKernelError`` instead of compiling |
 | ``FLASHGEN_NVCC_THREADS`` | ``nvcc --threads`` value (default 1) |
 | ``FLASHGEN_VERBOSE`` | ``1``: print each compile and its time to stderr |
+| ``FLASHGEN_CHECK_INDICES`` | ``1``: the wrappers' ``check_indices`` defaults to on (device page ids checked at plan; syncs) |
 | ``CUDA_HOME`` / ``CUDA_PATH`` | where to look for ``bin/nvcc`` before ``PATH`` |
 """
 
@@ -50,6 +51,10 @@ def nvcc_threads() -> int:
 
 def verbose() -> bool:
     return _flag("FLASHGEN_VERBOSE")
+
+
+def check_indices() -> bool:
+    return _flag("FLASHGEN_CHECK_INDICES")
 
 
 def cuda_home() -> Path | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from flashgen.plan import csr_to_block_table
+
 # batches re-planned under one captured graph: empty requests, a single token, the first plan's batch again, the
 # full batch size, lengths past a tile (each an argument tuple of the test's load())
 REPLAN_BATCHES = (([300, 1, 0, 64, 5], [3000, 1, 7, 64, 900]), ([1], [1]), ([100, 3], [2000, 50]),
@@ -39,3 +41,21 @@ def replay_after_replanning(run, load, check, first, batches):
         torch.cuda.synchronize()
         check(loaded, out, lse)
     return out, lse
+
+
+def fresh_page_ids(table, form, page_size, held):
+    """A batch's CSR ``table`` (CPU) as plan() arguments whose page ids are a fresh device tensor: ``kv_indices``
+    (``form="csr"``) or a ``block_table`` as wide as the batch's longest request, with ``seq_lens``. The tensors of
+    earlier calls, kept alive in ``held`` (so the new one has a new address), are zeroed: a graph still reading
+    one of them would read page 0 everywhere. Returns ``(plan kwargs, reference kwargs)``."""
+    for old in held:
+        old.zero_()
+    if form == "csr":
+        ids = table["kv_indices"].to(torch.int32).cuda()
+        held.append(ids)
+        return {**table, "kv_indices": ids}, table
+    block_table, seq_lens = csr_to_block_table(table["kv_indptr"], table["kv_indices"], table["kv_last_page_len"],
+                                               page_size)
+    ids = block_table.cuda()
+    held.append(ids)
+    return {"block_table": ids, "seq_lens": seq_lens}, {"block_table": block_table, "seq_lens": seq_lens}

@@ -11,7 +11,7 @@ from unittest import mock
 import torch
 
 from flashgen import jit
-from flashgen.api import decode, prefill, staging
+from flashgen.api import decode, merge, page_ids, portable, prefill, sm90, staging, wrapper
 from flashgen.kernels import family
 
 
@@ -22,6 +22,9 @@ class _Function:
     def launch_params(self, *args):
         pass
 
+    def launch(self, *args):
+        pass
+
 
 def fake_build(spec, op, device=None, arch=None, options=None):
     """A loaded-kernel stand-in: the family's launch config and params layouts, functions that do nothing."""
@@ -30,6 +33,18 @@ def fake_build(spec, op, device=None, arch=None, options=None):
     entries = fam.entry_points(projected)
     return jit.Kernel(op, fam.uri(projected), "sm_90a", 0, None, {e.name: _Function() for e in entries},
                       fam.launch(projected), {e.name: e.params for e in entries})
+
+
+class DeviceTensor(torch.Tensor):
+    """A CPU tensor that the wrappers take for a device one (``is_cuda``): page ids or a mask read in place."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    is_cuda = True
+
+
+def on_device(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a CPU tensor) as a ``DeviceTensor``, sharing its storage."""
+    return torch.Tensor._make_subclass(DeviceTensor, t)
 
 
 class _Event:
@@ -50,7 +65,8 @@ def _copy_to_device_async(dst: int, src: int, nbytes: int, stream: int) -> None:
 @contextmanager
 def stubbed_cuda():
     """Wrappers on the CPU: pinned buffers become plain ones, the plan upload a memmove, events and streams
-    no-ops, kernels fakes."""
+    no-ops, 132 SMs, kernels fakes (so run() and merge check their arguments and launch nothing, given
+    ``DeviceTensor`` q, caches and states); the CUDA-graph page-id buffer a ``DeviceTensor``."""
     real_empty = torch.empty
 
     def empty(*args, pin_memory=False, **kwargs):
@@ -64,5 +80,12 @@ def stubbed_cuda():
             mock.patch.object(staging.driver, "copy_to_device_async", _copy_to_device_async), \
             mock.patch.object(staging, "current_stream", lambda index: 0), \
             mock.patch.object(torch.cuda, "current_stream", lambda device=None: None), \
-            mock.patch.object(jit, "build", fake_build):
+            mock.patch.object(jit, "build", fake_build), \
+            mock.patch.object(portable, "current_stream", lambda index: 0), \
+            mock.patch.object(wrapper, "device_sms", lambda index: 132), \
+            mock.patch.object(sm90, "current_stream", lambda index: 0), \
+            mock.patch.object(merge, "current_stream", lambda index: 0), \
+            mock.patch.object(merge, "_functions", {}), mock.patch.object(prefill, "_WRAPPERS", {}), \
+            mock.patch.object(page_ids, "device_ids_buffer", lambda shape, device: on_device(
+                real_empty(shape, dtype=torch.int32))):
         yield

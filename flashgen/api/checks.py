@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 
@@ -27,3 +29,13 @@ def check_tensor(name: str, t: object, *, dtypes: tuple[torch.dtype, ...] | None
 def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_count(name: str, value, minimum: int = 1) -> int | None:
+    """None, or ``value`` as an int >= ``minimum`` (numpy ints included), else ``ValueError`` naming it: the
+    wrappers' constructor arguments (sizes, capacities)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name}: got {value!r}, expected None or an int >= {minimum}")
+    return int(value)

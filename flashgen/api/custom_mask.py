@@ -35,6 +35,9 @@ def custom_mask_bits(custom_mask, qo: np.ndarray, kv_lens: np.ndarray) -> MaskBi
     offsets = mask_bit_offsets(qo_lens, kv_lens)
     need = -(-int((qo_lens * kv_lens.astype(np.int64)).sum()) // 8)
     if isinstance(custom_mask, (list, tuple)):
+        if len(custom_mask) != qo_lens.size:
+            raise PlanError(f"custom_mask: got {len(custom_mask)} masks, expected batch_size = {qo_lens.size} (one "
+                            "bool [qo_len, kv_len] mask a request)")
         for b, m in enumerate(custom_mask):
             if tuple(np.shape(m)) != (int(qo_lens[b]), int(kv_lens[b])):
                 raise PlanError(f"custom_mask[{b}]: shape {tuple(np.shape(m))}, expected "

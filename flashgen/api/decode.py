@@ -11,10 +11,12 @@ import torch
 from ..kernels import family
 from ..plan import PlanError, SplitPolicy, plan_decode
 from ..spec import AttentionSpec
+from .checks import check_count
 from .kv_inputs import PageTable, kv_view, page_table
+from .page_ids import page_ids_for
 from .portable import HOST_ARRAYS_HINT, RUNTIME_FIELDS, SplitKVLaunch, page_fields, split_kv_fields, table_extras
 from .staging import DeviceBuffer
-from .wrapper import Runtime, WrapperCore, graph_capacity, resolve_device
+from .wrapper import Runtime, WrapperCore, check_heads, graph_capacity, positive, resolve_device
 
 
 class BatchDecodeWrapper:
@@ -30,7 +32,17 @@ class BatchDecodeWrapper:
 
     ``use_cuda_graph=True`` with ``max_batch_size``: every buffer and the grid are sized for that batch, so a
     graph captured around ``run()`` replays correctly after ``plan()`` of any batch up to it (q and out of
-    ``max_batch_size`` rows; page-table device tensors must keep their addresses).
+    ``max_batch_size`` rows, the KV cache at the captured address). Device page ids are copied at each plan into
+    a buffer the wrapper owns (``page_ids.PageIds``), so each plan may pass a fresh tensor; its size:
+    ``max_num_pages``, the most page ids one plan uses (``kv_indptr[-1]``), or for a block table
+    ``max_pages_per_request``, the columns kept of each row (the buffer is ``max_batch_size x
+    max_pages_per_request``); by default the first plan's ``kv_indices.numel()`` or block-table width. Both are
+    used in CUDA-graph mode only. Outside it, device page ids are read in place (no copy).
+
+    ``check_indices=True`` (default: ``FLASHGEN_CHECK_INDICES=1``): plan() checks device page ids on the GPU
+    (a debugging aid: it synchronises, and is refused during a CUDA-graph capture): ids a request uses lie in
+    ``[0, num_pages)`` (``num_pages`` given to plan(), else ``>= 0`` there and below the cache's page count at
+    run()), the error naming the first bad position. Host page ids are always checked in full.
 
     ``workspace`` is accepted for FlashInfer-style call sites and not used: the wrapper sizes its own
     buffers (fixed at the first plan in CUDA-graph mode).
@@ -38,15 +50,19 @@ class BatchDecodeWrapper:
 
     def __init__(self, spec: AttentionSpec, workspace: torch.Tensor | None = None, use_cuda_graph: bool = False,
                  max_batch_size: int | None = None, device: torch.device | int | None = None,
-                 num_sms: int | None = None):
+                 num_sms: int | None = None, max_num_pages: int | None = None,
+                 max_pages_per_request: int | None = None, check_indices: bool | None = None):
         self.spec = family("decode").project(spec)
         family("decode").check(self.spec)
+        max_batch_size = check_count("max_batch_size", max_batch_size)
         if use_cuda_graph and not max_batch_size:
             raise ValueError("max_batch_size: required with use_cuda_graph=True (the graph's fixed capacity)")
         self.device = resolve_device(device)
         self.use_cuda_graph, self.max_batch_size = use_cuda_graph, max_batch_size
-        self._core = WrapperCore(self.spec, self.device, num_sms,
-                                 graph_capacity(use_cuda_graph, max_batch_size, max_batch_size), align=0)
+        graph = graph_capacity(use_cuda_graph, max_batch_size, max_batch_size)
+        page_ids = page_ids_for(self.spec, self.device, max_batch_size if graph else None, max_num_pages,
+                                max_pages_per_request, check_indices)
+        self._core = WrapperCore(self.spec, self.device, num_sms, graph, align=0, page_ids=page_ids)
         self.num_sms = self._core.num_sms
         self._impl = DecodeBackend(self._core)
         self._fp8 = self.spec.kv_dtype.startswith("float8")
@@ -57,31 +73,44 @@ class BatchDecodeWrapper:
              num_pages: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
              enable_split: bool = True, split_policy: SplitPolicy | None = None) -> None:
         """Plan a batch. Lengths (``kv_indptr``, ``kv_last_page_len``, ``seq_lens``) are host arrays: planning
-        never synchronises with the GPU. Page ids (``kv_indices`` or ``block_table``) may be device int32
-        tensors, read in place by the kernel, or host arrays, then validated and copied to the device.
+        never synchronises with the GPU (unless ``check_indices``). Page ids (``kv_indices`` or ``block_table``)
+        may be device int32 tensors, read in place by the kernel (copied into the wrapper's buffer in CUDA-graph
+        mode), or host arrays, then validated and copied to the device.
 
         Runtime values default to the spec's: ``sm_scale`` (1/sqrt(head_dim)), RoPE ``rope_theta`` and
-        ``rope_scale``, the window's ``window_left``, ``soft_cap``. ``num_pages`` (the pool size) bounds host
-        page ids here; without it they are checked against the cache at ``run()``. ``k_scale``/``v_scale``:
-        per-tensor scales of fp8 K/V (the cache holds K/k_scale and V/v_scale). ``split_policy``: the planner's
-        split policy (``flashgen.plan.SplitPolicy``; default ``DEFAULT_SPLIT_POLICY``).
+        ``rope_scale``, the window's ``window_left``, ``soft_cap``; numbers must be finite and > 0,
+        ``window_left=-1`` means no window and ``soft_cap=0`` no cap, as in FlashInfer
+        (``wrapper.runtime_values``). ``num_pages`` (the pool size) bounds host page ids here; without it they
+        are checked against the cache at ``run()``. ``k_scale``/``v_scale``: per-tensor scales of fp8 K/V (the
+        cache holds K/k_scale and V/v_scale; 1.0 for other caches). ``split_policy``: the planner's split policy
+        (``flashgen.plan.SplitPolicy``; default ``DEFAULT_SPLIT_POLICY``).
         """
-        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
-            raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
+        check_heads(num_qo_heads, num_kv_heads)
         table = page_table(self.spec, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
                            block_table=block_table, seq_lens=seq_lens, num_pages=num_pages)
         batch = table.kv_lens.size
         if self.use_cuda_graph and batch > self.max_batch_size:
-            raise PlanError(f"kv_lens: batch_size {batch} exceeds max_batch_size = {self.max_batch_size}")
-        if not self._fp8 and k_scale != 1.0:
-            raise PlanError("k_scale: per-tensor scales apply to fp8 K/V only")
+            name = "seq_lens" if block_table is not None else "kv_indptr"
+            raise PlanError(f"{name}: batch_size {batch} exceeds max_batch_size = {self.max_batch_size} (the "
+                            "CUDA-graph capacity)")
+        if self._core.page_ids is not None:
+            self._core.page_ids.take(table, num_pages)
         runtime = self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap)
-        # q.(k * k_scale) = (q.k) * k_scale: the K scale folds into sm_scale, before any logits transform
-        if k_scale != 1.0:
-            runtime = runtime._replace(sm_scale=runtime.sm_scale * float(k_scale))
+        if k_scale != 1.0 or v_scale != 1.0:
+            runtime = self._scaled(runtime, k_scale, v_scale)
         self._impl.plan(table, num_qo_heads, num_kv_heads, runtime, float(v_scale), enable_split, split_policy)
         rows = batch if not self.use_cuda_graph else self.max_batch_size
         self._core.set_planned(rows, num_qo_heads, num_kv_heads, table)
+
+    def _scaled(self, runtime: Runtime, k_scale, v_scale) -> Runtime:
+        """``runtime`` with fp8 K's scale folded into sm_scale: q.(k * k_scale) = (q.k) * k_scale, before any
+        logits transform (V's is applied to the output by the kernel); both checked."""
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if value != 1.0 and not self._fp8:
+                raise PlanError(f"{name}: got {value!r}; per-tensor scales apply to fp8 K/V only (expected 1.0)")
+            positive(name, value)
+        return runtime._replace(sm_scale=positive("k_scale", runtime.sm_scale * float(k_scale),
+                                                  " (sm_scale * k_scale must be a finite fp32)"))
 
     def run(self, q: torch.Tensor, kv_cache, out: torch.Tensor | None = None, return_lse: bool = False):
         """Attend ``q [batch, num_qo_heads, head_dim]`` over the planned batch of ``kv_cache``.

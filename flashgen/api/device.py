@@ -12,3 +12,8 @@ def current_stream(device_index: int) -> int:
     if _raw_stream is not None:
         return _raw_stream(device_index)
     return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def capturing() -> bool:
+    """Whether torch's current stream is capturing a CUDA graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -22,6 +22,7 @@ TORCH_DTYPES = {
     "float8_e4m3fn": getattr(torch, "float8_e4m3fn", None),
     "float8_e5m2": getattr(torch, "float8_e5m2", None),
 }
+_UNSIGNED = {4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,10 @@ class PageTable:
 def page_table(spec: AttentionSpec, *, kv_indptr=None, kv_indices=None, kv_last_page_len=None, block_table=None,
                seq_lens=None, num_pages: int | None = None) -> PageTable:
     """Check and take in one of the page-table forms (host arrays are validated in full)."""
+    if num_pages is not None and (type(num_pages) is not int or num_pages < 0):
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
+            raise PlanError(f"num_pages: got {num_pages!r}, expected None or an int >= 0 (the page pool's size)")
+        num_pages = int(num_pages)
     if not isinstance(spec.kv_layout, Paged):
         if kv_indptr is None or any(x is not None for x in (kv_indices, kv_last_page_len, block_table, seq_lens)):
             raise PlanError("kv_indptr: a Ragged layout takes kv_indptr (token offsets of each request) only")
@@ -128,20 +133,27 @@ def page_table(spec: AttentionSpec, *, kv_indptr=None, kv_indices=None, kv_last_
 
 
 def _seq_lens_fit(seq_lens: object, shape: tuple[int, int], page_size: int) -> np.ndarray:
+    """``seq_lens`` of a device block table (its entries are never read): each in ``0 .. width * page_size``,
+    checked with one unsigned max (a negative length is a huge unsigned one)."""
     lens = host_array("seq_lens", seq_lens)
     if lens.size != shape[0]:
         raise PageTableError(f"seq_lens: has {lens.size} entries, expected batch_size = {shape[0]} (block_table.shape[0])")
-    blocks = -(-lens // page_size)
-    bad = (lens < 0) | (blocks > shape[1])
-    if bad.any():
-        b = int(np.flatnonzero(bad)[0])
-        raise PageTableError(f"seq_lens[{b}] = {int(lens[b])}, expected 0..{shape[1] * page_size} "
+    cap = shape[1] * page_size
+    if int(np.maximum.reduce(lens.view(_UNSIGNED[lens.itemsize]), initial=0)) > cap:
+        b = int(np.flatnonzero((lens < 0) | (lens > cap))[0])
+        raise PageTableError(f"seq_lens[{b}] = {int(lens[b])}, expected 0..{cap} "
                              f"(block_table's {shape[1]} columns of {page_size} tokens)")
     return lens
 
 
 def _int_tensor(name: str, value: object, ndim: int) -> torch.Tensor:
-    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+    if isinstance(value, torch.Tensor):
+        t = value
+    else:
+        array = np.asarray(value)
+        if array.size == 0 and array.dtype.kind == "f":  # an empty list: no values, so no dtype to read
+            array = array.astype(np.int32).reshape((0,) * ndim if array.ndim < ndim else array.shape)
+        t = torch.as_tensor(array)
     if t.dtype not in (torch.int32, torch.int64) or t.dim() != ndim:
         raise PlanError(f"{name}: expected an int32 tensor with {ndim} dimension(s), got {t.dtype} {tuple(t.shape)}")
     if t.is_cuda and t.dtype != torch.int32:

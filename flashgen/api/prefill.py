@@ -14,11 +14,12 @@ from ..kernels import family
 from ..plan import PlanError, SplitPolicy, host_array
 from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Ragged
 from .backends import select
-from .checks import check_tensor
+from .checks import check_count, check_tensor
 from .kv_inputs import kv_view, page_table
+from .page_ids import page_ids_for
 from .portable import PortablePrefill
 from .sm90 import SM90Prefill
-from .wrapper import WrapperCore, graph_capacity, resolve_device
+from .wrapper import WrapperCore, check_heads, graph_capacity, resolve_device
 
 
 class BatchPrefillWrapper:
@@ -34,8 +35,13 @@ class BatchPrefillWrapper:
     Queries of request b are its last ``qo_len`` tokens: a causal mask is aligned to the end of its KV.
     ``use_cuda_graph=True`` with ``max_batch_size`` and ``max_total_q``: every buffer and the grid are
     sized for those maxima, so a graph captured around ``run()`` replays correctly after ``plan()`` of any
-    batch up to them (q and out then have ``max_total_q`` rows; device page tables and the KV cache must keep
-    their addresses). ``workspace`` is accepted for FlashInfer-style call sites; the wrapper owns its buffers.
+    batch up to them (q and out then have ``max_total_q`` rows; the KV cache and a device custom mask must keep
+    their addresses). Device page ids are copied at each plan into a buffer the wrapper owns, so each plan may
+    pass a fresh tensor: ``max_num_pages`` (the most page ids one plan uses, ``kv_indptr[-1]``) or, for a block
+    table, ``max_pages_per_request`` (the columns kept of each row) size it, by default the first plan's (see
+    ``BatchDecodeWrapper``; CUDA-graph mode only). ``check_indices``: plan() checks device page ids on the GPU,
+    a debugging aid that synchronises (as ``BatchDecodeWrapper``'s). ``workspace`` is accepted for
+    FlashInfer-style call sites; the wrapper owns its buffers.
 
     ``backend``: ``"auto"`` (default) runs the Hopper kernel (``"sm90"``) on a compute-capability 9.0 GPU
     when it supports the spec (``backends.check_sm90``; so far ragged KV or paged, NoMask / Causal /
@@ -48,7 +54,8 @@ class BatchPrefillWrapper:
     def __init__(self, spec: AttentionSpec, workspace: torch.Tensor | None = None, use_cuda_graph: bool = False,
                  max_batch_size: int | None = None, max_total_q: int | None = None,
                  device: torch.device | int | None = None, num_sms: int | None = None, backend: str = "auto",
-                 kernel_options: dict | None = None):
+                 kernel_options: dict | None = None, max_num_pages: int | None = None,
+                 max_pages_per_request: int | None = None, check_indices: bool | None = None):
         self.spec = family("prefill").project(spec)
         self.backend = select(self.spec, backend, lambda: torch.cuda.get_device_capability(resolve_device(device)),
                               graph=use_cuda_graph)
@@ -56,14 +63,18 @@ class BatchPrefillWrapper:
             family("prefill", kernel_options).check(self.spec)
         elif kernel_options:
             raise ValueError(f"kernel_options: the sm90 backend takes none, got {kernel_options!r}")
+        max_batch_size = check_count("max_batch_size", max_batch_size)
+        max_total_q = check_count("max_total_q", max_total_q)
         if use_cuda_graph and not (max_batch_size and max_total_q):
             raise ValueError("max_batch_size: max_batch_size and max_total_q are required with use_cuda_graph=True "
                              "(the graph's fixed capacity)")
         self.device = resolve_device(device)
         self.use_cuda_graph, self.max_batch_size, self.max_total_q = use_cuda_graph, max_batch_size, max_total_q
         # rows are loaded and stored 16 bytes at a time (sm90: a TMA map's address): q and out 16-byte aligned
-        self._core = WrapperCore(self.spec, self.device, num_sms,
-                                 graph_capacity(use_cuda_graph, max_batch_size, max_total_q), align=16)
+        graph = graph_capacity(use_cuda_graph, max_batch_size, max_total_q)
+        page_ids = page_ids_for(self.spec, self.device, max_batch_size if graph else None, max_num_pages,
+                                max_pages_per_request, check_indices)
+        self._core = WrapperCore(self.spec, self.device, num_sms, graph, align=16, page_ids=page_ids)
         self.num_sms = self._core.num_sms
         self._impl = (SM90Prefill if self.backend == "sm90" else PortablePrefill)(self._core, kernel_options)
         self._view = _kv_view
@@ -76,18 +87,19 @@ class BatchPrefillWrapper:
              soft_cap: float | None = None, num_pages: int | None = None, enable_split: bool = True,
              split_policy: SplitPolicy | None = None) -> None:
         """Plan a batch. ``qo_indptr [batch + 1]`` and the lengths (``kv_indptr``, ``kv_last_page_len``,
-        ``seq_lens``) are host arrays: planning never synchronises with the GPU. Page ids (``kv_indices`` or
-        ``block_table``) may be device int32 tensors (read in place) or host arrays (validated, copied).
+        ``seq_lens``) are host arrays: planning never synchronises with the GPU (unless ``check_indices``). Page
+        ids (``kv_indices`` or ``block_table``) may be device int32 tensors (read in place; in CUDA-graph mode
+        copied into the wrapper's buffer) or host arrays (validated, copied).
 
         ``custom_mask`` (CustomMask specs): packed bits, uint8 ``[ceil(sum(qo_len * kv_len) / 8)]`` (each
         request's ``[qo_len, kv_len]`` mask row-major, requests concatenated, little-endian bits; host or
-        device), or a list of bool ``[qo_len, kv_len]`` tensors. Runtime values default to the spec's.
+        device), or a list of bool ``[qo_len, kv_len]`` tensors, one a request. Runtime values default to the spec's
+        and are checked as ``BatchDecodeWrapper.plan``'s.
         ``enable_split`` lets the portable backend split long KV ranges to fill the GPU; the sm90 backend
         ignores it (v1 plans every request unsplit: one work item per 128-row q tile, its whole KV), and so
         ``split_policy`` (``flashgen.plan.SplitPolicy``: how the portable backend's planner splits).
         """
-        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
-            raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
+        check_heads(num_qo_heads, num_kv_heads)
         spec = self.spec
         table = page_table(spec, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
                            block_table=block_table, seq_lens=seq_lens, num_pages=num_pages)
@@ -96,6 +108,8 @@ class BatchPrefillWrapper:
             raise PlanError(f"qo_indptr: has {qo.size} entries, expected batch_size + 1 = {table.kv_lens.size + 1}")
         if custom_mask is not None and not isinstance(spec.mask, CustomMask):
             raise PlanError("custom_mask: this spec's mask is not CustomMask()")
+        if self._core.page_ids is not None:
+            self._core.page_ids.take(table, num_pages)
         runtime = self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap)
         rows = self._impl.plan(qo, table, num_qo_heads, num_kv_heads, runtime, custom_mask, enable_split,
                                split_policy)

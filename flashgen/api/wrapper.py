@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
+import operator
 from typing import Mapping, NamedTuple
 
 import numpy as np
@@ -28,11 +30,14 @@ import torch
 
 from ..plan import Plan, PlanError
 from ..spec import AttentionSpec, Paged, RoPE, SlidingWindow
-from .checks import check_tensor
+from .checks import check_count, check_tensor
 from .kv_inputs import TORCH_DTYPES, KVView, PageTable
+from .page_ids import PageIds
 from .staging import DeviceBuffer, HostStaging
 
 KV_MEMO_HELD = 256  # validated caches remembered before the memo starts over (a loop has one per layer)
+F32_MAX = 3.4028234663852886e38  # the runtime values are fp32 kernel params
+WINDOW_NONE = 2**30  # a window at least this wide is none: plans hold KV positions < 2**30 (fast_paths.MAX_KV_LEN)
 
 
 def resolve_device(device: torch.device | int | None) -> torch.device:
@@ -63,26 +68,81 @@ def runtime_values(spec: AttentionSpec, sm_scale=None, rope_theta=None, rope_sca
                    soft_cap=None) -> Runtime:
     """The plan's runtime values, defaulting to the spec's, checked (``PlanError`` names the argument).
 
+    ``sm_scale``, ``rope_theta``, ``rope_scale``: finite numbers > 0 (fp32: the kernels' type). ``window_left``:
+    an int, the keys a query sees to its left under a ``SlidingWindow`` mask; -1 means no window (FlashInfer's
+    convention; a window past 2**30, the longest KV a plan holds, is none either); a spec without a window takes
+    only -1. ``soft_cap``: a finite number > 0 for a spec with a soft-cap; 0 means off and is all a spec without
+    one takes (the cap is structural: ``AttentionSpec.soft_cap``).
+
     >>> runtime_values(AttentionSpec(128, mask=SlidingWindow(64))).window_left
     64
     """
     rope = spec.pos_encoding if isinstance(spec.pos_encoding, RoPE) else RoPE()
-    theta = rope.theta if rope_theta is None else rope_theta
-    scale = rope.scale if rope_scale is None else rope_scale
-    window = spec.mask.left if isinstance(spec.mask, SlidingWindow) and window_left is None else (window_left or 0)
-    if spec.soft_cap is None and soft_cap is not None:
-        raise PlanError("soft_cap: this spec has no soft-cap (set AttentionSpec.soft_cap to enable it)")
-    cap = spec.soft_cap if soft_cap is None else soft_cap
-    if spec.soft_cap is not None and not float(cap) > 0.0:
-        raise PlanError(f"soft_cap: got {cap}, expected a positive value (the logits are capped at +-soft_cap)")
-    scale_qk = float(spec.default_sm_scale if sm_scale is None else sm_scale)
-    if not math.isfinite(scale_qk):
-        raise PlanError(f"sm_scale: got {sm_scale}, expected a finite number")
-    if int(window) < 0:
-        raise PlanError(f"window_left: got {window_left}, expected >= 0 (keys visible to the left of a query)")
-    if not float(theta) > 0.0 or not float(scale) > 0.0:
-        raise PlanError(f"rope_theta / rope_scale: got {theta} / {scale}, expected positive values")
-    return Runtime(int(window), scale_qk, float(cap or 0.0), 1.0 / float(scale), math.log2(float(theta)))
+    theta = positive("rope_theta", rope.theta if rope_theta is None else rope_theta)
+    scale = positive("rope_scale", rope.scale if rope_scale is None else rope_scale)
+    if scale < 1.0 / F32_MAX:
+        raise PlanError(f"rope_scale: got {rope_scale!r}, expected a finite number > 0 whose inverse is a finite fp32")
+    scale_qk = positive("sm_scale", spec.default_sm_scale if sm_scale is None else sm_scale)
+    window = _window(spec, window_left)
+    if spec.soft_cap is None:
+        if soft_cap is not None and soft_cap != 0:
+            raise PlanError(f"soft_cap: got {soft_cap!r}, but this spec has no soft-cap (0 or None: off; set "
+                            "AttentionSpec.soft_cap to enable it)")
+        cap = 0.0
+    else:
+        cap = positive("soft_cap", spec.soft_cap if soft_cap is None else soft_cap,
+                        " (the logits are capped at +-soft_cap; the spec's cap is structural: 0 cannot turn it off)")
+    return Runtime(window, scale_qk, cap, 1.0 / scale, math.log2(theta))
+
+
+def positive(name: str, value, note: str = "") -> float:
+    """``value`` (a number: numpy's and one-element tensors' too) as a float, or ``PlanError`` unless it is a
+    finite number > 0 (fp32)."""
+    number = value
+    if type(value) is not float:
+        try:
+            if isinstance(value, (bool, str, bytes)):
+                raise TypeError
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            number = math.nan
+    if not 0.0 < number <= F32_MAX:  # NaN fails both compares
+        raise PlanError(f"{name}: got {value!r}, expected a finite number > 0{note}")
+    return number
+
+
+def _window(spec: AttentionSpec, window_left) -> int:
+    """``window_left`` for the kernels: the window's keys to the left of a query (0 without a window)."""
+    windowed = isinstance(spec.mask, SlidingWindow)
+    if window_left is None:
+        return min(spec.mask.left, WINDOW_NONE) if windowed else 0
+    try:
+        if isinstance(window_left, bool):
+            raise TypeError
+        window_left = operator.index(window_left)  # ints, numpy's, one-element integer tensors; not 1.5
+    except TypeError:
+        raise PlanError(f"window_left: got {window_left!r}, expected an int >= -1 (-1: no window)") from None
+    if window_left < -1:
+        raise PlanError(f"window_left: got {window_left}, expected >= -1 (keys visible to the left of a query; "
+                        "-1: no window)")
+    if not windowed:
+        if window_left != -1:
+            raise PlanError(f"window_left: got {window_left}, but this spec has no sliding window (-1 or None: "
+                            "none; mask=SlidingWindow(left) enables one)")
+        return 0
+    return WINDOW_NONE if window_left == -1 else min(window_left, WINDOW_NONE)
+
+
+def check_heads(num_qo_heads, num_kv_heads) -> None:
+    """``PlanError`` unless the head counts are ints >= 1 and ``num_kv_heads`` divides ``num_qo_heads``."""
+    if (type(num_qo_heads) is int and type(num_kv_heads) is int and num_qo_heads > 0 and num_kv_heads > 0
+            and not num_qo_heads % num_kv_heads):
+        return
+    for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise PlanError(f"{name}: got {value!r}, expected an int >= 1")
+    if num_qo_heads % num_kv_heads:
+        raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
 
 
 def kv_key(kv_cache, num_kv_heads: int) -> tuple | None:
@@ -135,9 +195,11 @@ class WrapperCore:
     """
 
     def __init__(self, spec: AttentionSpec, device: torch.device, num_sms: int | None,
-                 graph: tuple[int, int] | None, align: int):
+                 graph: tuple[int, int] | None, align: int, page_ids: PageIds | None = None):
         self.spec, self.device = spec, device
-        self.num_sms = num_sms or device_sms(device.index)
+        self.page_ids = page_ids  # device page ids copied (CUDA graphs) or checked (check_indices), else None
+        num_sms = check_count("num_sms", num_sms)
+        self.num_sms = device_sms(device.index) if num_sms is None else num_sms
         self.graph = graph
         self.fixed = graph is not None
         self.max_batch_size, self.max_total_q = graph or (None, None)
@@ -191,13 +253,13 @@ class WrapperCore:
         planned = self.planned
         if planned is None:
             raise RuntimeError("run: call plan() first")
-        if (q.shape != planned.q_shape or q.dtype != self.dtype or not q.is_contiguous() or q.device != self.device
-                or (self.align and q.data_ptr() % self.align)):
+        if (not isinstance(q, torch.Tensor) or q.shape != planned.q_shape or q.dtype != self.dtype
+                or not q.is_contiguous() or q.device != self.device or (self.align and q.data_ptr() % self.align)):
             self._bad_tensor("q", q, planned.q_shape, self.dtype)
         if out is None:
             out = torch.empty(planned.out_shape, dtype=q.dtype, device=q.device)
-        elif (out.shape != planned.out_shape or out.dtype != q.dtype or not out.is_contiguous()
-              or out.device != q.device or (self.align and out.data_ptr() % self.align)):
+        elif (not isinstance(out, torch.Tensor) or out.shape != planned.out_shape or out.dtype != q.dtype
+              or not out.is_contiguous() or out.device != q.device or (self.align and out.data_ptr() % self.align)):
             self._bad_tensor("out", out, planned.out_shape, q.dtype)
         lse = torch.empty(planned.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         return out, lse
@@ -222,7 +284,8 @@ class WrapperCore:
                     self._kv_memo.clear()
                 self._kv_memo[key] = hit
         if hit[0] < planned.kv_need:
-            raise kv_short_error(planned.kv_short, hit[0])
+            found = self.page_ids.run_error(hit[0]) if self.page_ids is not None else None
+            raise ValueError(found) if found else kv_short_error(planned.kv_short, hit[0])
         return hit[1]
 
 

@@ -23,7 +23,7 @@ from .host import PlanError, host_array
 from .page_table import validate_indptr
 from .plan import Plan
 from .heuristics import choose_kv_chunk, default_tile_rows
-from .split_kv import SplitKVInfo, _check_heads, split_kv_arrays
+from .split_kv import SplitKVInfo, _check_options, split_kv_arrays
 
 
 class BlockSparseInfo(NamedTuple):
@@ -44,6 +44,10 @@ def bsr_page_table(indptr: object, indices: object, *, block_q: int, block_kv: i
     >>> [a.tolist() for a in bsr_page_table([0, 2, 2], [0, 2], block_q=2, block_kv=4, qo_len=3, kv_len=10)]
     [[0, 2, 3], [0, 2, 2], [0, 2], [2, 0], [6, 0]]
     """
+    for name, value, minimum in (("block_q", block_q, 1), ("block_kv", block_kv, 1), ("qo_len", qo_len, 0),
+                                 ("kv_len", kv_len, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+            raise PlanError(f"{name}: got {value!r}, expected an int >= {minimum}")
     rows, cols = -(-qo_len // block_q), -(-kv_len // block_kv)
     ptr = validate_indptr("indptr", indptr)
     if ptr.size != rows + 1:
@@ -84,7 +88,7 @@ def plan_block_sparse(indptr: object, indices: object, *, block_q: int, block_kv
     >>> plan["kv_len"].tolist(), plan["kv_indices"].tolist()
     ([4, 0], [1])
     """
-    _check_heads(num_qo_heads, num_kv_heads)
+    _check_options(num_qo_heads, num_kv_heads, tile_rows, 1, num_sms, item_overhead)
     qo, kv_indptr, kv_indices, last, lens = bsr_page_table(indptr, indices, block_q=block_q, block_kv=block_kv,
                                                            qo_len=qo_len, kv_len=kv_len)
     group_size = num_qo_heads // num_kv_heads

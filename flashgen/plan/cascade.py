@@ -26,7 +26,7 @@ import torch
 from .host import PlanError
 from .plan import Plan
 from .heuristics import choose_kv_chunk, default_tile_rows
-from .split_kv import SplitKVInfo, _batch_inputs, _check_heads, split_kv_arrays
+from .split_kv import SplitKVInfo, _batch_inputs, _check_options, split_kv_arrays
 
 
 class CascadeInfo(NamedTuple):
@@ -50,7 +50,7 @@ def plan_cascade(levels: Sequence[tuple[object, object]], *, num_qo_heads: int, 
     >>> plan.info.num_levels, plan.level(1)["kv_len"].tolist()
     (2, [100, 37])
     """
-    _check_heads(num_qo_heads, num_kv_heads)
+    _check_options(num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead)
     if not levels:
         raise PlanError("levels: empty, expected at least one (qo_indptr, kv_lens) level")
     group_size = num_qo_heads // num_kv_heads

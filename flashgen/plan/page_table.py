@@ -86,30 +86,48 @@ def _not_increasing(name: str, a: np.ndarray, i: int) -> None:
 
 def csr_lens(kv_indptr: object, kv_last_page_len: object, page_size: int) -> tuple[np.ndarray, np.ndarray]:
     """``(kv_indptr, kv_lens)`` of a CSR page table whose page ids are not read (device ids): the checks and
-    errors of ``kv_lens_from_csr`` and then ``validate_indptr``, in that order, in one pass.
+    errors of ``validate_csr`` on ``kv_indptr`` and ``kv_last_page_len``, in its order, in one pass.
 
     >>> [a.tolist() for a in csr_lens([0, 2, 2], [5, 0], 16)]
     [[0, 2, 2], [21, 0]]
     """
     indptr = host_array("kv_indptr", kv_indptr)
-    n = indptr.size
     last = host_array("kv_last_page_len", kv_last_page_len)
-    if last.size != max(n - 1, 0):
-        raise PageTableError(f"kv_last_page_len: has {last.size} entries, expected {max(n - 1, 0)}")
+    n = indptr.size
     if not 0 < n <= SMALL_BATCH:
         indptr, steps, _ = indptr_steps("kv_indptr", indptr)
-        return indptr, np.where(steps > 0, (steps - 1) * page_size + last, 0)
-    ptr, tail = indptr.tolist(), last.tolist()
+        _check_last_size(last, n - 1)
+        return indptr, _csr_lens(steps, last, page_size, int(indptr[-1]))
+    ptr = indptr.tolist()
     if ptr[0] != 0:
         raise PageTableError(f"kv_indptr[0] = {ptr[0]}, expected 0")
-    lens = [0] * (n - 1)
-    for b in range(n - 1):
-        pages = ptr[b + 1] - ptr[b]
-        if pages > 0:
-            lens[b] = (pages - 1) * page_size + tail[b]
-        elif pages < 0:
-            _not_increasing("kv_indptr", indptr, b)
-    return indptr, np.array(lens, dtype=np.int64)
+    npages = [b - a for a, b in zip(ptr, ptr[1:])]
+    if npages and min(npages) < 0:
+        _not_increasing("kv_indptr", indptr, next(i for i, x in enumerate(npages) if x < 0))
+    _check_last_size(last, n - 1)
+    return indptr, _small_csr_lens(npages, last.tolist(), page_size)
+
+
+def _check_last_size(last: np.ndarray, batch: int) -> None:
+    if last.size != batch:
+        raise PageTableError(f"kv_last_page_len: has {last.size} entries, expected batch_size = {batch} "
+                             f"(len(kv_indptr) - 1)")
+
+
+def _csr_lens(npages: np.ndarray, last: np.ndarray, page_size: int, total_pages: int) -> np.ndarray:
+    """KV lengths from pages and last-page lengths (numpy), checking ``kv_last_page_len``: ``1..page_size`` for a
+    request with pages, 0 for one without. ``tail = last - has`` lies in ``0 .. (page_size - 1) * has`` exactly
+    when ``last`` is valid (one unsigned compare finds a negative one too); then the length is
+    ``(npages - has) * page_size + last``."""
+    has = npages > 0
+    tail = last - has
+    bad = tail.view(_UNSIGNED[tail.itemsize]) > has * (page_size - 1)
+    if bad.any():
+        b = _first(bad)
+        _bad_last(b, int(npages[b]), int(last[b]), page_size)
+    if total_pages * page_size >= 2**31:  # lengths past int32 (the planner then names the request)
+        npages = npages.astype(np.int64)
+    return (npages - has) * page_size + last
 
 
 def validate_csr(kv_indptr: object, kv_indices: object, kv_last_page_len: object, page_size: int,
@@ -133,9 +151,7 @@ def csr_checked(kv_indptr: object, kv_indices: object, kv_last_page_len: object,
     indices = host_array("kv_indices", kv_indices)
     last = host_array("kv_last_page_len", kv_last_page_len)
     batch = indptr.size - 1
-    if last.size != batch:
-        raise PageTableError(f"kv_last_page_len: has {last.size} entries, expected batch_size = {batch} "
-                             f"(len(kv_indptr) - 1)")
+    _check_last_size(last, batch)
     total = int(indptr[-1])
     if total > indices.size:
         raise PageTableError(f"kv_indptr[-1] = {total} > len(kv_indices) = {indices.size}")
@@ -148,10 +164,7 @@ def csr_checked(kv_indptr: object, kv_indices: object, kv_last_page_len: object,
         raise PageTableError(f"kv_indices[{i}] = {int(used[i])} is outside the page pool {pool}")
     if batch < SMALL_BATCH:
         return indptr, _small_csr_lens(npages.tolist(), last.tolist(), page_size), top
-    bad = np.where(npages > 0, (last < 1) | (last > page_size), last != 0)
-    if bad.any():
-        _bad_last(_first(bad), int(npages[_first(bad)]), int(last[_first(bad)]), page_size)
-    return indptr, np.where(npages > 0, (npages - 1) * page_size + last, 0), top
+    return indptr, _csr_lens(npages, last, page_size, total), top
 
 
 def _small_csr_lens(npages: list, last: list, page_size: int) -> np.ndarray:
@@ -248,13 +261,11 @@ def block_table_to_csr(block_table: object, seq_lens: object, page_size: int
 
 
 def kv_lens_from_csr(kv_indptr: object, kv_last_page_len: object, page_size: int) -> np.ndarray:
-    """KV lengths ``[batch]`` (int64 numpy) of a CSR page table, without validating the indices (fast path).
+    """KV lengths ``[batch]`` (int64 numpy) of a CSR page table, checking ``kv_indptr`` and
+    ``kv_last_page_len`` but not reading the page ids (``csr_lens``).
 
     >>> kv_lens_from_csr([0, 2, 2], [5, 0], 16)
     array([21,  0])
     """
-    npages = np.diff(host_array("kv_indptr", kv_indptr))
-    last = host_array("kv_last_page_len", kv_last_page_len)
-    if last.size != npages.size:
-        raise PageTableError(f"kv_last_page_len: has {last.size} entries, expected {npages.size}")
-    return np.where(npages > 0, (npages - 1) * page_size + last, 0)
+    _check_page_size(page_size)
+    return csr_lens(kv_indptr, kv_last_page_len, page_size)[1].astype(np.int64, copy=False)

@@ -66,7 +66,7 @@ def plan_split_kv(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_
     >>> plan.info.kv_chunk, plan["num_chunks"].tolist()
     (2512, [1, 16])
     """
-    _check_heads(num_qo_heads, num_kv_heads)
+    _check_options(num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead)
     options = (num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead, enable_split, balance_tail,
                split_min_waves, DEFAULT_SPLIT_POLICY if split_policy is None else split_policy, host_buffer)
     small = small_inputs(qo_indptr, kv_lens)
@@ -96,7 +96,7 @@ def plan_decode(kv_lens: object, *, num_qo_heads: int, num_kv_heads: int, tile_r
     >>> plan_decode([300, 9000, 12], num_qo_heads=32, num_kv_heads=8).info.grid[1]
     8
     """
-    _check_heads(num_qo_heads, num_kv_heads)
+    _check_options(num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead)
     lens = values = None
     if is_int_vector(kv_lens) and kv_lens.numel() <= SMALL_DECODE:
         values = kv_lens.tolist()
@@ -146,9 +146,28 @@ def plan_prefill(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_k
 # ---------------------------------------------------------------------------------------------- validation
 
 
-def _check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
-    if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads:
-        raise PlanError(f"num_qo_heads: {num_qo_heads} is not a positive multiple of num_kv_heads = {num_kv_heads}")
+def _check_options(num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead) -> None:
+    # the planner's sizes: ints (a float or bool would size arrays or divide wrongly), >= 1 (item_overhead >= 0)
+    if (type(num_qo_heads) is int and type(num_kv_heads) is int and type(kv_granularity) is int
+            and type(num_sms) is int and type(item_overhead) is int and num_kv_heads > 0 and num_qo_heads > 0
+            and kv_granularity > 0 and num_sms > 0 and item_overhead >= 0 and not num_qo_heads % num_kv_heads
+            and (tile_rows is None or (type(tile_rows) is int and tile_rows > 0))):
+        return
+    for name, value, minimum in (("num_qo_heads", num_qo_heads, 1), ("num_kv_heads", num_kv_heads, 1),
+                                 ("tile_rows", tile_rows, 1), ("kv_granularity", kv_granularity, 1),
+                                 ("num_sms", num_sms, 1), ("item_overhead", item_overhead, 0)):
+        if name == "tile_rows" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+            raise PlanError(f"{name}: got {value!r}, expected an int >= {minimum}")
+    if num_qo_heads % num_kv_heads:
+        raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
+
+
+def _check_capacity(max_batch_size, max_total_q, capacity) -> None:
+    for name, value in (("max_batch_size", max_batch_size), ("max_total_q", max_total_q), ("capacity", capacity)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
+            raise PlanError(f"{name}: got {value!r}, expected None or an int >= 0")
 
 
 def _raise_length(lens: np.ndarray) -> None:
@@ -184,6 +203,9 @@ def _sizes(batch, total_q, longest_q, group_size, num_kv_heads, num_sms, tile_ro
     # prefill batch, None for decode (it sizes tile_rows when an exact plan must choose them)
     fixed = max_batch_size is not None
     if fixed:
+        if type(max_batch_size) is not int or (max_total_q is not None and type(max_total_q) is not int) or \
+                (capacity is not None and type(capacity) is not int) or max_batch_size < 0:
+            _check_capacity(max_batch_size, max_total_q, capacity)
         max_total_q = max_batch_size if max_total_q is None else max_total_q
         if batch > max_batch_size:
             raise PlanError(f"qo_indptr: batch_size {batch} exceeds max_batch_size = {max_batch_size}")
@@ -210,7 +232,7 @@ def request_for(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_kv
                 split_min_waves: float | None = None, split_policy: SplitPolicy | None = None) -> PlanRequest:
     """The ``PlanRequest`` (numpy arrays) of a ``plan_split_kv`` call, for a path to plan: the tests hold the
     fast paths to ``_plan_general(request_for(...))``."""
-    _check_heads(num_qo_heads, num_kv_heads)
+    _check_options(num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead)
     checked = _checked_inputs(qo_indptr, kv_lens)
     sizes = _sizes(checked[1].size, int(checked[0][-1]), checked[3], num_qo_heads // num_kv_heads, num_kv_heads,
                    num_sms, tile_rows, max_batch_size, max_total_q, capacity)

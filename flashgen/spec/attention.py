@@ -18,6 +18,8 @@ from .parts import (
     Paged,
     SpecError,
     canonical_dtype,
+    check_positive,
+    plain_fields,
 )
 
 HEAD_DIMS = (64, 128, 192, 256)  # the head dims some kernel family takes
@@ -35,6 +37,11 @@ class AttentionSpec:
     soft-cap on/off) change the generated code and form the kernel key. Numbers (``sm_scale``, a window's
     ``left``, RoPE ``theta``/``scale``, the ``soft_cap`` value) are runtime parameters: specs that differ
     only in them share one kernel.
+
+    Integer fields (head dims, and the parts' page size, block shape, window) take ints, numpy's included
+    (stored as ``int``: ``AttentionSpec(np.int64(128)) == AttentionSpec(128)``); a float or a bool there is a
+    ``SpecError`` naming the field, as is a number field (``soft_cap``, ``sm_scale``, RoPE ``theta``/``scale``)
+    that is not finite and > 0.
 
     Example::
 
@@ -54,6 +61,7 @@ class AttentionSpec:
 
     def __post_init__(self) -> None:
         # normalise equivalent spellings so that equal specs compare, hash and key equal
+        plain_fields(self, "head_dim", "head_dim_vo", "soft_cap", "sm_scale")
         dtype = canonical_dtype(self.dtype, "dtype", Q_DTYPES)
         object.__setattr__(self, "dtype", dtype)
         kv_dtype = dtype if self.kv_dtype is None else canonical_dtype(self.kv_dtype, "kv_dtype", KV_DTYPES)
@@ -66,8 +74,8 @@ class AttentionSpec:
         """Raise ``SpecError`` naming the first invalid field and the values it allows."""
         for name in ("head_dim", "head_dim_vo"):
             value = getattr(self, name)
-            if isinstance(value, bool) or value not in HEAD_DIMS:
-                raise SpecError(f"{name}: got {value!r}, expected one of {', '.join(map(str, HEAD_DIMS))}")
+            if type(value) is not int or value not in HEAD_DIMS:
+                raise SpecError(f"{name}: got {value!r}, expected an int, one of {', '.join(map(str, HEAD_DIMS))}")
         canonical_dtype(self.dtype, "dtype", Q_DTYPES)
         canonical_dtype(self.kv_dtype, "kv_dtype", KV_DTYPES)
         if not isinstance(self.kv_layout, KV_LAYOUTS):
@@ -82,12 +90,8 @@ class AttentionSpec:
                     f"pos_encoding: got {self.pos_encoding!r}, expected None or one of {_names(POS_ENCODINGS)}"
                 )
             self.pos_encoding.validate()
-        for name in ("soft_cap", "sm_scale"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
-                raise SpecError(f"{name}: got {value!r}, expected None or a finite number > 0")
+        check_positive(self.soft_cap, "soft_cap", none=True)
+        check_positive(self.sm_scale, "sm_scale", none=True)
 
     # ------------------------------------------------------------------------------------------ identity
 

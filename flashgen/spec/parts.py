@@ -7,6 +7,8 @@ the kernel key (see ``AttentionSpec.kernel_fields``).
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 
@@ -58,9 +60,37 @@ def canonical_dtype(value: object, field: str, allowed: tuple[str, ...]) -> str:
     return name
 
 
+def plain_number(value: object) -> object:
+    """A numpy (or other ``numbers``) integer as the ``int``, a real as the ``float`` it stands for; anything else
+    (bool included) as given. Specs hold plain numbers, so that equal specs compare, hash, render and serialise
+    equal: ``Paged(np.int32(16)) == Paged(16)``; a float where an int belongs (``128.0``) stays a float and is
+    refused by ``validate()``."""
+    if type(value) is int or type(value) is float or isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def plain_fields(part: object, *names: str) -> None:
+    """``plain_number`` of each named field of a frozen dataclass (its ``__post_init__``)."""
+    for name in names:
+        object.__setattr__(part, name, plain_number(getattr(part, name)))
+
+
 def _check_int(value: object, field: str, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SpecError(f"{field}: got {value!r}, expected an integer >= {minimum}")
+    if type(value) is not int or value < minimum:
+        raise SpecError(f"{field}: got {value!r}, expected an int >= {minimum}")
+
+
+def check_positive(value: object, field: str, none: bool = False) -> None:
+    """``SpecError`` unless ``value`` is a finite int or float > 0 (or None, when ``none``)."""
+    if value is None and none:
+        return
+    if type(value) not in (int, float) or not (value > 0 and math.isfinite(value)):
+        raise SpecError(f"{field}: got {value!r}, expected {'None or ' if none else ''}a finite number > 0")
 
 
 # ---------------------------------------------------------------------------------------------- layouts
@@ -77,6 +107,9 @@ class Paged:
 
     page_size: int
     order: str = "NHD"
+
+    def __post_init__(self) -> None:
+        plain_fields(self, "page_size")
 
     def validate(self) -> None:
         _check_int(self.page_size, "kv_layout.page_size", 1)
@@ -106,6 +139,9 @@ class BlockSparse:
 
     block_q: int
     block_kv: int
+
+    def __post_init__(self) -> None:
+        plain_fields(self, "block_q", "block_kv")
 
     def validate(self) -> None:
         _check_int(self.block_q, "kv_layout.block_q", 1)
@@ -147,6 +183,9 @@ class SlidingWindow:
 
     left: int
 
+    def __post_init__(self) -> None:
+        plain_fields(self, "left")
+
     def validate(self) -> None:
         _check_int(self.left, "mask.left", 0)
 
@@ -179,11 +218,12 @@ class RoPE:
     theta: float = 10000.0
     scale: float = 1.0
 
+    def __post_init__(self) -> None:
+        plain_fields(self, "theta", "scale")
+
     def validate(self) -> None:
-        for field in ("theta", "scale"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise SpecError(f"pos_encoding.{field}: got {value!r}, expected a number > 0")
+        check_positive(self.theta, "pos_encoding.theta")
+        check_positive(self.scale, "pos_encoding.scale")
 
     uri = "rope"
 

@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,60 @@ def test_shipped_build_plans_compile(tmp_path):
         out = flashgen("build", "--arch", "sm_90a", "--plan", str(plan), cache=tmp_path / plan.stem)
         assert out.returncode == 0, out.stderr
         assert len(out.stdout.strip().splitlines()) == len(__import__("json").loads(plan.read_text()))
+
+
+# user errors: exit code 2 and one line on stderr naming what is wrong, never a traceback (in-process: fast)
+PLAN_ERRORS = {
+    "invalid-json": ('[{"op": 1', r"--plan \S+: not valid JSON \(Expecting"),
+    "a-dict": ('{"op": "decode", "spec": {}}', r"--plan \S+: got a JSON object, expected a JSON list of"),
+    "no-spec": ('[{"op": "decode"}]', r"--plan \S+: item 0: got \{\"op\": \"decode\"\}, expected \{\"op\""),
+    "spec-not-a-dict": ('[{"op": "decode", "spec": "d128"}]', r"item 0: got .*expected \{\"op\": \.\.\., \"spec\""),
+    "no-op": ('[{"spec": {"head_dim": 128}}]', r"item 0: got .*expected \{\"op\""),
+    "unknown-op": ('[{"op": "decodes", "spec": {"head_dim": 128}}]', r"item 0: op 'decodes', expected one of decode"),
+    "bad-spec": ('[{"op": "decode", "spec": {"head_dim": 100}}]', r"item 0: spec: head_dim: got 100, expected"),
+    "second-item": ('[{"op": "merge_states", "spec": {"type": "MergeSpec"}}, 7]', r"item 1: got 7, expected"),
+}
+
+
+def run_main(capsys, *argv) -> tuple[int, str, str]:
+    from flashgen.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("text, message", PLAN_ERRORS.values(), ids=PLAN_ERRORS.keys())
+def test_a_bad_plan_file_is_a_one_line_error(tmp_path, capsys, monkeypatch, text, message):
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    plan = tmp_path / "plan.json"
+    plan.write_text(text)
+    code, out, err = run_main(capsys, "build", "--arch", "sm_80", "--plan", str(plan))
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"flashgen build: error: --plan {plan}: ") and re.search(message, err), err
+
+
+def test_unreadable_plans_and_bad_job_counts_are_usage_errors(tmp_path, capsys):
+    code, _, err = run_main(capsys, "build", "--arch", "sm_80", "--plan", str(tmp_path))
+    assert code == 2 and err.strip() == f"flashgen build: error: --plan {tmp_path}: cannot read it (Is a directory)"
+    code, _, err = run_main(capsys, "build", "--arch", "sm_80", "--plan", str(tmp_path / "missing.json"))
+    assert code == 2 and "missing.json: cannot read it (No such file or directory)" in err
+    for jobs in ("0", "-2", "two"):
+        code, _, err = run_main(capsys, "build", "--arch", "sm_80", "-j", jobs)
+        assert code == 2 and err.strip().splitlines()[-1] == (
+            f"flashgen build: error: argument -j/--jobs: got '{jobs}', expected an int >= 1")
+
+
+def test_an_empty_plan_says_there_is_nothing_to_build(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    plan = tmp_path / "plan.json"
+    plan.write_text("[]")
+    code, out, err = run_main(capsys, "build", "--plan", str(plan))  # no arch needed: nothing to compile
+    assert (code, out, err) == (0, "nothing to build: the plans list no kernels\n", "")
+    plan.write_text('[{"op": "prefill_sm90", "spec": {"head_dim": 64, "kv_layout": {"type": "Ragged"}}}]')
+    code, out, err = run_main(capsys, "build", "--arch", "sm_80", "--plan", str(plan))
+    assert code == 0 and out.splitlines()[-1] == "sm_80  nothing to build for this arch"

@@ -25,6 +25,17 @@ from flashgen.spec import (
         ({"head_dim": 128, "soft_cap": 0.0}, "soft_cap"),
         ({"head_dim": 128, "soft_cap": float("inf")}, "soft_cap"),
         ({"head_dim": 128, "sm_scale": -1.0}, "sm_scale"),
+        ({"head_dim": 128.0}, "head_dim"),
+        ({"head_dim": True}, "head_dim"),
+        ({"head_dim": 128, "head_dim_vo": 128.0}, "head_dim_vo"),
+        ({"head_dim": 128, "kv_layout": Paged(16.0)}, "kv_layout.page_size"),
+        ({"head_dim": 128, "kv_layout": Paged(True)}, "kv_layout.page_size"),
+        ({"head_dim": 128, "mask": SlidingWindow(4.0)}, "mask.left"),
+        ({"head_dim": 128, "pos_encoding": RoPE(theta=float("inf"))}, "pos_encoding.theta"),
+        ({"head_dim": 128, "pos_encoding": RoPE(theta=float("nan"))}, "pos_encoding.theta"),
+        ({"head_dim": 128, "pos_encoding": RoPE(scale=float("inf"))}, "pos_encoding.scale"),
+        ({"head_dim": 128, "pos_encoding": RoPE(scale=-2.0)}, "pos_encoding.scale"),
+        ({"head_dim": 128, "sm_scale": float("nan")}, "sm_scale"),
     ],
 )
 def test_invalid_specs_name_the_field(kwargs, field):
@@ -44,6 +55,19 @@ def test_equivalent_specs_are_equal_and_share_a_uri():
     a = AttentionSpec(128)
     b = AttentionSpec(128, 128, torch.bfloat16, "bf16", Paged(16, "NHD"), NoMask(), None)
     assert a == b and hash(a) == hash(b) and a.uri == b.uri
+
+
+def test_numpy_numbers_are_stored_as_plain_ones():
+    import numpy as np
+
+    spec = AttentionSpec(np.int64(128), kv_layout=Paged(np.int32(16)), mask=SlidingWindow(np.int16(64)),
+                         pos_encoding=RoPE(np.float32(500000.0), np.int64(2)), soft_cap=np.float32(30.0))
+    plain = AttentionSpec(128, kv_layout=Paged(16), mask=SlidingWindow(64), pos_encoding=RoPE(500000.0, 2.0),
+                          soft_cap=30.0)
+    assert spec == plain and hash(spec) == hash(plain) and spec.uri == plain.uri == AttentionSpec(
+        128, kv_layout=Paged(16), mask=SlidingWindow(64), pos_encoding=RoPE(), soft_cap=1.0).uri
+    assert type(spec.head_dim) is int and type(spec.kv_layout.page_size) is int and "128.0" not in spec.uri
+    assert spec_from_dict(spec_to_dict(spec)) == plain
 
 
 def test_runtime_numbers_do_not_change_the_uri():

@@ -12,7 +12,7 @@ from flashgen import ALiBi, AttentionSpec, Paged, Ragged, RoPE, SlidingWindow
 from flashgen.plan import PlanError, csr_to_block_table
 from flashgen.testing.check import assert_matches_reference, check_attention
 from flashgen.testing.layouts import random_batch
-from graph_replay import fill_pools
+from graph_replay import fill_pools, fresh_page_ids, replay_after_replanning
 
 pytestmark = pytest.mark.cuda
 
@@ -161,6 +161,35 @@ def test_cuda_graph_replay_after_replanning():
         graph.replay()
         n = len(lens)
         assert_matches_reference(spec, q, kv, out[:n], lse[:n], qo_indptr=decode_indptr(q), **table)
+
+
+@pytest.mark.parametrize("form", ["csr", "block_table"])
+def test_cuda_graph_replay_with_fresh_device_page_ids(form):
+    """Each plan passes its page ids in a new device tensor (a new address, other pages; the old tensors zeroed):
+    the wrapper copies them into its own buffer at plan time, and the captured graph reads that buffer."""
+    spec = AttentionSpec(128, kv_layout=Paged(16))
+    max_batch, heads, group, pool_pages = 16, 2, 4, 1200
+    wrapper = flashgen.BatchDecodeWrapper(spec, use_cuda_graph=True, max_batch_size=max_batch,
+                                          max_num_pages=pool_pages, max_pages_per_request=600)
+    pool_q = torch.empty(max_batch, heads * group, 128, dtype=torch.bfloat16, device="cuda")
+    pool_kv = tuple(torch.empty(pool_pages, 16, heads, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    held = []
+
+    def load(lens):
+        q, kv, table = make_batch(spec, lens, heads, group)
+        fill_pools(pool_q, pool_kv, q, kv, nan_rest=True)
+        pages, ref_pages = fresh_page_ids(table, form, 16, held)
+        wrapper.plan(num_qo_heads=heads * group, num_kv_heads=heads, **pages)
+        return q, kv, ref_pages
+
+    def check(loaded, out, lse):
+        q, kv, ref_pages = loaded
+        n = q.shape[0]
+        assert_matches_reference(spec, q, kv, out[:n], lse[:n], qo_indptr=decode_indptr(q), **ref_pages)
+
+    replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check, ([5000, 17, 1, 300],),
+                            [([9000, 2, 700, 33, 1, 64, 4000, 12, 5, 6, 7, 8],), ([1],), ([5000, 17, 1, 300],),
+                             ([0] * 16,), ([33] * 16,)])
 
 
 def test_bad_arguments_are_named():

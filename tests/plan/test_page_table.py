@@ -49,23 +49,45 @@ def _outcome(fn, *args):
         return type(exc), str(exc)
 
 
-def _lens_then_indptr(indptr, last, page_size):
-    lens = kv_lens_from_csr(indptr, last, page_size)
-    return validate_indptr("kv_indptr", indptr), lens
+def _validate_csr_of_valid_ids(indptr, last, page_size):
+    # validate_csr with page ids that pass: what the intake of device ids (never read) must say
+    total = int(indptr[-1]) if indptr.size and indptr[-1] > 0 else 0
+    return validate_indptr("kv_indptr", indptr), validate_csr(indptr, np.zeros(total, np.int32), last, page_size)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(-3, 40), min_size=0, max_size=40), st.lists(st.integers(-2, 17), max_size=40),
        st.sampled_from([np.int32, np.int64]))
-def test_csr_lens_matches_the_two_checks(steps, last, dtype):
-    # the one-pass intake of device page tables: the same lengths, or the same first error, as before
+def test_csr_lens_matches_validate_csr(steps, last, dtype):
+    # the one-pass intake of device page tables: the same lengths, or the same first error, as the host intake
     indptr = np.cumsum([0, *steps]).astype(dtype) if steps or last else np.zeros(0, dtype)
     if steps and steps[0] == 40:
         indptr = indptr + 1
     last = np.array(last[: len(steps) + (len(last) % 3 == 1)], dtype=dtype)
     ours = _outcome(csr_lens, indptr, last, 16)
-    theirs = _outcome(_lens_then_indptr, indptr, last, 16)
+    theirs = _outcome(_validate_csr_of_valid_ids, indptr, last, 16)
     assert ours == theirs
+
+
+@pytest.mark.parametrize("batch", [3, 300])
+@pytest.mark.parametrize("last, pages, message", [
+    (0, 2, r"kv_last_page_len\[1\] = 0, expected 1..16"),
+    (17, 2, r"kv_last_page_len\[1\] = 17, expected 1..16"),
+    (-3, 2, r"kv_last_page_len\[1\] = -3, expected 1..16"),
+    (5, 0, r"kv_last_page_len\[1\] = 5, expected 0 \(the request has no pages\)"),
+    (-1, 0, r"kv_last_page_len\[1\] = -1, expected 0"),
+])
+def test_last_page_len_is_checked_without_page_ids(batch, last, pages, message):
+    # kv_indptr and kv_last_page_len are host arrays whichever side the page ids are on: both intakes check them
+    npages = np.full(batch, 2)
+    npages[1] = pages
+    indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
+    lens = np.full(batch, 5, np.int32)
+    lens[1] = last
+    for check in (lambda: csr_lens(indptr, lens, 16), lambda: kv_lens_from_csr(indptr, lens, 16),
+                  lambda: validate_csr(indptr, np.zeros(int(indptr[-1]), np.int32), lens, 16)):
+        with pytest.raises(PageTableError, match=message):
+            check()
 
 
 GOOD = dict(kv_indptr=[0, 2, 2, 3], kv_indices=[4, 1, 0], kv_last_page_len=[5, 0, 16])

@@ -152,7 +152,7 @@ def test_fixed_capacity_errors():
 
 
 def test_planner_input_errors():
-    with pytest.raises(PlanError, match="num_qo_heads: 6 is not a positive multiple of num_kv_heads = 4"):
+    with pytest.raises(PlanError, match="num_qo_heads: 6 is not a multiple of num_kv_heads = 4"):
         plan_decode([1], num_qo_heads=6, num_kv_heads=4)
     with pytest.raises(PlanError, match=r"kv_lens\[1\] = -3"):
         plan_decode([1, -3], num_qo_heads=4, num_kv_heads=4)

@@ -22,7 +22,7 @@ from flashgen.plan import PlanError, csr_to_block_table, plan_prefill
 from flashgen.testing.check import assert_matches_reference, check_attention
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import pack_custom_mask
-from graph_replay import REPLAN_BATCHES, fill_pools, replay_after_replanning
+from graph_replay import REPLAN_BATCHES, fill_pools, fresh_page_ids, replay_after_replanning
 
 pytestmark = pytest.mark.cuda
 
@@ -198,6 +198,34 @@ def test_cuda_graph_replay_after_replanning():
         q, kv, table, qo_indptr = loaded
         n = q.shape[0]
         assert_matches_reference(spec, q, kv, out[:n], lse[:n], qo_indptr=qo_indptr, **table)
+
+    replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check_replay,
+                            ([100, 3], [2000, 50]), REPLAN_BATCHES[:4])
+
+
+@pytest.mark.parametrize("form", ["csr", "block_table"])
+def test_cuda_graph_replay_with_fresh_device_page_ids(form):
+    """Each plan passes its page ids in a new device tensor (a new address, other pages; the old tensors zeroed):
+    the wrapper copies them into its own buffer at plan time, and the captured graph reads that buffer."""
+    spec = LAYOUT_MASKS[-1]
+    max_batch, max_q, heads, group, pool_pages = 8, 600, 2, 4, 400
+    wrapper = flashgen.BatchPrefillWrapper(spec, use_cuda_graph=True, max_batch_size=max_batch, max_total_q=max_q,
+                                           backend="portable", max_num_pages=pool_pages, max_pages_per_request=200)
+    pool_q = torch.zeros(max_q, heads * group, 128, dtype=torch.bfloat16, device="cuda")
+    pool_kv = tuple(torch.empty(pool_pages, 16, heads, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    held = []
+
+    def load(qo_lens, kv_lens):
+        q, kv, table, qo_indptr, _ = make_batch(spec, qo_lens, kv_lens, heads, group)
+        fill_pools(pool_q, pool_kv, q, kv, nan_rest=True)
+        pages, ref_pages = fresh_page_ids(table, form, 16, held)
+        wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=heads * group, num_kv_heads=heads, **pages)
+        return q, kv, ref_pages, qo_indptr
+
+    def check_replay(loaded, out, lse):
+        q, kv, ref_pages, qo_indptr = loaded
+        n = q.shape[0]
+        assert_matches_reference(spec, q, kv, out[:n], lse[:n], qo_indptr=qo_indptr, **ref_pages)
 
     replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check_replay,
                             ([100, 3], [2000, 50]), REPLAN_BATCHES[:4])

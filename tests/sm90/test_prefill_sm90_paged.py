@@ -14,7 +14,7 @@ import flashgen
 from flashgen import AttentionSpec, Causal, NoMask, Paged
 from flashgen.testing.check import assert_matches_reference, check_attention
 from flashgen.testing.layouts import random_batch
-from graph_replay import REPLAN_BATCHES, fill_pools, replay_after_replanning
+from graph_replay import REPLAN_BATCHES, fill_pools, fresh_page_ids, replay_after_replanning
 
 pytestmark = [pytest.mark.cuda, pytest.mark.hopper]
 
@@ -136,7 +136,7 @@ def test_sm_scale_must_be_positive():
     from flashgen.plan import PlanError
 
     wrapper = flashgen.BatchPrefillWrapper(AttentionSpec(64, kv_layout=Ragged()), backend="sm90")
-    with pytest.raises(PlanError, match="^sm_scale: the sm90 backend needs sm_scale > 0"):
+    with pytest.raises(PlanError, match="^sm_scale: got -0.1, expected a finite number > 0"):
         wrapper.plan(qo_indptr=[0, 4], kv_indptr=[0, 4], num_qo_heads=2, num_kv_heads=1, sm_scale=-0.1)
 
 
@@ -243,3 +243,33 @@ def test_gathered_cuda_graph_replay_after_replanning(page_size):
                             (*REPLAN_BATCHES[0], 0), [(*b, seed) for seed, b in enumerate(REPLAN_BATCHES, start=1)])
     with pytest.raises(PlanError, match="max_batch_size"):
         load([1] * 9, [1] * 9, 0)
+
+
+@pytest.mark.parametrize("form", ["csr", "block_table"])
+def test_cuda_graph_replay_with_fresh_device_page_ids(form):
+    """Each plan passes its page ids in a new device tensor (a new address, other pages; the old tensors zeroed):
+    the wrapper copies them into its own buffer at plan time, and the captured graph reads that buffer."""
+    spec = AttentionSpec(128, kv_layout=Paged(16), mask=Causal())
+    max_batch, max_q, heads, group, pool_pages = 8, 700, 2, 4, 400
+    wrapper = flashgen.BatchPrefillWrapper(spec, use_cuda_graph=True, max_batch_size=max_batch, max_total_q=max_q,
+                                           max_num_pages=pool_pages, max_pages_per_request=200)
+    assert wrapper.backend == "sm90"
+    pool_q = torch.zeros(max_q, heads * group, 128, dtype=torch.bfloat16, device="cuda")
+    pool_kv = tuple(torch.zeros(pool_pages, 16, heads, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    held = []
+
+    def load(qo_lens, kv_lens, seed):
+        q, kv, table = random_batch(spec, qo_lens, kv_lens, heads, group, generator=torch.Generator().manual_seed(seed))
+        fill_pools(pool_q, pool_kv, q, kv, nan_rest=True)
+        qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+        pages, ref_pages = fresh_page_ids(table, form, 16, held)
+        wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=heads * group, num_kv_heads=heads, **pages)
+        return q, kv, ref_pages, qo_indptr
+
+    def check(loaded, out, lse):
+        q, kv, ref_pages, qo_indptr = loaded
+        n = q.shape[0]
+        assert_matches_reference(spec, q, kv, out[:n], lse[:n], qo_indptr=qo_indptr, **ref_pages)
+
+    replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check,
+                            (*REPLAN_BATCHES[0], 0), [(*b, seed) for seed, b in enumerate(REPLAN_BATCHES, start=1)])
