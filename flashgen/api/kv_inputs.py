@@ -169,16 +169,3 @@ def device_page_ids(ids: torch.Tensor, device: torch.device) -> tuple[int, int]:
     if ids.dim() == 1 and not ids.is_contiguous():
         raise PlanError("kv_indices: expected a contiguous tensor")
     return ids.data_ptr(), (ids.stride(0) if ids.dim() == 2 else 0)
-
-
-def page_ids_pointer(table: PageTable, device: torch.device, upload) -> tuple[int, int, torch.Tensor | None]:
-    """(address, row stride, tensor to hold) of a batch's page ids for the kernel. Device ids are read in
-    place (the returned tensor must be kept alive while the plan is used); host ids go through
-    ``upload(int32 CPU tensor) -> device address``. No page ids (ragged KV): ``(0, 0, None)``."""
-    ids = table.block_table if table.block_table is not None else table.kv_indices
-    if ids is None:
-        return 0, 0, None
-    if ids.is_cuda:
-        return (*device_page_ids(ids, device), ids)
-    host = ids.to(torch.int32).contiguous()
-    return upload(host), (ids.shape[1] if ids.dim() == 2 else 0), None

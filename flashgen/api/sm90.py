@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..kernels import sm90_qo_tma
-from ..plan import PlanError, plan_prefill
+from ..plan import plan_prefill
 from ..plan.mask_tiles import plan_mask_tiles
 from ..spec import AttentionSpec, CustomMask, Paged, RoPE
 from .backends import kernels_for
@@ -154,9 +154,6 @@ class SM90Prefill:
         """Plan unsplit (``enable_split`` and ``split_policy`` are ignored) and upload; returns the rows of q and
         out (total_q, or max_total_q in CUDA-graph mode). ``custom_mask``: CustomMask specs only (the wrapper
         checked)."""
-        if not runtime.sm_scale > 0:
-            raise PlanError(f"sm_scale: the sm90 backend needs sm_scale > 0, got {runtime.sm_scale} "
-                            "(backend='portable' takes any value)")
         core = self.core
         if self._kernel is None:
             self._load()
