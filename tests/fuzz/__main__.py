@@ -88,42 +88,45 @@ def _worker(index: int, tasks, results, fresh: bool, deadline: float | None) -> 
         result = runner.run(case(seed, fresh))
         results.put(("done", index, result))
         if result["status"] == "fatal":  # the CUDA context is gone: end, and let a new worker take over
-            results.close()
-            results.join_thread()
             sys.exit(3)
 
 
-def run_workers(seeds: list[int], args: argparse.Namespace, deadline: float | None, on_result) -> None:
-    """Run ``seeds`` in ``args.workers`` processes; ``on_result(result)`` for each case (crashes included)."""
+def run_workers(seeds: list[int], workers: int, fresh: bool, deadline: float | None, on_result,
+                target=_worker) -> None:
+    """Run ``seeds`` in ``workers`` processes (each ``target(index, tasks, results, fresh, deadline)``, which
+    posts ``("start", index, seed)`` and ``("done", index, result)``); ``on_result(result)`` once for each case
+    run, a worker that died inside a case included (status "fatal"). A worker that ends with a non-zero exit
+    status is replaced while seeds are left (a bounded number of times). ``results`` is a SimpleQueue, written
+    synchronously: what a worker posted before it died is never lost."""
     ctx = mp.get_context("spawn")
-    tasks, results = ctx.Queue(), ctx.Queue()
+    tasks, results = ctx.Queue(), ctx.SimpleQueue()
     tasks.cancel_join_thread()  # seeds left unrun at a time limit must not hold up the exit
     for seed in seeds:
         tasks.put(seed)
-    pending, current, workers, started = set(seeds), {}, {}, 0
-    restarts = 4 * max(1, args.workers) + 16  # replacements for workers that died (a runaway crash loop stops)
+    pending, current, procs, started = set(seeds), {}, {}, 0
+    restarts = 4 * max(1, workers) + 16  # replacements for workers that died (a runaway crash loop stops)
 
     def start():
         nonlocal started
-        proc = ctx.Process(target=_worker, args=(started, tasks, results, args.fresh_graph_ids, deadline), daemon=True)
+        proc = ctx.Process(target=target, args=(started, tasks, results, fresh, deadline), daemon=True)
         proc.start()
-        workers[started] = proc
+        procs[started] = proc
         started += 1
 
-    for _ in range(max(1, min(args.workers, len(seeds)))):
+    for _ in range(max(1, min(workers, len(seeds)))):
         start()
-    while workers:
-        try:
-            kind, index, payload = results.get(timeout=1.0)
-        except queue.Empty:
-            for index, proc in list(workers.items()):
-                if proc.is_alive():
-                    continue
-                del workers[index]
+    while procs:
+        if results.empty():
+            time.sleep(0.02)
+            dead = [index for index, proc in procs.items() if not proc.is_alive()]
+            if not results.empty():  # read what the dead posted before accounting for them
+                continue
+            for index in dead:
+                proc = procs.pop(index)
                 seed = current.pop(index, None)
                 if seed is not None and seed in pending:  # died inside a case without reporting it
                     pending.discard(seed)
-                    c = case(seed, args.fresh_graph_ids)
+                    c = case(seed, fresh)
                     on_result({"seed": seed, "variant": VARIANTS[c.variant].name, "backend": VARIANTS[c.variant].backend,
                                "graph": c.ids if c.graph else None, "status": "fatal", "summary": summary(c),
                                "error": f"worker process died (exit code {proc.exitcode})", "seconds": None})
@@ -131,13 +134,14 @@ def run_workers(seeds: list[int], args: argparse.Namespace, deadline: float | No
                     restarts -= 1
                     start()
             continue
+        kind, index, payload = results.get()
         if kind == "start":
             current[index] = payload
         else:
             current.pop(index, None)
             pending.discard(payload["seed"])
             on_result(payload)
-    for proc in workers.values():
+    for proc in procs.values():
         proc.join(timeout=10)
 
 
@@ -233,7 +237,7 @@ def main(argv=None) -> int:
             print(f"[{len(results):6d}/{len(seeds)}] {time.time() - start:7.1f} s  {len(failed)} failed  "
                   f"{rate:.1f} cases/s", flush=True)
 
-    run_workers(seeds, args, deadline, on_result)
+    run_workers(seeds, args.workers, args.fresh_graph_ids, deadline, on_result)
     log.close()
     tally = _tally(results)
     counts = Counter(r["status"] for r in results)

@@ -105,10 +105,8 @@ class GraphState:
         self.held: list[torch.Tensor] = []  # the warm-up's fresh page ids, kept for the group's lifetime
         self.fresh: deque = deque(maxlen=FRESH_HELD)
         self._load(warm, keep=True)
-        self.wrapper.run(self.q, self.kv)  # compile, load, tensor maps: outside the capture
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out, self.lse = self.wrapper.run(self.q, self.kv, return_lse=True)
+        runner.launch(self.wrapper, self.q, self.kv, None)  # compile, load, tensor maps: outside the capture
+        self.graph, (self.out, self.lse) = runner.capture(lambda: runner.launch(self.wrapper, self.q, self.kv, None))
 
     def _ids(self, c: Case, batch: HostBatch):
         """The page ids of a case as the group gives them (see the module docstring)."""
@@ -141,6 +139,7 @@ class GraphState:
         if self.group.ids == "fresh":
             (self.held.append if keep else self.fresh.append)(ids)
         plan(self.wrapper, c, batch, plan_table(c, batch, self.runner.device, ids), None)
+        self.runner.current = (c, batch)
         return batch
 
     def replay(self, c: Case) -> None:
@@ -155,11 +154,23 @@ class Runner:
     """Runs cases on one GPU: ``run(case) -> result dict`` (``status`` "ok", "mismatch", "error" or "fatal": a
     CUDA error that leaves the context unusable; the process must end after it)."""
 
-    def __init__(self, device: torch.device | None = None):
+    def __init__(self, device: torch.device | None = None, pools: Pools | None = None):
         self.device = device or torch.device("cuda", torch.cuda.current_device())
-        self.pools = Pools(self.device)
+        self.pools = pools or Pools(self.device)
         self._wrappers: dict[tuple, object] = {}
         self._graphs: dict[tuple, GraphState] = {}
+        self.current: tuple | None = None  # the (case, host batch) being run
+
+    def launch(self, wrapper, q: torch.Tensor, kv, out: torch.Tensor | None):
+        """``wrapper.run`` (into ``out``, if given): ``(out, lse)``."""
+        return wrapper.run(q, kv, out=out, return_lse=True)
+
+    def capture(self, run):
+        """``(graph, run's result)``: ``run()`` captured in a CUDA graph."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            result = run()
+        return graph, result
 
     def _wrapper(self, v: Variant, num_sms: int | None):
         key = (v.index, num_sms)
@@ -179,7 +190,8 @@ class Runner:
         plan(wrapper, c, batch, plan_table(c, batch, self.device), mask_arg)
         out = nan_out(v.spec, q, device=self.device)
         poison_allocator((n, c.num_qo_heads), torch.float32, self.device)
-        got, lse = wrapper.run(q, kv, out=out, return_lse=True)
+        self.current = (c, batch)
+        got, lse = self.launch(wrapper, q, kv, out)
         if got.data_ptr() != out.data_ptr():
             raise AssertionError("out: run() returned a tensor other than the poisoned buffer it was given")
         check(c, batch, q, kv, out, lse, masks)
@@ -200,14 +212,18 @@ class Runner:
                   "status": "ok", "error": None, "summary": summary(c)}
         try:
             result["backend"] = self._graph(c, v) if c.graph else self._eager(c, v)
-            torch.cuda.synchronize(self.device)
+            self.synchronize()
         except AssertionError as exc:
             result.update(status="mismatch", error=str(exc))
         except Exception as exc:  # noqa: BLE001 - every failure is a finding, reported with its case
             result.update(status="error", error=f"{type(exc).__name__}: {exc}")
             try:
-                torch.cuda.synchronize(self.device)
+                self.synchronize()
             except Exception:  # noqa: BLE001
                 result["status"] = "fatal"
         result["seconds"] = round(time.perf_counter() - start, 4)
         return result
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

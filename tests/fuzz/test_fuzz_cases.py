@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from flashgen.api import sm90
+from flashgen.api import wrapper as wrapper_module
 from flashgen.api.backends import check_sm90, select
 from flashgen.kernels import family
 from flashgen.plan import plan_decode, plan_prefill
@@ -24,10 +25,11 @@ from flashgen.testing.reference import reference_attention
 from stub_cuda import stubbed_cuda
 
 from . import __main__ as cli
+from . import worker_stub
 from .cases import (GRAPH_IDS, HOST_IDS, MASK_FORMS, MASK_KINDS, MAX_KV, MAX_QO_HEADS, PAGE_SIZES, VARIANTS,
-                    _FACTORS, _pairs, case, fits, graph_group, summary, warmup_case)
+                    WARMUP_SEED, _FACTORS, _pairs, case, fits, graph_group, summary, warmup_case)
 from .inputs import Pools, fill, host_batch, kv_views, mask_argument, masks_of, plan_table, q_view, reference_table
-from .runner import kernels, make_wrapper, needed_kernels, plan
+from .runner import Runner, kernels, make_wrapper, needed_kernels, plan
 
 SEEDS = range(5000)
 CPU = torch.device("cpu")
@@ -267,3 +269,89 @@ def test_build_plan_lists_the_kernels(tmp_path):
     assert cli.main(["--cases", "300", "--build-plan", str(path)]) == 0
     plan_items = json.loads(path.read_text())
     assert plan_items and {item["op"] for item in plan_items} <= {"decode", "prefill", "prefill_sm90", "rope_gather"}
+
+
+class CpuRunner(Runner):
+    """The runner on the CPU, wrappers stubbed: the stand-in kernel writes the fp64 reference of the planned case,
+    rounded to the output dtype, and a "graph" replays by running the captured call again. What it checks is the
+    runner's side: inputs, page ids of every placement, graph groups, and the comparison."""
+
+    def __init__(self, corrupt: bool = False):
+        super().__init__(CPU, Pools(CPU, q_elements=1 << 21, kv_elements=1 << 24))
+        self.corrupt = corrupt
+
+    def launch(self, wrapper, q, kv, out):
+        c, batch = self.current
+        spec = VARIANTS[c.variant].spec
+        rows, n = q.shape[0], int(batch.qo_indptr[-1])
+        out = torch.full((rows, q.shape[1], spec.head_dim_vo), float("nan"), dtype=q.dtype) if out is None else out
+        lse = torch.full((rows, q.shape[1]), float("nan"))
+        if c.seed < WARMUP_SEED:  # a warm-up's output is never checked (and its batch is the largest)
+            ref, ref_lse = reference_attention(spec, q[:n], kv, qo_indptr=batch.qo_indptr, custom_mask=masks_of(c),
+                                               **reference_table(c, batch), **dict(c.runtime))
+            out[:n], lse[:n] = ref.to(out.dtype), ref_lse.float()
+            if self.corrupt and n:
+                out[n - 1, 0, 0] += 1.0
+        return out, lse
+
+    def capture(self, run):
+        out, lse = run()
+        return _Replayer(self, out, lse), (out, lse)
+
+
+class _Replayer:
+    """A captured "graph" of ``CpuRunner``: replay recomputes the current case into the captured out and lse."""
+
+    def __init__(self, runner, out, lse):
+        self.runner, self.out, self.lse = runner, out, lse
+
+    def replay(self):
+        c, batch = self.runner.current
+        state = self.runner._graphs[graph_group(c.variant, c.ids).key]
+        _, lse = self.runner.launch(None, state.q, state.kv, self.out)
+        self.lse.copy_(lse)
+
+
+def _cheap_group(c) -> bool:
+    g = graph_group(c.variant, c.ids)
+    spec = VARIANTS[c.variant].spec
+    page = spec.kv_layout.page_size if VARIANTS[c.variant].paged else 1
+    return g.pool * page * g.num_kv_heads * spec.head_dim <= 1 << 24 and g.max_total_q * g.group * g.num_kv_heads \
+        * spec.head_dim <= 1 << 21
+
+
+def test_runner_on_the_cpu():
+    """Runner.run end to end with the CUDA calls stubbed: every status "ok" for eager cases of every backend and
+    for graph cases of every page-id placement (reused, fresh, host, ragged); a wrong output is a mismatch."""
+    eager = [c for c in (case(s) for s in range(2000)) if _small(c) and not c.graph][:8]
+    graph = [c for c in (case(s, fresh_graph_ids=True) for s in range(6000)) if c.graph and _cheap_group(c)
+             and sum(q * k for q, k in zip(c.qo_lens, c.kv_lens)) * c.num_qo_heads <= 1 << 18]
+    picked, seen = [], set()
+    for c in graph:  # two cases of each placement
+        if sum(1 for p in picked if p.ids == c.ids) < 2:
+            picked.append(c)
+            seen.add(c.ids)
+    assert seen == {"reused", "fresh", "host", "none"}, seen
+    with _stubbed(), mock.patch.object(wrapper_module, "device_sms", lambda index: 132):
+        runner = CpuRunner()
+        for c in eager + picked:
+            result = runner.run(c)
+            assert result["status"] == "ok", (result["summary"], result["error"])
+        assert len(runner._graphs) >= 4
+        bad = CpuRunner(corrupt=True).run(next(c for c in eager if sum(c.qo_lens)))
+        assert bad["status"] == "mismatch" and bad["error"].startswith("out: max |out - fp64|"), bad
+
+
+def test_workers_account_for_every_seed():
+    """run_workers: every seed reported once, a worker that reports a fatal case or dies inside one is replaced,
+    and a case whose worker died without reporting it is reported as fatal."""
+    seeds = list(range(40))
+    got = []
+    with mock.patch.object(cli, "case", lambda seed, fresh=False: case(seed)):
+        cli.run_workers(seeds, 3, False, None, got.append, target=worker_stub.worker)
+    assert sorted(r["seed"] for r in got) == seeds
+    for r in got:
+        kind = worker_stub.outcome(r["seed"])
+        assert r["status"] == ("ok" if kind == "ok" else "fatal"), r
+        if kind == "crash":
+            assert "worker process died (exit code 1)" in r["error"]
