@@ -196,6 +196,9 @@ def main(argv=None) -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     else:
         seeds = list(range(args.seed, args.seed + args.cases))
+    if not seeds:
+        print("fuzz: no seeds to run")
+        return 0
     cases = [case(s, args.fresh_graph_ids) for s in seeds]
     from .runner import compile_kernels, needed_kernels
 
