@@ -40,13 +40,12 @@ class HostBatch:
     valid: np.ndarray
 
 
-def host_batch(c: Case, group: GraphGroup | None = None, lens: tuple | None = None) -> HostBatch:
-    """The page table of case ``c`` (or, with ``lens = (qo_lens, kv_lens)``, of that batch in ``c``'s setting),
-    drawn from its seed: pages shuffled over the cache view (``spare`` pages more, or a graph group's ``pool``)."""
+def host_batch(c: Case, group: GraphGroup | None = None) -> HostBatch:
+    """The page table of case ``c``, drawn from its seed: pages shuffled over the cache view (``spare`` pages
+    more than the batch's, or a graph group's ``pool``)."""
     spec = VARIANTS[c.variant].spec
-    qo_lens, kv_lens = lens if lens is not None else (c.qo_lens, c.kv_lens)
-    kv = np.asarray(kv_lens, np.int64)
-    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    kv = np.asarray(c.kv_lens, np.int64)
+    qo_indptr = np.concatenate([[0], np.cumsum(c.qo_lens)]).astype(np.int32)
     rng = np.random.default_rng([GENERATOR_VERSION, c.seed, 1])
     if not isinstance(spec.kv_layout, Paged):
         indptr = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
@@ -71,13 +70,11 @@ def host_batch(c: Case, group: GraphGroup | None = None, lens: tuple | None = No
     return HostBatch(qo_indptr, kv, pages, indptr, indices, last, table, kv.astype(np.int32), valid)
 
 
-def masks_of(c: Case, qo_lens=None, kv_lens=None) -> list[torch.Tensor] | None:
-    """The custom masks of a CustomMask case (bool ``[qo_len, kv_len]`` a request, CPU), else None."""
+def masks_of(c: Case) -> list[torch.Tensor] | None:
+    """The custom masks of a CustomMask case (bool ``[qo_len, kv_len]`` a request, CPU, from its seed), else None."""
     if c.mask_kind is None:
         return None
-    gen = torch.Generator().manual_seed(c.seed)
-    return make_masks(c.mask_kind, c.qo_lens if qo_lens is None else qo_lens,
-                      c.kv_lens if kv_lens is None else kv_lens, gen)
+    return make_masks(c.mask_kind, c.qo_lens, c.kv_lens, torch.Generator().manual_seed(c.seed))
 
 
 def mask_argument(masks: list[torch.Tensor], form: str, device: torch.device):

@@ -99,9 +99,8 @@ class GraphState:
         rows = g.max_batch_size if self.variant.decode else g.max_total_q
         self.q = q_view(runner.pools, warm, rows)
         self.kv, self.k, self.v = kv_views(runner.pools, warm, g.pool)
-        device = runner.device
-        shape = (g.pool,) if g.form == "csr" else (g.max_batch_size, g.width)
-        self.ids_buffer = torch.zeros(shape, dtype=torch.int32, device=device) if g.ids == "reused" else None
+        self.ids_buffer = (torch.zeros(self.ids_shape(), dtype=torch.int32, device=runner.device)
+                           if g.ids == "reused" else None)
         self.held: list[torch.Tensor] = []  # the warm-up's fresh page ids, kept for the group's lifetime
         self.fresh: deque = deque(maxlen=FRESH_HELD)
         self._load(warm, keep=True)
@@ -124,11 +123,12 @@ class GraphState:
         if g.ids == "reused":
             self.ids_buffer[:rows].copy_(torch.from_numpy(table))
             return self.ids_buffer if g.form == "csr" else self.ids_buffer[:rows]
-        fresh = torch.zeros(self.ids_buffer_shape(), dtype=torch.int32, device=device)
+        fresh = torch.zeros(self.ids_shape(), dtype=torch.int32, device=device)
         fresh[:rows].copy_(torch.from_numpy(table))
         return fresh if g.form == "csr" else fresh[:rows]
 
-    def ids_buffer_shape(self) -> tuple[int, ...]:
+    def ids_shape(self) -> tuple[int, ...]:
+        """The group's device page-id storage: ``[pool]`` (CSR) or ``[max_batch_size, width]`` (block table)."""
         g = self.group
         return (g.pool,) if g.form == "csr" else (g.max_batch_size, g.width)
 

@@ -72,6 +72,25 @@ def _row(v) -> dict:
             "dtype": spec.dtype}
 
 
+def test_every_variant_renders_and_builds_its_wrappers():
+    """Every kernel a variant runs renders (the template's checks and context; compiling them all is the GPU
+    run's first step), and its wrappers, eager and CUDA-graph, construct."""
+    from flashgen.jit import render
+
+    for v in VARIANTS:
+        for graph in (False, True):
+            for op, spec in kernels(v, (9, 0), graph):
+                assert "__global__" in render(spec, op), (v.name, op)
+    with _stubbed(), mock.patch.object(wrapper_module, "device_sms", lambda index: 132):
+        for v in VARIANTS:
+            make_wrapper(v)
+            if v.graphs:
+                g = graph_group(v.index, "reused" if v.paged else "none")
+                backend = getattr(make_wrapper(v, None, g), "backend", "decode")
+                assert backend == ("decode" if v.decode else "portable" if v.backend == "portable"
+                                   or type(v.spec.pos_encoding).__name__ == "RoPE" else "sm90"), v.name
+
+
 def test_kernels_to_compile():
     jobs = needed_kernels([case(s) for s in range(2000)], (9, 0))
     ops = Counter(op for op, _ in jobs)
