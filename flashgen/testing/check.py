@@ -51,8 +51,8 @@ def assert_matches_reference(spec: AttentionSpec, q: torch.Tensor, kv: object, o
     """Assert ``out`` (and ``lse``) against ``reference_attention(spec, q, kv, **reference_kwargs)``.
 
     ``q [total_q, num_qo_heads, head_dim]`` and ``kv`` (in ``spec.kv_layout``) are the inputs as the reference
-    reads them (CPU); ``out [total_q, num_qo_heads, head_dim_vo]`` and ``lse [total_q, num_qo_heads]`` fp32 may
-    live on any device. The bound is ``2 * err(same-dtype math vs fp64) + noise_floor`` (the lse's floor in q's
+    reads them (CPU, or CUDA to run the reference there; the comparison runs on q's device);
+    ``out [total_q, num_qo_heads, head_dim_vo]`` and ``lse [total_q, num_qo_heads]`` fp32 may live on any device. The bound is ``2 * err(same-dtype math vs fp64) + noise_floor`` (the lse's floor in q's
     dtype; ``kv_dtype``: an fp8 cache's dtype, which doubles it); ``-inf`` must match ``-inf``, NaN never
     passes. ``reference_kwargs``: the page table, ``qo_indptr``, ``custom_mask`` and runtime values, as
     ``reference_attention`` takes them. Returns the fp64 ``(out, lse)``.
@@ -64,9 +64,9 @@ def assert_matches_reference(spec: AttentionSpec, q: torch.Tensor, kv: object, o
     """
     ref, ref_lse = reference_attention(spec, q, kv, **reference_kwargs)
     low, low_lse = same_dtype_reference(spec, q, kv, **reference_kwargs)
-    assert_attention_close(out.cpu(), ref, low, kv_dtype=kv_dtype)
+    assert_attention_close(out.to(ref.device), ref, low, kv_dtype=kv_dtype)
     if lse is not None:
-        assert_attention_close(lse.cpu(), ref_lse, low_lse, dtype=q.dtype, kv_dtype=kv_dtype, name="lse")
+        assert_attention_close(lse.to(ref.device), ref_lse, low_lse, dtype=q.dtype, kv_dtype=kv_dtype, name="lse")
     return ref, ref_lse
 
 

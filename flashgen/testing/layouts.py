@@ -71,7 +71,7 @@ def request_kv(spec: AttentionSpec, kv: object, *, kv_indptr=None, kv_indices=No
         pages, lens = _page_lists(spec, k.shape[0], kv_indptr, kv_indices, kv_last_page_len, block_table, seq_lens)
         out = []
         for p, n in zip(pages, lens):
-            idx = torch.from_numpy(p)
+            idx = torch.from_numpy(p).to(k.device)
             out.append((k[idx].flatten(0, 1)[: int(n)], v[idx].flatten(0, 1)[: int(n)]))
         return out
     if isinstance(layout, Ragged):

@@ -14,10 +14,12 @@ FORMS = ("list", "host", "numpy", "device", "device_unaligned")
 
 def doc_mask(qo_len: int, kv_len: int, docs: int) -> torch.Tensor:
     """``docs`` causal documents over the KV; the queries are its last qo_len tokens."""
+    if qo_len > kv_len:
+        return torch.zeros(qo_len, kv_len, dtype=torch.bool)
     doc = torch.arange(kv_len) * docs // max(kv_len, 1)
     pos = torch.arange(kv_len)
-    full = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
-    return full[kv_len - qo_len:] if qo_len <= kv_len else torch.zeros(qo_len, kv_len, dtype=torch.bool)
+    rows = pos[kv_len - qo_len:]  # the queries' positions: only their rows are built
+    return (doc[rows][:, None] == doc[None, :]) & (pos[None, :] <= rows[:, None])
 
 
 def block_mask(qo_len: int, kv_len: int, gen: torch.Generator) -> torch.Tensor:

@@ -89,8 +89,8 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, theta: float, scale: float) -
     """
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2.0 / x.shape[-1])
-    angle = (pos.to(torch.float64)[:, None] / scale) * inv_freq[None, :]
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2.0 / x.shape[-1])
+    angle = (pos.to(x.device, torch.float64)[:, None] / scale) * inv_freq[None, :]
     cos, sin = angle.cos().to(work)[:, None, :], angle.sin().to(work)[:, None, :]
     x1, x2 = x[..., :half].to(work), x[..., half:].to(work)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
@@ -98,15 +98,16 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, theta: float, scale: float) -
 
 def visible_mask(spec: AttentionSpec, params: RuntimeParams, q_pos: torch.Tensor, k_pos: torch.Tensor,
                  extra: torch.Tensor | None = None) -> torch.Tensor:
-    """Bool ``[nq, nk]``: which keys each query sees under ``spec.mask`` (and ``extra``, if given)."""
+    """Bool ``[nq, nk]`` on the positions' device: which keys each query sees under ``spec.mask`` (and
+    ``extra``, if given)."""
     diff = k_pos[None, :] - q_pos[:, None]
-    visible = torch.ones(diff.shape, dtype=torch.bool)
+    visible = torch.ones(diff.shape, dtype=torch.bool, device=diff.device)
     if isinstance(spec.mask, (Causal, SlidingWindow)):
         visible &= diff <= 0
     if isinstance(spec.mask, SlidingWindow):
         visible &= diff >= -params.window_left
     if extra is not None:
-        visible &= extra
+        visible &= extra.to(diff.device)
     return visible
 
 
@@ -116,8 +117,10 @@ def attend(spec: AttentionSpec, params: RuntimeParams, q: torch.Tensor, k: torch
     """Dense attention of ``q [nq, Hq, D]`` over ``k [nk, Hkv, D]``, ``v [nk, Hkv, Dv]`` at given positions.
 
     fp64 in, ``(out [nq, Hq, Dv], lse [nq, Hq])`` fp64 out. With ``low_precision`` the inputs' own dtype is
-    kept for the two matrix products (logits and softmax math in fp32), as a kernel would compute.
+    kept for the two matrix products (logits and softmax math in fp32), as a kernel would compute. Runs on
+    the device of ``q`` (CPU or CUDA; positions and ``extra_mask`` may live on the CPU).
     """
+    q_pos, k_pos = q_pos.to(q.device), k_pos.to(q.device)
     group = q.shape[1] // k.shape[1]
     if isinstance(spec.pos_encoding, RoPE):
         q = apply_rope(q, q_pos, params.rope_theta, params.rope_scale)
@@ -126,14 +129,14 @@ def attend(spec: AttentionSpec, params: RuntimeParams, q: torch.Tensor, k: torch
     work = torch.float32 if low_precision else torch.float64
     logits = torch.einsum("qhd,khd->hqk", q, k).to(work) * params.sm_scale
     if isinstance(spec.pos_encoding, ALiBi):
-        slopes = alibi_slopes(q.shape[1]).to(work)
+        slopes = alibi_slopes(q.shape[1]).to(logits.device, work)
         logits = logits + slopes[:, None, None] * (k_pos[None, :] - q_pos[:, None]).to(work)[None]
     if params.soft_cap is not None:
         logits = params.soft_cap * torch.tanh(logits / params.soft_cap)
     visible = visible_mask(spec, params, q_pos, k_pos, extra_mask)
     logits = logits.masked_fill(~visible[None], float("-inf"))
     row_max = logits.amax(dim=-1, keepdim=True) if logits.shape[-1] else torch.full(
-        logits.shape[:-1] + (1,), float("-inf"), dtype=work)
+        logits.shape[:-1] + (1,), float("-inf"), dtype=work, device=logits.device)
     shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     p = torch.exp(logits - shift)
     total = p.sum(dim=-1, keepdim=True)
@@ -194,9 +197,9 @@ def bsr_mask(indptr: object, indices: object, block_q: int, block_kv: int, qo_le
 # ---------------------------------------------------------------------------------------------- entry point
 
 
-def request_positions(qo_len: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def request_positions(qo_len: int, kv_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absolute positions ``(q_pos [qo_len], k_pos [kv_len])``: queries are the last ``qo_len`` tokens."""
-    return torch.arange(qo_len) + (kv_len - qo_len), torch.arange(kv_len)
+    return torch.arange(qo_len, device=device) + (kv_len - qo_len), torch.arange(kv_len, device=device)
 
 
 def _extra_masks(spec: AttentionSpec, custom_mask, bsr, qo_lens: list[int], kv_lens: list[int]):
@@ -230,7 +233,8 @@ def reference_attention(spec: AttentionSpec, q: torch.Tensor, kv: object, *, qo_
     ``custom_mask``: packed uint8 (``pack_custom_mask``) or a list of bool ``[qo_len, kv_len]``; ``bsr``:
     ``(indptr, indices)`` with blocks ``spec.kv_layout.block_q x block_kv``. Runtime values not given come
     from the spec. ``lse`` is a natural log; fully masked rows give ``out = 0``, ``lse = -inf``.
-    ``low_precision=True`` does the matrix products in q's dtype (the "same-dtype" error yardstick).
+    ``low_precision=True`` does the matrix products in q's dtype (the "same-dtype" error yardstick). The
+    math runs where ``q`` and ``kv`` live (CPU, or CUDA for large batches); the results are on q's device.
 
     >>> spec = AttentionSpec(64, kv_layout=Ragged(), mask=Causal())
     >>> q, k, v = torch.randn(3, 4, 64), torch.randn(5, 2, 64), torch.randn(5, 2, 64)
@@ -255,11 +259,11 @@ def reference_attention(spec: AttentionSpec, q: torch.Tensor, kv: object, *, qo_
                          f"{q.shape[1]}, head_dim {spec.head_dim}, head_dim_vo {spec.head_dim_vo}")
     qo_lens, kv_lens = np.diff(qo).tolist(), [k.shape[0] for k, _ in requests]
     extras = _extra_masks(spec, custom_mask, bsr, qo_lens, kv_lens)
-    out = torch.zeros(q.shape[0], q.shape[1], spec.head_dim_vo, dtype=torch.float64)
-    lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float64)
+    out = torch.zeros(q.shape[0], q.shape[1], spec.head_dim_vo, dtype=torch.float64, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float64, device=q.device)
     for b, (k, v) in enumerate(requests):
         rows = slice(int(qo[b]), int(qo[b + 1]))
-        q_pos, k_pos = request_positions(qo_lens[b], kv_lens[b])
+        q_pos, k_pos = request_positions(qo_lens[b], kv_lens[b], q.device)
         if low_precision:
             qb, k, v = q[rows], k.to(q.dtype), v.to(q.dtype)
         else:
