@@ -19,7 +19,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import queue
 import sys
 import time
 from collections import Counter, defaultdict
@@ -72,32 +71,15 @@ def record_regressions(failed: list[dict], fresh: bool, paths: list[Path]) -> li
 # ---------------------------------------------------------------------------------------------- workers
 
 
-def _worker(index: int, tasks, results, fresh: bool, deadline: float | None) -> None:
-    import torch
-
-    from .runner import Runner
-
-    torch.cuda.init()
-    runner = Runner()
-    while deadline is None or time.time() < deadline:
-        try:
-            seed = tasks.get(timeout=2.0)
-        except queue.Empty:
-            break
-        results.put(("start", index, seed))
-        result = runner.run(case(seed, fresh))
-        results.put(("done", index, result))
-        if result["status"] == "fatal":  # the CUDA context is gone: end, and let a new worker take over
-            sys.exit(3)
-
-
 def run_workers(seeds: list[int], workers: int, fresh: bool, deadline: float | None, on_result,
-                target=_worker) -> None:
+                target=None) -> None:
     """Run ``seeds`` in ``workers`` processes (each ``target(index, tasks, results, fresh, deadline)``, which
     posts ``("start", index, seed)`` and ``("done", index, result)``); ``on_result(result)`` once for each case
     run, a worker that died inside a case included (status "fatal"). A worker that ends with a non-zero exit
     status is replaced while seeds are left (a bounded number of times). ``results`` is a SimpleQueue, written
     synchronously: what a worker posted before it died is never lost."""
+    if target is None:  # the GPU worker, from a module a spawned process can import (not __main__)
+        from .worker import worker as target
     ctx = mp.get_context("spawn")
     tasks, results = ctx.Queue(), ctx.SimpleQueue()
     tasks.cancel_join_thread()  # seeds left unrun at a time limit must not hold up the exit

@@ -1,4 +1,4 @@
-"""A stand-in for the fuzz's GPU worker (``__main__._worker``), for the CPU test of ``run_workers``: it takes seeds
+"""A stand-in for the fuzz's GPU worker (``tests.fuzz.worker.worker``), for the CPU test of ``run_workers``: it takes seeds
 as the real one does and, by seed, reports a case as run, reports a fatal case and exits with status 3 (as the real
 one does after a CUDA fault), or dies inside a case without reporting it. Imports the standard library only."""
 
