@@ -77,6 +77,8 @@ class SplitKVLaunch:
         return (kv.k.data_ptr(), kv.v.data_ptr(), kv.stride_page, kv.stride_token, kv.stride_head)
 
     def launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        if not self._grid[0]:  # no work item (no request has a query): nothing to write, and no grid of 0 CTAs
+            return
         params = self._params
         params.set(q.data_ptr(), kv[0], kv[1], out.data_ptr(), 0 if lse is None else lse.data_ptr(), kv[2], kv[3],
                    kv[4])

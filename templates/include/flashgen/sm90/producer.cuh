@@ -70,7 +70,8 @@ __device__ __forceinline__ void produce_kv(const Params& p, const uint8_t* mask,
     const bool boxer = lane < Boxes::PER_TILE;
     int next_entry = w.num_tiles > 0 ? TileList<C>::entry(w.tiles, 0) : 0;
     int next_pos = TileList<C>::pos(w.kv_lo, 0, next_entry);
-    int next_page = boxer ? Boxes::page(w, next_pos, lane) : 0;
+    // an item without tiles (empty KV) reads no page id: its request may own none (past the caller's array)
+    int next_page = boxer && w.num_tiles > 0 ? Boxes::page(w, next_pos, lane) : 0;
     for (int t = 0; t < w.num_tiles; ++t, ++it) {
       const int s = it % C::STAGES;
       const int pos0 = next_pos, page = next_page;
