@@ -103,7 +103,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     store = _store()
     if args.action == "list":
         for path in store.entry_dirs():
-            entry, problem = read_entry(path)
+            entry, problem = read_entry(path, deep=True)
             status = "ok" if entry else f"BAD: {problem}"
             size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
             print(f"{path.parent.name}  {path.name:<60} {size / 1024:8.0f} KiB  {status}")
@@ -183,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except Exception as exc:  # the command line shows the error, not a traceback
+        from .cache import CacheError
         from .compile import CompileError, ToolchainError
+
+        if isinstance(exc, CacheError):  # an unusable cache folder: one line naming it and the fix
+            print(f"flashgen {args.command}: {exc}", file=sys.stderr)
+            return 1
         from .jit import MissingKernelError
         from .spec import SpecError
 
