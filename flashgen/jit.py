@@ -26,7 +26,8 @@ from . import knobs
 from ._version import __version__
 from .cache import CacheStore, Entry, KeyInputs, kernel_key, read_entry, read_header_tree
 from .kernels import EntryPoint, LaunchConfig, family, include_dir
-from .compile import CUBIN, SOURCE, ToolchainError, choose_arch, find_nvcc, nvcc_flags, run_ninja, write_build_ninja
+from .compile import (CUBIN, SOURCE, ToolchainError, choose_arch, find_nvcc, nvcc_flags, run_ninja, write_build_ninja,
+                      write_source)
 
 
 class MissingKernelError(RuntimeError):
@@ -98,8 +99,8 @@ def _lookup_by_content(store: CacheStore, req: BuildRequest) -> Entry | None:
 def _compile(store: CacheStore, req: BuildRequest) -> Entry:
     nvcc = find_nvcc()  # raises ToolchainError with a clear message when absent
     build_dir = store.new_build_dir(req.arch, req.uri, req.key)
-    (build_dir / SOURCE).write_text(req.source)
-    write_build_ninja(build_dir, nvcc, nvcc_flags(req.arch), include_dir())
+    write_source(build_dir, req.source)
+    write_build_ninja(build_dir, nvcc, req.arch, include_dir())
     start = time.perf_counter()
     run_ninja(build_dir, req.uri)
     stats["compiles"] += 1
