@@ -1,5 +1,7 @@
 """Shared test setup: the `cuda` marker skips without a GPU, the `hopper` marker without one of compute
-capability 9.0 (sm_90a kernels), the `nvcc` marker without nvcc; every test gets a private kernel cache."""
+capability 9.0 (sm_90a kernels), the `nvcc` marker without nvcc. A test that builds into or inspects the
+cache takes a private one (`cache_dir`); compile-only tests share one per session (`shared_cache`), so a
+kernel that several of them check is compiled once."""
 
 from __future__ import annotations
 
@@ -61,6 +63,24 @@ def cache_dir(tmp_path, monkeypatch):
     monkeypatch.delenv("FLASHGEN_EXTRA_CACHE_DIRS", raising=False)
     monkeypatch.delenv("FLASHGEN_DISABLE_JIT", raising=False)
     return path
+
+
+@pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory):
+    """The session's shared kernel cache folder (see `shared_cache`)."""
+    path = tmp_path_factory.mktemp("kernel-cache")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def shared_cache(kernel_cache, monkeypatch):
+    """The session's shared kernel cache as this test's writable cache: for tests that only check what a kernel
+    compiles to (tests/compile_checks.py: build_all, seed)."""
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(kernel_cache))
+    monkeypatch.delenv("FLASHGEN_EXTRA_CACHE_DIRS", raising=False)
+    monkeypatch.delenv("FLASHGEN_DISABLE_JIT", raising=False)
+    return kernel_cache
 
 
 @pytest.fixture(scope="session")
