@@ -90,6 +90,8 @@ def read_entry(path: Path, key: str | None = None, deep: bool = False) -> tuple[
         return None, f"cubin unreadable: {exc}"
     if len(cubin) != manifest.get("cubin_size") or _sha256(cubin) != manifest.get("cubin_sha256"):
         return None, "cubin does not match its digest (truncated or corrupt)"
+    if deep and path.name != f"{manifest.get('uri')}-{str(manifest.get('key'))[:16]}":
+        return None, "manifest names another entry than its folder"
     files = manifest.get("files", {})
     if deep and not (isinstance(files, dict) and all(isinstance(v, list) and len(v) == 2 for v in files.values())):
         return None, "manifest: 'files' is not a map of name -> [size, sha256]"
