@@ -13,7 +13,7 @@ from .toolchain import Nvcc
 
 SOURCE = "kernel.cu"
 PTX = "kernel.ptx"  # the PTX, its line table's file names made independent of the build folder
-RAW_PTX = "kernel.raw.ptx"  # nvcc's own PTX (absolute paths); deleted after the build
+RAW_PTX = "kernel.raw.ptx"  # nvcc's own PTX (absolute paths); both PTX files are deleted after the build
 CUBIN = "kernel.cubin"
 RESOURCE_LOG = "ptxas.log"
 FRONT_END_LOG = "nvcc.log"
@@ -116,6 +116,7 @@ def run_ninja(build_dir: Path, uri: str) -> None:
         raise CompileError(
             f"nvcc failed for {uri}; source: {build_dir / SOURCE}\n{log}", log=log, source=build_dir / SOURCE
         )
-    (build_dir / RAW_PTX).unlink(missing_ok=True)
+    for ptx in (RAW_PTX, PTX):  # larger than the cubin; the PTX a profiler shows is in the cubin (-lineinfo)
+        (build_dir / ptx).unlink(missing_ok=True)
     if knobs.verbose():
         print(f"flashgen: built {uri} in {build_dir}", file=sys.stderr)

@@ -170,7 +170,7 @@ CORRUPTIONS = {  # name -> (file, how, whether a lookup (which loads only the cu
     "manifest not a map": ("manifest.json", lambda p: p.write_text("[1]"), True),
     "missing manifest": ("manifest.json", Path.unlink, True),
     "truncated source": ("kernel.cu", lambda p: p.write_text(p.read_text()[:10]), False),
-    "edited ptx": ("kernel.ptx", lambda p: p.write_text(p.read_text().replace(".version", ".versiom", 1)), False),
+    "edited resource report": ("ptxas.log", lambda p: p.write_text(p.read_text().replace("Used", "Usde")), False),
     "edited build.ninja": ("build.ninja", lambda p: p.write_text(p.read_text() + "\n"), False),
     "missing ptxas log": ("ptxas.log", Path.unlink, False),
 }
