@@ -21,7 +21,7 @@ MATRIX = [("decode", s) for s in DECODE_SPECS] + [("merge_states", MergeSpec(d))
 
 
 @pytest.mark.nvcc
-def test_representative_matrix_compiles_for_sm90a(cache_dir):
+def test_representative_matrix_compiles_for_sm90a(shared_cache):
     results = build_all([(op, spec, "sm_90a") for op, spec in MATRIX])
     for (op, spec), (entry, report) in zip(MATRIX, results):
         names = [e.name for e in family(op).entry_points(family(op).project(spec))]

@@ -24,7 +24,7 @@ MATRIX = [(spec, arch) for arch in ("sm_80", "sm_90a") for spec in PREFILL_SPECS
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("tiles", sorted(PRESETS))
-def test_prefill_matrix_compiles_without_spills(cache_dir, tiles):
+def test_prefill_matrix_compiles_without_spills(shared_cache, tiles):
     results = build_all([("prefill", spec, arch) for spec, arch in MATRIX], workers=8, options={"tiles": tiles})
     for (spec, arch), (entry, report) in zip(MATRIX, results):
         assert_sound_cubin(entry, report, ["prefill"], f"{arch} {tiles}")
