@@ -5,7 +5,14 @@ kernel that several of them check is compiled once."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -37,9 +44,17 @@ def _is_hopper() -> bool:
     return torch.cuda.get_device_capability() == (9, 0)
 
 
+ROOT = Path(__file__).resolve().parents[1]
 HAS_GPU = _has_gpu()
 HAS_NVCC = _has_nvcc()
 IS_HOPPER = _is_hopper()
+
+if not HAS_GPU and "OMP_NUM_THREADS" not in os.environ:
+    # CPU runs (CI: two cores, shared) compute small fp64 references, where torch's second OpenMP thread buys
+    # nothing and, spinning for a core another process holds, made the CPU executor tests 4x slower
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -65,12 +80,38 @@ def cache_dir(tmp_path, monkeypatch):
     return path
 
 
+def pytest_collection_finish(session):
+    """Start compiling the selected compile tests' kernels in the background (tests/compile_checks.py)."""
+    session.config.kernel_cache = Path(tempfile.mkdtemp(prefix="flashgen-kernel-cache-"))
+    session.config.prefetcher = None
+    import compile_checks
+
+    modules = {item.module.__name__ for item in session.items
+               if "nvcc" in item.keywords and getattr(item, "module", None) is not None}
+    jobs = [job for module, job in compile_checks.PREFETCH if module in modules]
+    if not (HAS_NVCC and jobs):
+        return
+    jobs_file = session.config.kernel_cache / "prefetch.json"
+    jobs_file.write_text(json.dumps(jobs))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    session.config.prefetcher = subprocess.Popen(
+        [sys.executable, compile_checks.__file__, str(jobs_file), str(session.config.kernel_cache)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def pytest_sessionfinish(session):
+    prefetcher = getattr(session.config, "prefetcher", None)
+    if prefetcher is not None and prefetcher.poll() is None:
+        os.killpg(prefetcher.pid, signal.SIGKILL)  # with its nvcc
+        prefetcher.wait()
+    if getattr(session.config, "kernel_cache", None) is not None:
+        shutil.rmtree(session.config.kernel_cache, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
-def kernel_cache(tmp_path_factory):
-    """The session's shared kernel cache folder (see `shared_cache`)."""
-    path = tmp_path_factory.mktemp("kernel-cache")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def kernel_cache(pytestconfig):
+    """The session's shared kernel cache folder (see `shared_cache`), which the prefetcher fills."""
+    return pytestconfig.kernel_cache
 
 
 @pytest.fixture

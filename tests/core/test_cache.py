@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import flashgen
-from compile_checks import seed
+from compile_checks import prefetch, seed
 from flashgen import cli, jit
 from flashgen.cache import CacheStore, KeyInputs, kernel_key, read_entry
 from flashgen.kernels import render as render_module
@@ -22,6 +22,7 @@ from flashgen.spec import MergeSpec
 REPO = Path(__file__).resolve().parents[2]
 SPEC = MergeSpec("bfloat16")
 OP = "merge_states"
+prefetch(__name__, [(OP, SPEC, "sm_90a")])
 BASE = KeyInputs({"kernel.cu": "int x;"}, {"flashgen/a.cuh": b"#pragma once"}, "nvcc 13.0", "sm_90a",
                  ("-O3",), "0.1.0")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from compile_checks import seed
+from compile_checks import prefetch, seed
 from flashgen import cli, jit
 from flashgen.cache import CacheError, CacheStore, read_entry
 from flashgen.compile import ToolchainError, toolchain
@@ -29,6 +29,7 @@ OTHER = MergeSpec("bfloat16")  # a kernel the test's cache does not have
 SPECS = [MergeSpec(d) for d in ("float16", "bfloat16", "float32")]
 NO_PID = 4194305  # above Linux's largest pid_max: never a running process
 fork = multiprocessing.get_context("fork")
+prefetch(__name__, [(OP, SPEC, ARCH)])
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from compile_checks import seed
+from compile_checks import prefetch, seed
 from flashgen import cli
 from flashgen.cli import DEFAULT_BUILDS
 from flashgen.compile import toolchain
@@ -41,6 +41,23 @@ def plan_file(tmp_path: Path, items: list[dict]) -> str:
 
 
 MERGE_F16 = {"op": "merge_states", "spec": {"type": "MergeSpec", "dtype": "float16"}}
+ROPE_PLAN = [{"op": "prefill_sm90", "spec": {
+    "type": "AttentionSpec", "head_dim": 128, "kv_layout": {"type": "Paged", "page_size": 16},
+    "mask": {"type": "Causal"}, "pos_encoding": {"type": "RoPE"}}}]
+PLANS = sorted((REPO / "plans").glob("*.json"))
+
+
+def plan_builds(items: list[dict]) -> list[tuple[str, object]]:
+    """What `flashgen build --plan` compiles for a plan's items (cli._plan_builds on a file)."""
+    from flashgen.api.backends import kernels_for
+
+    specs = [(item["op"], cli.spec_from_dict(item["spec"])) for item in items]
+    return [b for op, spec in specs for b in (kernels_for(spec, "sm90") if op == "prefill_sm90" else [(op, spec)])]
+
+
+prefetch(__name__, [(op, spec, "sm_90a") for op, spec in DEFAULT_BUILDS + tuple(plan_builds(ROPE_PLAN))]
+         + [(op, spec, "sm_90a") for plan in PLANS for op, spec in plan_builds(json.loads(plan.read_text()))]
+         + [("merge_states", cli.spec_from_dict(MERGE_F16["spec"]), "sm_80")])
 
 
 def test_info_runs(tmp_path):
@@ -98,11 +115,9 @@ def test_hopper_only_builds_are_skipped_for_other_archs(run, tmp_path, cache_dir
 def test_a_rope_spec_builds_what_the_sm90_backend_runs(run, tmp_path, cache_dir, kernel_cache):
     """RoPE on sm90 is the rope_gather pre-pass plus the kernel of the spec's ragged twin: a plan naming the
     spec gets both, so a deployment with FLASHGEN_DISABLE_JIT=1 finds them."""
-    plan = plan_file(tmp_path, [{"op": "prefill_sm90", "spec": {
-        "type": "AttentionSpec", "head_dim": 128, "kv_layout": {"type": "Paged", "page_size": 16},
-        "mask": {"type": "Causal"}, "pos_encoding": {"type": "RoPE"}}}])
-    builds = cli._plan_builds(Path(plan))
-    seed(cache_dir, kernel_cache, [(op, spec, "sm_90a") for op, spec in builds])
+    plan = plan_file(tmp_path, ROPE_PLAN)
+    assert cli._plan_builds(Path(plan)) == plan_builds(ROPE_PLAN)
+    seed(cache_dir, kernel_cache, [(op, spec, "sm_90a") for op, spec in plan_builds(ROPE_PLAN)])
     code, out, err = run("build", "--arch", "sm_90a", "--plan", plan)
     assert code == 0, err
     lines = out.strip().splitlines()
@@ -113,10 +128,11 @@ def test_a_rope_spec_builds_what_the_sm90_backend_runs(run, tmp_path, cache_dir,
 
 @pytest.mark.nvcc
 def test_shipped_build_plans_compile(run, cache_dir, kernel_cache, monkeypatch):
-    for plan in sorted((REPO / "plans").glob("*.json")):
+    for plan in PLANS:
         cache = cache_dir / plan.stem
         monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(cache))
         builds = cli._plan_builds(plan)
+        assert builds == plan_builds(json.loads(plan.read_text()))
         seed(cache, kernel_cache, [(op, spec, "sm_90a") for op, spec in builds])  # compiled once a session
         code, out, err = run("build", "--arch", "sm_90a", "--plan", str(plan))
         assert code == 0, err

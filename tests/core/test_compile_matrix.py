@@ -2,7 +2,7 @@
 
 import pytest
 
-from compile_checks import assert_sound_cubin, build_all
+from compile_checks import assert_sound_cubin, build_all, prefetch
 from flashgen.kernels import family
 from flashgen.spec import ALiBi, AttentionSpec, MergeSpec, Paged, Ragged, RoPE, SlidingWindow
 
@@ -18,6 +18,7 @@ DECODE_SPECS = [
     AttentionSpec(256, dtype="float16", kv_dtype="float8_e5m2", kv_layout=Paged(3, "HND")),
 ]
 MATRIX = [("decode", s) for s in DECODE_SPECS] + [("merge_states", MergeSpec(d)) for d in ("f16", "bf16", "f32")]
+prefetch(__name__, [(op, spec, "sm_90a") for op, spec in MATRIX])
 
 
 @pytest.mark.nvcc

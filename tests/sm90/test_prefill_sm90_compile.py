@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from compile_checks import WORKERS, build_all
+from compile_checks import WORKERS, build_all, prefetch
 from flashgen import jit
 from flashgen.spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
 
@@ -38,6 +38,14 @@ GATHER_SPECS = [  # page sizes no TMA box takes: rows gathered by the K and V pr
     AttentionSpec(128, kv_layout=Paged(5), mask=CustomMask()),
     AttentionSpec(128, kv_layout=Paged(12), mask=SlidingWindow(100), pos_encoding=ALiBi(), soft_cap=20.0),
 ]
+ROPE_SPECS = [
+    AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE()),
+    AttentionSpec(128, kv_layout=Paged(64, "HND"), pos_encoding=RoPE()),
+    AttentionSpec(64, dtype="float16", kv_layout=Ragged(), pos_encoding=RoPE()),
+    AttentionSpec(256, kv_layout=Paged(1), pos_encoding=RoPE()),
+]
+prefetch(__name__, [("prefill_sm90", s, "sm_90a") for s in SM90_SPECS + GATHER_SPECS]
+         + [("rope_gather", s, "sm_90a") for s in ROPE_SPECS])
 BUILD_SECONDS = 60  # per variant on the 2-core build machine (about 1 s measured with nvcc 13.0)
 
 
@@ -155,12 +163,7 @@ def test_sm90_o_staging_only_where_it_fits():
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("spec", [
-    AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE()),
-    AttentionSpec(128, kv_layout=Paged(64, "HND"), pos_encoding=RoPE()),
-    AttentionSpec(64, dtype="float16", kv_layout=Ragged(), pos_encoding=RoPE()),
-    AttentionSpec(256, kv_layout=Paged(1), pos_encoding=RoPE()),
-], ids=lambda s: s.uri)
+@pytest.mark.parametrize("spec", ROPE_SPECS, ids=lambda s: s.uri)
 def test_rope_gather_compiles_without_spills(shared_cache, spec):
 
     entry = jit.ensure_compiled(spec, "rope_gather", "sm_90a")
