@@ -233,14 +233,13 @@ def _current_device() -> int | None:
 
 def _no_device(spec: object, op: str, arch: str | None, options: dict | None) -> NoReturn:
     """Compile (spec, op) if a target arch is known, then raise ``NoDeviceError`` saying what happened."""
-    try:
-        req = prepare(spec, op, arch, options=options)
-    except ToolchainError:
+    if not (arch or knobs.cuda_arch()):
         raise NoDeviceError(
             f"no GPU is visible to load kernel {op!r} on, and no target arch is set to compile it for; "
             f"to compile without loading, call flashgen.ensure_compiled(spec, {op!r}, arch='sm_90a') "
             "(or set FLASHGEN_CUDA_ARCH)"
-        ) from None
+        )
+    req = prepare(spec, op, arch, options=options)
     entry = _ensure(req, default_store())
     raise NoDeviceError(
         f"kernel {req.uri} is compiled for {req.arch} and cached at {entry.path}, but no GPU is visible to load "
