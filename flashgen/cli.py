@@ -185,13 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # the command line shows the error, not a traceback
         from .cache import CacheError
         from .compile import CompileError, ToolchainError
+        from .jit import MissingKernelError
+        from .spec import SpecError
 
         if isinstance(exc, CacheError):  # an unusable cache folder: one line naming it and the fix
             print(f"flashgen {args.command}: {exc}", file=sys.stderr)
             return 1
-        from .jit import MissingKernelError
-        from .spec import SpecError
-
         if isinstance(exc, (CompileError, ToolchainError, MissingKernelError, SpecError, FileNotFoundError)):
             print(f"flashgen {args.command}: {exc}", file=sys.stderr)
             return 2
