@@ -94,9 +94,11 @@ def pytest_collection_finish(session):
     jobs_file = session.config.kernel_cache / "prefetch.json"
     jobs_file.write_text(json.dumps(jobs))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    # its own process group (killed whole at the end), in this session: a new session would be a new
+    # scheduler autogroup, where its lower priority would not count against the tests'
     session.config.prefetcher = subprocess.Popen(
-        [sys.executable, compile_checks.__file__, str(jobs_file), str(session.config.kernel_cache)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [sys.executable, compile_checks.__file__, str(jobs_file), str(session.config.kernel_cache)], env=env,
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=os.setpgrp)
 
 
 def pytest_sessionfinish(session):
