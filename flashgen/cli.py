@@ -146,7 +146,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     store = _store()
     if args.action == "list":
         for path in store.entry_dirs():
-            entry, problem = read_entry(path)
+            entry, problem = read_entry(path, deep=True)
             status = "ok" if entry else f"BAD: {problem}"
             size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
             print(f"{path.parent.name}  {path.name:<60} {size / 1024:8.0f} KiB  {status}")
@@ -226,12 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except Exception as exc:  # the command line shows the error, not a traceback
+        from .cache import CacheError
         from .compile import CompileError, ToolchainError
         from .jit import MissingKernelError
         from .spec import SpecError
 
-        if isinstance(exc, (UsageError, CompileError, ToolchainError, MissingKernelError, SpecError,
-                            FileNotFoundError)):
+        if isinstance(exc, CacheError):  # an unusable cache folder: one line naming it and the fix
+            print(f"flashgen {args.command}: {exc}", file=sys.stderr)
+            return 1
+        if isinstance(exc, CompileError):  # nvcc's log, as it wrote it
+            print(f"flashgen {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, (UsageError, ToolchainError, MissingKernelError, SpecError, FileNotFoundError)):
             message = " ".join(str(exc).split())  # one line
             print(f"flashgen {args.command}: error: {message}", file=sys.stderr)
             return 2

@@ -9,7 +9,10 @@ Contract of ``build(spec, op, options=None)``:
    entry's file lock, look again (another process may have built it meanwhile), compile with ninja + nvcc
    into a temporary folder and publish it atomically; then load it. The loaded ``Kernel`` carries the family's
    ``LaunchConfig`` (``kernel.launch_config``: block, shared memory, tiles), and every entry point's maximum
-   dynamic shared memory is set to its ``smem_bytes``.
+   dynamic shared memory is set to its ``smem_bytes``. A cache folder that cannot be written raises
+   ``CacheError`` (naming the folder and the fix); a read-only one that holds the kernel still serves it.
+4. Without a GPU nothing can be loaded: ``build`` compiles for the target arch if one is set, then raises
+   ``NoDeviceError``; ``ensure_compiled`` is the compile-only call.
 Without nvcc, kernels already in a cache (an AOT cache shipped with a deployment) are still found: they
 are matched by their content key, which leaves the compiler out.
 """
@@ -21,16 +24,27 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 from . import knobs
 from ._version import __version__
 from .cache import CacheStore, Entry, KeyInputs, kernel_key, read_entry, read_header_tree
 from .kernels import EntryPoint, LaunchConfig, family, include_dir
-from .compile import CUBIN, SOURCE, ToolchainError, choose_arch, find_nvcc, nvcc_flags, run_ninja, write_build_ninja
+from .compile import (CUBIN, SOURCE, ToolchainError, choose_arch, device_arch, find_nvcc, nvcc_flags, run_ninja,
+                      write_build_ninja, write_source)
 
 
 class MissingKernelError(RuntimeError):
     """JIT is disabled (``FLASHGEN_DISABLE_JIT=1``) and the kernel is in no cache."""
+
+
+class NoDeviceError(RuntimeError):
+    """``build`` found no GPU to load the kernel on. ``entry``: the cache entry it compiled (or found) for the
+    target arch, None when no arch was given to compile for."""
+
+    def __init__(self, message: str, entry: Entry | None = None):
+        super().__init__(message)
+        self.entry = entry
 
 
 # counts real compiles in this process: a warm call must leave it unchanged
@@ -98,8 +112,8 @@ def _lookup_by_content(store: CacheStore, req: BuildRequest) -> Entry | None:
 def _compile(store: CacheStore, req: BuildRequest) -> Entry:
     nvcc = find_nvcc()  # raises ToolchainError with a clear message when absent
     build_dir = store.new_build_dir(req.arch, req.uri, req.key)
-    (build_dir / SOURCE).write_text(req.source)
-    write_build_ninja(build_dir, nvcc, nvcc_flags(req.arch), include_dir())
+    write_source(build_dir, req.source)
+    write_build_ninja(build_dir, nvcc, req.arch, include_dir())
     start = time.perf_counter()
     run_ninja(build_dir, req.uri)
     stats["compiles"] += 1
@@ -118,7 +132,17 @@ def _compile(store: CacheStore, req: BuildRequest) -> Entry:
 
 def ensure_compiled(spec: object, op: str, arch: str | None = None, store: CacheStore | None = None,
                     options: dict | None = None) -> Entry:
-    """The cache entry for (spec, op, arch), compiling it on a miss. Needs nvcc, not a GPU."""
+    """The cache entry for (spec, op, arch), compiling it on a miss, without loading it: needs nvcc, not a
+    GPU. This is the call for machines without one (an AOT build, a CI job); ``flashgen build`` uses it.
+    ``arch``: the target (``"sm_90a"``), default ``FLASHGEN_CUDA_ARCH``, else the GPU's own. Raises
+    ``ToolchainError`` without nvcc (unless the kernel is cached), ``CacheError`` when the cache cannot be
+    written, ``MissingKernelError`` on a miss with ``FLASHGEN_DISABLE_JIT=1``.
+
+    Example::
+
+        entry = flashgen.ensure_compiled(MergeSpec("bfloat16"), "merge_states", arch="sm_90a")
+        entry.path    # <cache>/sm_90a/merge_states_bf16-<hash16>/, holding kernel.cubin
+    """
     return _ensure(prepare(spec, op, arch, options=options), store or default_store())
 
 
@@ -175,15 +199,17 @@ def build(spec: object, op: str, device: int | None = None, arch: str | None = N
     """A loaded ``Kernel`` for (spec, op) on ``device`` (default: torch's current device); ``options``: the
     family's kernel options (``{"tiles": "kv32"}`` for ``prefill``), part of the kernel's uri and key.
 
+    Without a GPU there is nothing to load on: given a target arch (``arch=`` or ``FLASHGEN_CUDA_ARCH``) it
+    still compiles and caches the kernel, then raises ``NoDeviceError`` saying so (the entry in ``.entry``);
+    ``ensure_compiled`` is the call that only compiles.
+
     Example::
 
         kernel = flashgen.build(MergeSpec("bfloat16"), "merge_states")
         kernel["merge_states"].launch(grid, kernel.launch_config.block, 0, stream, *params)
     """
     if device is None:
-        import torch
-
-        device = torch.cuda.current_device()
+        device = _current_device()
     cache_key = (op, spec, tuple(sorted(options.items())) if options else (), arch, device)
     kernel = _loaded.get(cache_key)
     if kernel is not None:
@@ -196,9 +222,37 @@ def build(spec: object, op: str, device: int | None = None, arch: str | None = N
     return kernel
 
 
-def _load(spec: object, op: str, device: int, arch: str | None, options: dict | None) -> Kernel:
+def _current_device() -> int | None:
+    import torch
+
+    try:
+        return torch.cuda.current_device()
+    except (AssertionError, RuntimeError):  # a CPU build of torch ("not compiled with CUDA"), or no GPU visible
+        return None
+
+
+def _no_device(spec: object, op: str, arch: str | None, options: dict | None) -> NoReturn:
+    """Compile (spec, op) if a target arch is known, then raise ``NoDeviceError`` saying what happened."""
+    if not (arch or knobs.cuda_arch()):
+        raise NoDeviceError(
+            f"no GPU is visible to load kernel {op!r} on, and no target arch is set to compile it for; "
+            f"to compile without loading, call flashgen.ensure_compiled(spec, {op!r}, arch='sm_90a') "
+            "(or set FLASHGEN_CUDA_ARCH)"
+        )
+    req = prepare(spec, op, arch, options=options)
+    entry = _ensure(req, default_store())
+    raise NoDeviceError(
+        f"kernel {req.uri} is compiled for {req.arch} and cached at {entry.path}, but no GPU is visible to load "
+        f"it on; flashgen.ensure_compiled(spec, {op!r}, arch={req.arch!r}) compiles without loading",
+        entry,
+    )
+
+
+def _load(spec: object, op: str, device: int | None, arch: str | None, options: dict | None) -> Kernel:
     from .runtime import Module
 
+    if device is None or device_arch(device) is None:
+        _no_device(spec, op, arch, options)
     req = prepare(spec, op, arch, device, options)
     entry = _ensure(req, default_store())
     module = Module(entry.cubin, device)

@@ -13,7 +13,7 @@ shapes a kernel: a kernel-shaping choice is a family option that enters the kern
 | ``FLASHGEN_NVCC_THREADS`` | ``nvcc --threads`` value (default 1) |
 | ``FLASHGEN_VERBOSE`` | ``1``: print each compile and its time to stderr |
 | ``FLASHGEN_CHECK_INDICES`` | ``1``: the wrappers' ``check_indices`` defaults to on (device page ids checked at plan; syncs) |
-| ``CUDA_HOME`` / ``CUDA_PATH`` | where to look for ``bin/nvcc`` before ``PATH`` |
+| ``CUDA_HOME`` / ``CUDA_PATH`` | the toolkit: ``bin/nvcc`` under it is used, and it is an error if it has none |
 """
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ def check_indices() -> bool:
     return _flag("FLASHGEN_CHECK_INDICES")
 
 
-def cuda_home() -> Path | None:
-    value = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    return Path(value) if value else None
+def cuda_home() -> tuple[str, Path | None]:
+    """(the variable that names the toolkit, its folder): ``CUDA_HOME``, else ``CUDA_PATH``; (``""``, None)
+    when neither is set."""
+    for name in ("CUDA_HOME", "CUDA_PATH"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            return name, Path(value).expanduser()
+    return "", None

@@ -24,10 +24,8 @@ class Nvcc:
 
 
 def _candidates() -> list[Path]:
+    """Where nvcc is looked for when neither CUDA_HOME nor CUDA_PATH is set."""
     found = []
-    home = knobs.cuda_home()
-    if home is not None:
-        found.append(home / "bin" / "nvcc")
     which = shutil.which("nvcc")
     if which:
         found.append(Path(which))
@@ -48,7 +46,18 @@ def _probe(path: str) -> Nvcc:
 
 
 def find_nvcc() -> Nvcc:
-    """The nvcc to use: ``$CUDA_HOME/bin/nvcc``, then ``nvcc`` on PATH, then ``/usr/local/cuda/bin/nvcc``."""
+    """The nvcc to use: ``$CUDA_HOME/bin/nvcc`` (``CUDA_PATH`` if ``CUDA_HOME`` is unset) when set, and an
+    error if that toolkit has no nvcc (never a silent fall back to another toolkit); else ``nvcc`` on PATH,
+    then ``/usr/local/cuda/bin/nvcc``."""
+    variable, home = knobs.cuda_home()
+    if home is not None:
+        nvcc = home / "bin" / "nvcc"
+        if not nvcc.is_file():
+            raise ToolchainError(
+                f"{variable}={home} has no nvcc: looked for {nvcc}; point {variable} at a CUDA toolkit folder "
+                f"(the one holding bin/nvcc), or unset it to use nvcc from PATH"
+            )
+        return _probe(str(nvcc))
     for candidate in _candidates():
         if candidate.is_file():
             return _probe(str(candidate))

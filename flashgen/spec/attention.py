@@ -43,6 +43,10 @@ class AttentionSpec:
     ``SpecError`` naming the field, as is a number field (``soft_cap``, ``sm_scale``, RoPE ``theta``/``scale``)
     that is not finite and > 0.
 
+    Logits, in this order (``flashgen.testing.reference`` computes the same): RoPE rotates q and k; ``x = q.k *
+    sm_scale``; ALiBi adds ``slope[h] * (k_pos - q_pos)``; the soft-cap maps ``x -> soft_cap * tanh(x /
+    soft_cap)``, so ALiBi is applied before the cap (FlashInfer's order); then the mask.
+
     Example::
 
         spec = AttentionSpec(head_dim=128, dtype="bfloat16", kv_layout=Paged(16), mask=Causal())

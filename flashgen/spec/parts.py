@@ -230,7 +230,12 @@ class RoPE:
 
 @dataclass(frozen=True)
 class ALiBi:
-    """ALiBi linear biases with the standard per-head slopes (any head count)."""
+    """ALiBi linear biases with the standard per-head slopes (Press et al.; any head count).
+
+    The bias ``slope[h] * (k_pos - q_pos)`` is added to the scaled logit ``q.k * sm_scale`` *before* the
+    soft-cap (``AttentionSpec.soft_cap``) squashes it, as FlashInfer does: with both,
+    ``logit = soft_cap * tanh((q.k * sm_scale + slope[h] * (k_pos - q_pos)) / soft_cap)``, then the mask.
+    """
 
     def validate(self) -> None:
         pass

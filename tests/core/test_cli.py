@@ -1,3 +1,8 @@
+"""The `flashgen` command. `info` runs as a real process (the entry point); the rest call `cli.main` in this
+process (each process would spend seconds importing torch), with kernels that are not the point of a test
+copied from the session's shared cache rather than compiled again."""
+
+import json
 import os
 import re
 import subprocess
@@ -6,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from compile_checks import prefetch, seed
+from flashgen import cli
 from flashgen.cli import DEFAULT_BUILDS
+from flashgen.compile import toolchain
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -16,6 +24,43 @@ def flashgen(*args, cache: Path, **env):
                           env={**os.environ, "PYTHONPATH": str(REPO), "FLASHGEN_CACHE_DIR": str(cache), **env})
 
 
+@pytest.fixture
+def run(cache_dir, capsys):
+    """``run(*args)`` -> (exit code, stdout, stderr) of ``flashgen *args`` on the test's private cache."""
+    def run(*args):
+        code = cli.main(list(args))
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+def plan_file(tmp_path: Path, items: list[dict]) -> str:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(items))
+    return str(path)
+
+
+MERGE_F16 = {"op": "merge_states", "spec": {"type": "MergeSpec", "dtype": "float16"}}
+ROPE_PLAN = [{"op": "prefill_sm90", "spec": {
+    "type": "AttentionSpec", "head_dim": 128, "kv_layout": {"type": "Paged", "page_size": 16},
+    "mask": {"type": "Causal"}, "pos_encoding": {"type": "RoPE"}}}]
+PLANS = sorted((REPO / "plans").glob("*.json"))
+
+
+def plan_builds(items: list[dict]) -> list[tuple[str, object]]:
+    """What `flashgen build --plan` compiles for a plan's items (cli._plan_builds on a file)."""
+    from flashgen.api.backends import kernels_for
+
+    specs = [(item["op"], cli.spec_from_dict(item["spec"])) for item in items]
+    return [b for op, spec in specs for b in (kernels_for(spec, "sm90") if op == "prefill_sm90" else [(op, spec)])]
+
+
+prefetch(__name__, [(op, spec, "sm_90a") for op, spec in DEFAULT_BUILDS + tuple(plan_builds(ROPE_PLAN))]
+         + [(op, spec, "sm_90a") for plan in PLANS for op, spec in plan_builds(json.loads(plan.read_text()))]
+         + [("merge_states", cli.spec_from_dict(MERGE_F16["spec"]), "sm_80")])
+
+
 def test_info_runs(tmp_path):
     out = flashgen("info", cache=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -23,72 +68,76 @@ def test_info_runs(tmp_path):
 
 
 @pytest.mark.nvcc
-def test_build_list_verify_clean(tmp_path):
-    built = flashgen("build", "--arch", "sm_90a", cache=tmp_path)
-    assert built.returncode == 0, built.stderr
-    assert len(built.stdout.strip().splitlines()) == len(DEFAULT_BUILDS) == 6
-    assert built.stdout.count("sm_90a  merge_states_") == 3 and "sm_90a  decode_d128" in built.stdout
-    assert "sm_90a  prefill_sm90_d128" in built.stdout
-    listed = flashgen("cache", "list", cache=tmp_path)
-    assert listed.stdout.count(" ok") == 6
-    assert flashgen("cache", "verify", cache=tmp_path).returncode == 0
-    cubin = next((tmp_path / "sm_90a").glob("merge_states_f16-*")) / "kernel.cubin"
+def test_build_list_verify_clean(run, cache_dir, kernel_cache):
+    seed(cache_dir, kernel_cache, [(op, spec, "sm_90a") for op, spec in DEFAULT_BUILDS])
+    code, built, err = run("build", "--arch", "sm_90a")
+    assert code == 0, err
+    assert len(built.strip().splitlines()) == len(DEFAULT_BUILDS) == 6
+    assert built.count("sm_90a  merge_states_") == 3 and "sm_90a  decode_d128" in built
+    assert "sm_90a  prefill_sm90_d128" in built
+    assert run("cache", "list")[1].count(" ok") == 6
+    assert run("cache", "verify")[0] == 0
+    cubin = next((cache_dir / "sm_90a").glob("merge_states_f16-*")) / "kernel.cubin"
     cubin.write_bytes(b"\x7fELF garbage")
-    bad = flashgen("cache", "verify", cache=tmp_path)
-    assert bad.returncode == 1 and "BAD" in bad.stdout
-    assert flashgen("cache", "clean", "--corrupt", cache=tmp_path).returncode == 0
-    assert flashgen("cache", "list", cache=tmp_path).stdout.count(" ok") == 5
-    flashgen("cache", "clean", cache=tmp_path)
-    assert flashgen("cache", "list", cache=tmp_path).stdout.strip() == ""
+    code, bad, _ = run("cache", "verify")
+    assert code == 1 and "BAD" in bad
+    assert run("cache", "clean", "--corrupt")[0] == 0
+    assert run("cache", "list")[1].count(" ok") == 5
+    run("cache", "clean")
+    assert run("cache", "list")[1].strip() == ""
 
 
-def test_build_without_gpu_or_arch_is_a_clear_error(tmp_path):
-    out = flashgen("build", cache=tmp_path, CUDA_VISIBLE_DEVICES="", FLASHGEN_CUDA_ARCH="")
-    assert out.returncode == 2
-    assert "explicit arch" in out.stderr
-
-
-@pytest.mark.nvcc
-def test_build_from_a_plan_file(tmp_path):
-    plan = tmp_path / "plan.json"
-    plan.write_text('[{"op": "merge_states", "spec": {"type": "MergeSpec", "dtype": "float16"}}]')
-    out = flashgen("build", "--arch", "sm_80", "--plan", str(plan), cache=tmp_path / "c")
-    assert out.returncode == 0, out.stderr
-    assert "sm_80  merge_states_f16" in out.stdout
+def test_build_without_gpu_or_arch_is_a_clear_error(run, monkeypatch):
+    monkeypatch.delenv("FLASHGEN_CUDA_ARCH", raising=False)
+    monkeypatch.setattr(toolchain, "device_arch", lambda device=None: None)
+    code, _, err = run("build")
+    assert code == 2
+    assert "explicit arch" in err
 
 
 @pytest.mark.nvcc
-def test_hopper_only_builds_are_skipped_for_other_archs(tmp_path):
-    plan = tmp_path / "plan.json"
-    plan.write_text('[{"op": "prefill_sm90", "spec": {"type": "AttentionSpec", "head_dim": 64, "kv_layout": '
-                    '{"type": "Ragged"}}}, {"op": "merge_states", "spec": {"type": "MergeSpec", "dtype": "float16"}}]')
-    out = flashgen("build", "--arch", "sm_80", "--plan", str(plan), cache=tmp_path / "c")
-    assert out.returncode == 0, out.stderr
-    assert "skipping 1 sm_90a-only build(s): prefill_sm90" in out.stdout and "sm_80  merge_states_f16" in out.stdout
+def test_build_from_a_plan_file(run, tmp_path):
+    code, out, err = run("build", "--arch", "sm_80", "--plan", plan_file(tmp_path, [MERGE_F16]))  # compiles
+    assert code == 0, err
+    assert "sm_80  merge_states_f16" in out
 
 
 @pytest.mark.nvcc
-def test_a_rope_spec_builds_what_the_sm90_backend_runs(tmp_path):
+def test_hopper_only_builds_are_skipped_for_other_archs(run, tmp_path, cache_dir, kernel_cache):
+    items = [{"op": "prefill_sm90", "spec": {"type": "AttentionSpec", "head_dim": 64, "kv_layout": {"type": "Ragged"}}},
+             MERGE_F16]
+    seed(cache_dir, kernel_cache, [("merge_states", cli.spec_from_dict(MERGE_F16["spec"]), "sm_80")])
+    code, out, err = run("build", "--arch", "sm_80", "--plan", plan_file(tmp_path, items))
+    assert code == 0, err
+    assert "skipping 1 sm_90a-only build(s): prefill_sm90" in out and "sm_80  merge_states_f16" in out
+
+
+@pytest.mark.nvcc
+def test_a_rope_spec_builds_what_the_sm90_backend_runs(run, tmp_path, cache_dir, kernel_cache):
     """RoPE on sm90 is the rope_gather pre-pass plus the kernel of the spec's ragged twin: a plan naming the
     spec gets both, so a deployment with FLASHGEN_DISABLE_JIT=1 finds them."""
-    plan = tmp_path / "plan.json"
-    plan.write_text('[{"op": "prefill_sm90", "spec": {"type": "AttentionSpec", "head_dim": 128, "kv_layout": '
-                    '{"type": "Paged", "page_size": 16}, "mask": {"type": "Causal"}, "pos_encoding": '
-                    '{"type": "RoPE"}}}]')
-    out = flashgen("build", "--arch", "sm_90a", "--plan", str(plan), cache=tmp_path / "c")
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.strip().splitlines()
-    assert len(lines) == 2, out.stdout
-    assert "sm_90a  rope_gather_d128_vo128_bf16_kvbf16_paged16nhd_nomask_rope_nocap" in out.stdout  # mask-free
-    assert "sm_90a  prefill_sm90_d128_vo128_bf16_kvbf16_ragged_causal_nopos_nocap" in out.stdout
+    plan = plan_file(tmp_path, ROPE_PLAN)
+    assert cli._plan_builds(Path(plan)) == plan_builds(ROPE_PLAN)
+    seed(cache_dir, kernel_cache, [(op, spec, "sm_90a") for op, spec in plan_builds(ROPE_PLAN)])
+    code, out, err = run("build", "--arch", "sm_90a", "--plan", plan)
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 2, out
+    assert "sm_90a  rope_gather_d128_vo128_bf16_kvbf16_paged16nhd_nomask_rope_nocap" in out  # mask-free
+    assert "sm_90a  prefill_sm90_d128_vo128_bf16_kvbf16_ragged_causal_nopos_nocap" in out
 
 
 @pytest.mark.nvcc
-def test_shipped_build_plans_compile(tmp_path):
-    for plan in sorted((REPO / "plans").glob("*.json")):
-        out = flashgen("build", "--arch", "sm_90a", "--plan", str(plan), cache=tmp_path / plan.stem)
-        assert out.returncode == 0, out.stderr
-        assert len(out.stdout.strip().splitlines()) == len(__import__("json").loads(plan.read_text()))
+def test_shipped_build_plans_compile(run, cache_dir, kernel_cache, monkeypatch):
+    for plan in PLANS:
+        cache = cache_dir / plan.stem
+        monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(cache))
+        builds = cli._plan_builds(plan)
+        assert builds == plan_builds(json.loads(plan.read_text()))
+        seed(cache, kernel_cache, [(op, spec, "sm_90a") for op, spec in builds])  # compiled once a session
+        code, out, err = run("build", "--arch", "sm_90a", "--plan", str(plan))
+        assert code == 0, err
+        assert len(out.strip().splitlines()) == len(json.loads(plan.read_text()))
 
 
 # user errors: exit code 2 and one line on stderr naming what is wrong, never a traceback (in-process: fast)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from compile_checks import assert_sound_cubin, build_all
+from compile_checks import assert_sound_cubin, build_all, prefetch
 from flashgen.kernels import family
 from flashgen.spec import ALiBi, AttentionSpec, MergeSpec, Paged, Ragged, RoPE, SlidingWindow
 
@@ -18,10 +18,11 @@ DECODE_SPECS = [
     AttentionSpec(256, dtype="float16", kv_dtype="float8_e5m2", kv_layout=Paged(3, "HND")),
 ]
 MATRIX = [("decode", s) for s in DECODE_SPECS] + [("merge_states", MergeSpec(d)) for d in ("f16", "bf16", "f32")]
+prefetch(__name__, [(op, spec, "sm_90a") for op, spec in MATRIX])
 
 
 @pytest.mark.nvcc
-def test_representative_matrix_compiles_for_sm90a(cache_dir):
+def test_representative_matrix_compiles_for_sm90a(shared_cache):
     results = build_all([(op, spec, "sm_90a") for op, spec in MATRIX])
     for (op, spec), (entry, report) in zip(MATRIX, results):
         names = [e.name for e in family(op).entry_points(family(op).project(spec))]

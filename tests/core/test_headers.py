@@ -8,9 +8,12 @@ import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from compile_checks import WORKERS
 
 INCLUDE = Path(__file__).resolve().parents[2] / "templates" / "include"
 HEADERS = sorted(p.relative_to(INCLUDE).as_posix() for p in (INCLUDE / "flashgen").rglob("*.cuh"))
@@ -43,13 +46,28 @@ def test_templates_include_existing_headers():
             assert (INCLUDE / name).is_file(), f"{template.name} includes {name}, which does not exist"
 
 
-@pytest.mark.nvcc
-@pytest.mark.parametrize("header", HEADERS)
-def test_header_compiles_alone(tmp_path, header):
+def _compile_alone(folder: Path, header: str) -> str:
+    """nvcc's complaint when ``header`` does not compile as the only include of a translation unit, else ''."""
     arch = "sm_90a" if header.startswith("flashgen/sm90/") else "sm_80"
-    source = tmp_path / "alone.cu"
+    folder.mkdir(parents=True)
+    source = folder / "alone.cu"
     source.write_text(f"#include <{header}>\n")
     cmd = [nvcc(), "-cubin", f"-arch={arch}", "-std=c++17", "--expt-relaxed-constexpr", f"-I{INCLUDE}",
-           "-o", str(tmp_path / "alone.cubin"), str(source)]
+           "-o", str(folder / "alone.cubin"), str(source)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"{header} does not compile alone ({arch}):\n{done.stderr[-4000:]}"
+    return "" if done.returncode == 0 else f"{header} does not compile alone ({arch}):\n{done.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def compiled_alone(tmp_path_factory):
+    """header -> nvcc's complaint ('' when it compiles), every header compiled at once (one nvcc per core)."""
+    base = tmp_path_factory.mktemp("alone")
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        return dict(zip(HEADERS, pool.map(lambda item: _compile_alone(base / str(item[0]), item[1]),
+                                          enumerate(HEADERS))))
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("header", HEADERS)
+def test_header_compiles_alone(compiled_alone, header):
+    assert not compiled_alone[header], compiled_alone[header]

@@ -4,7 +4,7 @@ every tile preset of the family option ``tiles``; the preset is part of the uri 
 import pytest
 
 import flashgen
-from compile_checks import assert_sound_cubin, build_all
+from compile_checks import assert_sound_cubin, build_all, prefetch
 from flashgen.kernels import family
 from flashgen.kernels.prefill import PRESETS, PrefillTiles, parse_tiles, prefill_smem_bytes, prefill_stages
 from flashgen.spec import ALiBi, AttentionSpec, Causal, CustomMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
@@ -20,11 +20,13 @@ PREFILL_SPECS = [
     AttentionSpec(128, kv_layout=Paged(64), mask=CustomMask(), pos_encoding=ALiBi(), dtype="float16"),
 ]
 MATRIX = [(spec, arch) for arch in ("sm_80", "sm_90a") for spec in PREFILL_SPECS]
+for _tiles in sorted(PRESETS):
+    prefetch(__name__, [("prefill", spec, arch) for spec, arch in MATRIX], options={"tiles": _tiles})
 
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("tiles", sorted(PRESETS))
-def test_prefill_matrix_compiles_without_spills(cache_dir, tiles):
+def test_prefill_matrix_compiles_without_spills(shared_cache, tiles):
     results = build_all([("prefill", spec, arch) for spec, arch in MATRIX], workers=8, options={"tiles": tiles})
     for (spec, arch), (entry, report) in zip(MATRIX, results):
         assert_sound_cubin(entry, report, ["prefill"], f"{arch} {tiles}")
