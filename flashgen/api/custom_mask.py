@@ -15,11 +15,31 @@ from .staging import extra_offsets
 
 class MaskBits(NamedTuple):
     """A batch's custom mask: request ``b``'s ``[qo_len, kv_len]`` bits start at bit ``offsets[b]`` of
-    ``host`` (uint8 numpy, a mask given on the host) or ``device`` (uint8 CUDA tensor, read in place)."""
+    ``host`` (uint8 numpy, a mask given on the host) or ``device`` (uint8 CUDA tensor, read in place); the
+    kernels read its first ``nbytes`` bytes."""
 
     offsets: np.ndarray
     host: np.ndarray | None
     device: torch.Tensor | None
+    nbytes: int
+
+
+# a CUDA-graph wrapper's copy of device masks is sized by its first plan
+MASK_BYTES_HINT = "make the first plan the one with the most mask bits, or give the masks on the host"
+
+
+def device_mask(bits: MaskBits, buffer) -> torch.Tensor | None:
+    """The device mask the kernel reads: ``bits.device`` itself, or in CUDA-graph mode (``buffer``: the wrapper's
+    fixed uint8 ``DeviceBuffer``) a copy of its bytes in that buffer. A captured graph keeps the mask's address
+    (the params are captured by value), so a later plan's new mask tensor read in place would be ignored,
+    silently; the copy is one device-to-device ``copy_`` on torch's current stream at plan time, ordered after
+    the replays already queued. None for a host mask (it travels with the plan)."""
+    if bits.device is None or buffer is None:
+        return bits.device
+    dst = buffer.get(bits.nbytes, "custom_mask", MASK_BYTES_HINT)
+    if bits.nbytes:
+        dst[: bits.nbytes].copy_(bits.device[: bits.nbytes], non_blocking=True)
+    return dst
 
 
 def custom_mask_bits(custom_mask, qo: np.ndarray, kv_lens: np.ndarray) -> MaskBits:
@@ -50,11 +70,11 @@ def custom_mask_bits(custom_mask, qo: np.ndarray, kv_lens: np.ndarray) -> MaskBi
                             f"{tuple(custom_mask.shape)}")
         if custom_mask.numel() < need:
             raise PlanError(f"custom_mask: {custom_mask.numel()} bytes, expected {need} (sum of qo_len * kv_len bits)")
-        return MaskBits(offsets, None, custom_mask)
+        return MaskBits(offsets, None, custom_mask, need)
     packed = np.asarray(custom_mask.cpu() if isinstance(custom_mask, torch.Tensor) else custom_mask)
     if packed.dtype != np.uint8 or packed.ndim != 1 or packed.size < need:
         raise PlanError(f"custom_mask: expected uint8 [{need}] packed bits, got {packed.dtype} {packed.shape}")
-    return MaskBits(offsets, packed, None)
+    return MaskBits(offsets, packed, None, need)
 
 
 def mask_extras(plan_numel: int, bits: MaskBits, indptr: np.ndarray, entries: np.ndarray, extras: dict,

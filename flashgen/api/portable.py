@@ -13,7 +13,7 @@ import torch
 from ..plan import SplitPolicy, plan_prefill
 from ..plan.mask_tiles import split_plan_mask_tiles
 from ..spec import CustomMask, NoMask
-from .custom_mask import custom_mask_bits, mask_extras
+from .custom_mask import custom_mask_bits, device_mask, mask_extras
 from .device import current_stream
 from .kv_inputs import KVView, PageTable, device_page_ids
 from .staging import DeviceBuffer
@@ -94,6 +94,7 @@ class PortablePrefill(SplitKVLaunch):
         self.core, self.spec, self.options = core, core.spec, options
         self._tmp_o = DeviceBuffer(torch.float32, core.device, core.fixed)
         self._tmp_lse = DeviceBuffer(torch.float32, core.device, core.fixed)
+        self._masks = DeviceBuffer(torch.uint8, core.device, True) if core.fixed else None  # graph mode: mask copies
         self._kernel = None
         self._held = (None, None)  # a device page table and a device mask, read in place
         self.last_plan = None
@@ -147,9 +148,10 @@ class PortablePrefill(SplitKVLaunch):
 
     def _mask_extras(self, plan, qo: np.ndarray, kv_lens: np.ndarray, custom_mask, extras: dict,
                      pages_host: np.ndarray | None):
-        """The custom mask's arrays after ``extras`` (``mask_extras``), the device mask to read in place (or
-        None), and the room a CUDA-graph buffer keeps for later masks: each item's tile list is its chunk's
-        tiles that some row sees (``split_plan_mask_tiles``); a device mask lists every tile (partial)."""
+        """The custom mask's arrays after ``extras`` (``mask_extras``), the device mask the kernel reads (or
+        None; ``device_mask``: in place, or its copy in CUDA-graph mode), and the room a CUDA-graph buffer keeps
+        for later masks: each item's tile list is its chunk's tiles that some row sees (``split_plan_mask_tiles``);
+        a device mask lists every tile (partial)."""
         bits = custom_mask_bits(custom_mask, qo, kv_lens)
         tile_kv = self._launch.tile_kv
         indptr, entries = split_plan_mask_tiles(plan, bits.host, bits.offsets, kv_lens, tile_kv=tile_kv)
@@ -157,4 +159,4 @@ class PortablePrefill(SplitKVLaunch):
         start, end = plan.numpy("kv_start")[:n].astype(np.int64), plan.numpy("kv_end")[:n].astype(np.int64)
         dense = int(np.maximum(-(-end // tile_kv) - start // tile_kv, 0).sum())  # the most any mask lists
         out = mask_extras(plan.numel, bits, indptr, entries, extras, pages_host, self.core.max_batch_size)
-        return out, bits.device, max(dense - entries.size, 0)
+        return out, device_mask(bits, self._masks), max(dense - entries.size, 0)

@@ -35,11 +35,12 @@ class BatchPrefillWrapper:
     Queries of request b are its last ``qo_len`` tokens: a causal mask is aligned to the end of its KV.
     ``use_cuda_graph=True`` with ``max_batch_size`` and ``max_total_q``: every buffer and the grid are
     sized for those maxima, so a graph captured around ``run()`` replays correctly after ``plan()`` of any
-    batch up to them (q and out then have ``max_total_q`` rows; the KV cache and a device custom mask must keep
-    their addresses). Device page ids are copied at each plan into a buffer the wrapper owns, so each plan may
-    pass a fresh tensor: ``max_num_pages`` (the most page ids one plan uses, ``kv_indptr[-1]``) or, for a block
-    table, ``max_pages_per_request`` (the columns kept of each row) size it, by default the first plan's (see
-    ``BatchDecodeWrapper``; CUDA-graph mode only). ``check_indices``: plan() checks device page ids on the GPU,
+    batch up to them (q and out then have ``max_total_q`` rows; the KV cache must keep its addresses). Device page
+    ids are copied at each plan into a buffer the wrapper owns, so each plan may pass a fresh tensor:
+    ``max_num_pages`` (the most page ids one plan uses, ``kv_indptr[-1]``) or, for a block table,
+    ``max_pages_per_request`` (the columns kept of each row) size it, by default the first plan's (see
+    ``BatchDecodeWrapper``; CUDA-graph mode only). A device custom mask is copied the same way, into a buffer
+    sized by the first plan's mask (plan the batch with the most mask bits first). ``check_indices``: plan() checks device page ids on the GPU,
     a debugging aid that synchronises (as ``BatchDecodeWrapper``'s). ``workspace`` is accepted for
     FlashInfer-style call sites; the wrapper owns its buffers.
 

@@ -23,7 +23,7 @@ from ..plan import plan_prefill
 from ..plan.mask_tiles import plan_mask_tiles
 from ..spec import AttentionSpec, CustomMask, Paged, RoPE
 from .backends import kernels_for
-from .custom_mask import custom_mask_bits, mask_extras
+from .custom_mask import custom_mask_bits, device_mask, mask_extras
 from .device import current_stream
 from .fastdiv import fast_div
 from .kv_inputs import TORCH_DTYPES, KVView, PageTable
@@ -128,7 +128,8 @@ class SM90Prefill:
         self._scratch = DeviceBuffer(TORCH_DTYPES[spec.dtype], core.device, False) if self.rope else None
         self._maps: dict[tuple, bytes] = {}  # q / out tensor maps (_qo_map)
         self._kernel = None
-        self._mask_held: torch.Tensor | None = None  # a device custom mask, read in place
+        self._mask_held: torch.Tensor | None = None  # a device custom mask (in place, or its graph-mode copy)
+        self._masks = DeviceBuffer(torch.uint8, core.device, True) if core.fixed else None
         self._page_ids_held: torch.Tensor | None = None  # a device page table, read in place
         self._empty: dict[tuple, torch.Tensor] = {}  # one-row stand-ins for an empty K / V (a map needs an address)
 
@@ -203,9 +204,9 @@ class SM90Prefill:
                      pages_host: np.ndarray | None) -> dict:
         """``extras`` followed by a custom mask's (``custom_mask.mask_extras``): a host mask is classified into
         tile lists (``plan_mask_tiles``, which re-orders the plan's items); a device mask is held and read in
-        place, every tile partial."""
+        place (``device_mask``: its copy in CUDA-graph mode), every tile partial."""
         bits = custom_mask_bits(custom_mask, qo, kv_lens)
-        self._mask_held = bits.device
+        self._mask_held = device_mask(bits, self._masks)
         indptr, entries = plan_mask_tiles(plan, bits.host, bits.offsets, kv_lens, tile_kv=self._tile_kv)
         return mask_extras(plan.numel, bits, indptr, entries, extras, pages_host, self.max_batch_size)
 

@@ -189,3 +189,44 @@ def test_check_indices_in_graph_mode_checks_then_copies(stubbed):
     table["kv_indices"][1] = 1000
     with pytest.raises(PlanError, match=r"^kv_indices\[1\] = 1000 is outside the page pool \[0, 1000\)"):
         plan(w, **table, num_pages=1000)
+
+
+# ------------------------------------------------------------------ device custom masks in CUDA-graph mode
+# A captured graph keeps the params' mask address as it keeps the page ids': a device mask is copied into the
+# wrapper's fixed buffer at each plan, and outside graph mode read in place.
+
+MASK_SPEC = AttentionSpec(64, kv_layout=flashgen.Ragged(), mask=flashgen.CustomMask())
+
+
+def mask_plan(w, qo_lens, kv_lens, seed):
+    qo = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    kv = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    nbytes = -(-int(np.dot(qo_lens, kv_lens)) // 8)
+    bits = on_device(torch.from_numpy(np.random.default_rng(seed).integers(0, 256, nbytes + 5, dtype=np.uint8)))
+    w.plan(qo_indptr=qo, kv_indptr=kv, num_qo_heads=4, num_kv_heads=2, custom_mask=bits)
+    return w._impl._params.values()["custom_mask"], bits, nbytes
+
+
+@pytest.mark.parametrize("kind", ["portable", "sm90"])
+def test_graph_mode_copies_device_masks_into_a_buffer_that_never_moves(stubbed, kind):
+    w = flashgen.BatchPrefillWrapper(MASK_SPEC, num_sms=132, backend=kind, use_cuda_graph=True, max_batch_size=4,
+                                     max_total_q=256)
+    addresses = set()
+    for qo_lens, kv_lens, seed in (([100, 3], [300, 40], 0), ([7, 1, 60], [7, 90, 200], 1), ([1], [1], 2)):
+        address, bits, nbytes = mask_plan(w, qo_lens, kv_lens, seed)
+        buf = w._impl._masks.tensor
+        assert address == buf.data_ptr() != bits.data_ptr()
+        assert torch.equal(buf[:nbytes], bits[:nbytes])  # this plan's bits, copied before the kernel reads them
+        addresses.add(address)
+    assert len(addresses) == 1
+    with pytest.raises(PlanError, match=r"^custom_mask: needs \d+ elements, more than the \d+ sized by the first "
+                                        r"plan of this CUDA-graph wrapper \(make the first plan the one with the most"):
+        mask_plan(w, [200], [400], 3)
+
+
+@pytest.mark.parametrize("kind", ["portable", "sm90"])
+def test_device_masks_are_read_in_place_outside_graph_mode(stubbed, kind):
+    w = flashgen.BatchPrefillWrapper(MASK_SPEC, num_sms=132, backend=kind)
+    for qo_lens, kv_lens, seed in (([100, 3], [300, 40], 0), ([7, 1, 60], [7, 90, 200], 1)):
+        address, bits, _ = mask_plan(w, qo_lens, kv_lens, seed)
+        assert address == bits.data_ptr() and w._impl._masks is None

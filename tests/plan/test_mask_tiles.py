@@ -276,7 +276,7 @@ class _Runner:
     """The attributes SM90Prefill._mask_extras reads."""
 
     def __init__(self, tile_kv, max_batch_size=None):
-        self._tile_kv, self.max_batch_size, self._mask_held = tile_kv, max_batch_size, None
+        self._tile_kv, self.max_batch_size, self._mask_held, self._masks = tile_kv, max_batch_size, None, None
 
 
 def upload_image(plan, extras):

@@ -185,10 +185,12 @@ def test_full_tiles_crossing_the_kv_end():
     plan_and_run(spec, q, (torch.cat([k, pad]), torch.cat([v, pad])), table, qo_indptr, 2, masks, ref_kv=(k, v))
 
 
-@pytest.mark.parametrize("form", ["host", "device"])
+@pytest.mark.parametrize("form", ["host", "device", "device_fresh"])
 def test_cuda_graph_replay_after_replanning(form):
     """Re-planning rewrites the tile lists (other lengths, other masks, other splits) in buffers that keep
-    their addresses; the captured graph reads the new lists. A device mask lives in one persistent buffer."""
+    their addresses; the captured graph reads the new lists. A device mask lives in one persistent buffer, or
+    (``device_fresh``) comes in a new tensor each plan, the last one zeroed: the wrapper copies it into its own
+    buffer, which the captured graph reads."""
     spec = SPECS[1]
     max_batch, max_q, heads, group, pool_pages = 8, 700, 2, 4, 400
     wrapper = flashgen.BatchPrefillWrapper(spec, use_cuda_graph=True, max_batch_size=max_batch, max_total_q=max_q,
@@ -197,6 +199,7 @@ def test_cuda_graph_replay_after_replanning(form):
     pool_kv = tuple(torch.empty(pool_pages, 16, heads, 128, dtype=torch.float16, device="cuda") for _ in range(2))
     indices_buf = torch.zeros(pool_pages, dtype=torch.int32, device="cuda")
     mask_buf = torch.zeros(600 * 3000 // 8 + 50 * 900 // 8 + 8, dtype=torch.uint8, device="cuda")
+    fresh: list[torch.Tensor] = []  # device_fresh: every plan's mask tensor, kept alive
 
     def load(qo_lens, kv_lens, seed, kind):
         gen = torch.Generator().manual_seed(seed)
@@ -207,11 +210,15 @@ def test_cuda_graph_replay_after_replanning(form):
         packed = pack_custom_mask(masks)
         if form == "device":
             mask_buf[: packed.numel()].copy_(packed)
+        elif form == "device_fresh":
+            for old in fresh:
+                old.zero_()  # a mask read in place from an earlier plan's tensor would show
+            fresh.append(packed.cuda())
         qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
         wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=heads * group, num_kv_heads=heads,
                      kv_indptr=table["kv_indptr"].numpy(), kv_indices=indices_buf,
                      kv_last_page_len=table["kv_last_page_len"].numpy(),
-                     custom_mask=mask_buf if form == "device" else packed)
+                     custom_mask={"device": mask_buf, "device_fresh": fresh[-1] if fresh else None}.get(form, packed))
         return q, kv, table, qo_indptr, masks
 
     def check_replay(loaded, out, lse):

@@ -17,6 +17,7 @@ from flashgen import AttentionSpec, CustomMask, Paged, Ragged
 from flashgen.testing.check import assert_matches_reference, check_attention
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.masks import as_form, doc_mask, make_masks
+from flashgen.testing.reference import pack_custom_mask
 from graph_replay import fill_pools, replay_after_replanning
 
 pytestmark = [pytest.mark.cuda, pytest.mark.hopper]
@@ -139,15 +140,18 @@ def test_logits_transforms(case):
     run_and_check(spec, QO, KV, group=7, kind="doc", seed=9)
 
 
-def test_cuda_graph_replay_after_replanning():
+@pytest.mark.parametrize("form", ["list", "device_fresh"])
+def test_cuda_graph_replay_after_replanning(form):
     """Re-planning moves the tile lists and the host bits inside the plan buffer; the graph finds them through
-    tile_indptr and the bit offsets, which keep their places."""
+    tile_indptr and the bit offsets, which keep their places. ``device_fresh``: each plan's packed bits come in a
+    new device tensor (the last one zeroed); the wrapper copies them into its own buffer, which the graph reads."""
     spec = SPECS[0]
     max_batch, max_q, max_kv, heads, group = 8, 700, 4000, 2, 4
     wrapper = flashgen.BatchPrefillWrapper(spec, use_cuda_graph=True, max_batch_size=max_batch, max_total_q=max_q)
     assert wrapper.backend == "sm90"
     pool_q = torch.zeros(max_q, heads * group, 128, dtype=torch.bfloat16, device="cuda")
     pool_kv = tuple(torch.zeros(max_kv, heads, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    fresh: list[torch.Tensor] = []  # device_fresh: every plan's mask tensor, kept alive
 
     def load(qo_lens, kv_lens, seed, kind):
         gen = torch.Generator().manual_seed(seed)
@@ -155,8 +159,14 @@ def test_cuda_graph_replay_after_replanning():
         masks = make_masks(kind, qo_lens, kv_lens, gen)
         fill_pools(pool_q, pool_kv, q, kv)
         qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+        argument = masks
+        if form == "device_fresh":
+            for old in fresh:
+                old.zero_()  # a mask read in place from an earlier plan's tensor would show
+            fresh.append(pack_custom_mask(masks).cuda())
+            argument = fresh[-1]
         wrapper.plan(qo_indptr=qo_indptr, kv_indptr=table["kv_indptr"].numpy(), num_qo_heads=heads * group,
-                     num_kv_heads=heads, custom_mask=masks)
+                     num_kv_heads=heads, custom_mask=argument)
         return q, kv, qo_indptr, table["kv_indptr"], masks
 
     def check(loaded, out, lse):
