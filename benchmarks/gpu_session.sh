@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 GPU machine that runs the steps named, writing logs and results under $OUT:
-#   bash benchmarks/gpu_session.sh [tests|sanitize|sanitize-sm90|decode|prefill|sm90|profile-sm90|foundation|host ...]
+#   bash benchmarks/gpu_session.sh [tests|sanitize|fuzz|decode|prefill|sm90|profile-sm90|foundation|host ...]
 #   (default: tests)
 # Carry .whl (FlashInfer and its small deps, see the device README) to measure FlashInfer as a peer.
 set -uo pipefail
@@ -17,13 +17,11 @@ for step in "${@:-tests}"; do
   case "$step" in
     tests)
       python3 -m pytest -m cuda tests -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
-    sanitize)
-      compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 python3 -m pytest -m cuda tests/decode/test_decode.py \
-        tests/prefill/test_prefill.py -q -x -p no:cacheprovider -k "paged_csr or layouts_and_masks" > "$OUT/memcheck.log" 2>&1
-      grep -E "Invalid|ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -5
-      compute-sanitizer --tool racecheck python3 -m pytest -m cuda tests/decode/test_decode.py tests/prefill/test_prefill.py -q -x \
-        -p no:cacheprovider -k "test_paged_csr or test_block_table" > "$OUT/racecheck.log" 2>&1
-      tail -2 "$OUT/racecheck.log" ;;
+    sanitize)  # memcheck, racecheck and synccheck over every kernel family's tests (tests/sanitize.sh)
+      OUT=$OUT bash tests/sanitize.sh 2>&1 | tail -20 ;;
+    fuzz)  # the differential fuzz: 20,000 seeded cases against the fp64 reference, graph replays with fresh ids
+      python3 -m tests.fuzz --cases "${FUZZ_CASES:-20000}" --seed "${FUZZ_SEED:-0}" --fresh-graph-ids --no-record \
+        --out /tmp/fuzz > "$OUT/fuzz.log" 2>&1; tail -4 "$OUT/fuzz.log"; cp /tmp/fuzz/summary.json "$OUT/fuzz-summary.json" ;;
     decode)
       python3 benchmarks/bench_decode.py --out "$OUT/decode.json" --reps 20 --commit "$COMMIT" 2>&1 | tail -22 ;;
     prefill)
@@ -33,14 +31,6 @@ for step in "${@:-tests}"; do
     sm90)  # the Hopper kernel against FlashInfer's FA3 backend and cuDNN
       python3 benchmarks/bench_prefill_sm90.py --out "$OUT/prefill_sm90.json" --reps 10 --commit "$COMMIT" 2>&1 \
         | grep -v Warn | tail -16 ;;
-    sanitize-sm90)  # paged TMA boxes, custom-mask bit reads (host and device masks), the RoPE gather
-      compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 python3 -m pytest -m cuda tests/sm90/test_prefill_sm90_paged.py \
-        tests/sm90/test_prefill_sm90_mask.py tests/sm90/test_prefill_sm90_rope.py -q -x -p no:cacheprovider \
-        -k "(page_sizes and 16) or mask_forms or rows_past or head_dims_and_groups" > "$OUT/memcheck-sm90.log" 2>&1
-      grep -E "Invalid|ERROR SUMMARY|passed|failed" "$OUT/memcheck-sm90.log" | tail -5
-      compute-sanitizer --tool racecheck python3 -m pytest -m cuda tests/sm90/test_prefill_sm90_paged.py -q -x \
-        -p no:cacheprovider -k "page_sizes and 16" > "$OUT/racecheck-sm90.log" 2>&1
-      tail -2 "$OUT/racecheck-sm90.log" ;;
     profile-sm90)  # ncu of one 4x4096 causal call, flashgen sm90 and FlashInfer FA3
       ncu --set full --clock-control none -k regex:'prefill_sm90|Prefill' -c 2 -o "$OUT/sm90" \
         python3 benchmarks/experiments/profile_prefill_sm90.py --batch 4 --seqlen 4096 --mask causal > "$OUT/ncu.log" 2>&1
