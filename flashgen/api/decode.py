@@ -14,7 +14,8 @@ from ..spec import AttentionSpec
 from .checks import check_count
 from .kv_inputs import PageTable, kv_view, page_table
 from .page_ids import page_ids_for
-from .portable import HOST_ARRAYS_HINT, RUNTIME_FIELDS, SplitKVLaunch, page_fields, split_kv_fields, table_extras
+from .portable import (HOST_ARRAYS_HINT, RUNTIME_FIELDS, SplitKVLaunch, host_ids_reserve, page_fields, split_kv_fields,
+                       table_extras)
 from .staging import DeviceBuffer
 from .wrapper import Runtime, WrapperCore, check_heads, graph_capacity, positive, resolve_device
 
@@ -158,7 +159,8 @@ class DecodeBackend(SplitKVLaunch):
         extras, pages_host = table_extras(table, core.max_batch_size)
         if pages_host is not None:
             extras["pages"] = pages_host
-        addresses = core.upload(plan, extras, HOST_ARRAYS_HINT if pages_host is not None else "raise max_batch_size")
+        addresses = core.upload(plan, extras, HOST_ARRAYS_HINT if pages_host is not None else "raise max_batch_size",
+                                host_ids_reserve(core, table, pages_host))
         fields, self._held = page_fields(table, core.device, addresses)
         tmp_o = self._tmp_o.get(info.partial_capacity * num_qo_heads * self.spec.head_dim_vo, "tmp_o").data_ptr()
         tmp_lse = self._tmp_lse.get(info.partial_capacity * num_qo_heads, "tmp_lse").data_ptr()

@@ -22,8 +22,9 @@ from .wrapper import Runtime, WrapperCore
 # the params written at run(): the tensors and the cache's strides (the KV memo's arguments)
 RUNTIME_FIELDS = ("q", "k", "v", "o", "lse", "stride_page", "stride_token", "stride_head")
 # host page ids and mask data travel with the plan: their size follows the batch's KV, not max_batch_size
-HOST_ARRAYS_HINT = ("page ids or a custom mask on the host travel with the plan: make the first plan the one with "
-                    "the most page ids and mask bits, or pass them on the device")
+HOST_ARRAYS_HINT = ("page ids or a custom mask on the host travel with the plan: pass max_num_pages (or "
+                    "max_pages_per_request) to the CUDA-graph wrapper, make the first plan the one with the most "
+                    "page ids and mask bits, or pass them on the device")
 
 
 def table_extras(table: PageTable, max_batch_size: int | None) -> tuple[dict, np.ndarray | None]:
@@ -40,6 +41,20 @@ def table_extras(table: PageTable, max_batch_size: int | None) -> tuple[dict, np
     if ids is None or ids.is_cuda:
         return extras, None
     return extras, ids.numpy().reshape(-1)  # int64 ids become int32 as they are written into the staging buffer
+
+
+def host_ids_reserve(core: WrapperCore, table: PageTable, pages_host: np.ndarray | None) -> int:
+    """int32 elements a CUDA-graph wrapper's plan buffer keeps, at its first sizing, for the host page ids of
+    later plans: up to ``max_num_pages`` (CSR) or ``max_batch_size x max_pages_per_request`` (block table), past
+    this plan's own. 0 outside graph mode, for device ids, or when the wrapper was given neither."""
+    ids = core.page_ids
+    if pages_host is None or not core.fixed or ids is None:
+        return 0
+    if table.block_table is not None:
+        room = core.max_batch_size * ids.max_pages_per_request if ids.max_pages_per_request else 0
+    else:
+        room = ids.max_num_pages or 0
+    return max(room - pages_host.size, 0)
 
 
 def page_fields(table: PageTable, device: torch.device, addresses: Mapping[str, int]) -> tuple[dict, object]:
@@ -129,7 +144,7 @@ class PortablePrefill(SplitKVLaunch):
         elif pages_host is not None:
             extras["pages"] = pages_host
         hint = HOST_ARRAYS_HINT if set(extras) - {"kv_indptr"} else "raise max_batch_size"
-        addresses = core.upload(plan, extras, hint, reserve)
+        addresses = core.upload(plan, extras, hint, reserve + host_ids_reserve(core, table, pages_host))
         fields, page_held = page_fields(table, core.device, addresses)
         tmp_o = self._tmp_o.get(info.partial_capacity * num_qo_heads * dv, "tmp_o").data_ptr()
         tmp_lse = self._tmp_lse.get(info.partial_capacity * num_qo_heads, "tmp_lse").data_ptr()

@@ -27,7 +27,7 @@ from .custom_mask import custom_mask_bits, device_mask, mask_extras
 from .device import current_stream
 from .fastdiv import fast_div
 from .kv_inputs import TORCH_DTYPES, KVView, PageTable
-from .portable import HOST_ARRAYS_HINT, page_fields, table_extras
+from .portable import HOST_ARRAYS_HINT, host_ids_reserve, page_fields, table_extras
 from .staging import DeviceBuffer
 from .wrapper import Runtime, WrapperCore
 
@@ -175,7 +175,7 @@ class SM90Prefill:
         elif pages_host is not None:
             extras["pages"] = pages_host
         hint = HOST_ARRAYS_HINT if set(extras) - {"kv_indptr", "src_indptr"} else "raise max_batch_size"
-        addresses = core.upload(plan, extras, hint)
+        addresses = core.upload(plan, extras, hint, host_ids_reserve(core, table, pages_host))
         tables, self._page_ids_held = page_fields(table, core.device, addresses)
         if self.rope:
             self._plan_rope(addresses, int(qo[-1]), int(table.kv_lens.sum()), int(table.kv_lens.size), num_qo_heads,

@@ -230,3 +230,36 @@ def test_device_masks_are_read_in_place_outside_graph_mode(stubbed, kind):
     for qo_lens, kv_lens, seed in (([100, 3], [300, 40], 0), ([7, 1, 60], [7, 90, 200], 1)):
         address, bits, _ = mask_plan(w, qo_lens, kv_lens, seed)
         assert address == bits.data_ptr() and w._impl._masks is None
+
+
+# ------------------------------------------------------------------ host page ids in CUDA-graph mode
+# Host ids travel in the plan buffer, which a CUDA-graph wrapper sizes at its first plan: max_num_pages /
+# max_pages_per_request reserve room for later plans' ids.
+
+def host_csr(lens, seed):
+    table = csr(lens, seed)
+    table["kv_indices"] = table["kv_indices"].clone().as_subclass(torch.Tensor)  # a plain CPU tensor: host ids
+    return table
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_graph_mode_host_ids_fit_max_num_pages(stubbed, kind):
+    w = make(kind, use_cuda_graph=True, max_batch_size=8, max_num_pages=100)
+    plan(w, **host_csr([40, 17], 0))  # 4 pages sizes the buffer, with room for 100
+    got = plan(w, **host_csr([600, 900, 1], 1))  # 38 + 57 + 1 = 96 pages
+    assert got["kv_indices"] != 0
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_graph_mode_host_ids_past_the_first_plan_name_max_num_pages(stubbed, kind):
+    w = make(kind, use_cuda_graph=True, max_batch_size=8)
+    plan(w, **host_csr([40, 17], 0))
+    with pytest.raises(PlanError, match="pass max_num_pages"):
+        plan(w, **host_csr([600, 900, 1], 1))
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_graph_mode_host_block_tables_fit_max_pages_per_request(stubbed, kind):
+    w = make(kind, use_cuda_graph=True, max_batch_size=4, max_pages_per_request=40)
+    plan(w, block_table=torch.arange(2, dtype=torch.int32).reshape(2, 1), seq_lens=[16, 3])
+    plan(w, block_table=torch.arange(160, dtype=torch.int32).reshape(4, 40), seq_lens=[640, 3, 16, 600])
