@@ -8,7 +8,6 @@ a 16k x 16k bool mask to bits (np.packbits) 0.02 s more."""
 from __future__ import annotations
 
 import re
-import time
 
 import numpy as np
 import pytest
@@ -182,19 +181,17 @@ def test_plan_items_are_reordered_longest_last():
     assert ends.tolist() == [kv_lens[b] for b in after_request]  # every item field moved with its item
 
 
-def test_classification_cost_16k():
-    """A 16k x 16k document mask (8 causal documents): 32 MB of bits classified in well under a second."""
+def test_classification_16k():
+    """A 16k x 16k document mask (8 causal documents): 32 MB of bits, classified without a partial tile (its
+    time: ``benchmarks/plan_bench.py --mask-tiles``)."""
     n = 16384
     packed = np.packbits(doc_mask(n, 8).reshape(-1), bitorder="little")
     request, qo_tile = np.zeros(512, np.int64), np.arange(512)
-    start = time.perf_counter()
     indptr, entries = mask_tile_lists(packed, [0], [n], [n], request, qo_tile, group_size=4, tile_rows=128,
                                       tile_kv=128)
-    seconds = time.perf_counter() - start
     # per item of 32 tokens: the diagonal tile causal, the document's earlier tiles full: 1 .. 16 tiles
     kinds = entries & ((1 << ENTRY_SHIFT) - 1)
     assert entries.size == 512 * 8.5 and int((kinds == ENTRY_CAUSAL).sum()) == 512 and not (kinds == ENTRY_BITS).any()
-    assert seconds < 2.0, seconds
 
 
 # ------------------------------------------------------------------- split plans (the portable kernel)
