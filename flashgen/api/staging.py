@@ -58,10 +58,9 @@ class HostStaging:
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._events: list[driver.StreamEvent | None] = [None, None]  # made once each, recorded at every upload
         self._recorded = [False, False]
-        self._views: dict[int, np.ndarray] = {}
         self._addresses: dict[tuple, tuple] = {}  # (schema id, device base, extras) -> (schema, addresses)
         self._layouts: dict[tuple, tuple] = {}  # (plan numel, extras' names and sizes) -> extra_offsets
-        self._slices: list[tuple | None] = [None, None]  # a turn's (host buffer, its address)
+        self._host_views: list[tuple | None] = [None, None]  # a turn's (host buffer, its address, numpy view)
         self._turn = 0
 
     def _take(self, numel: int) -> torch.Tensor:
@@ -88,10 +87,11 @@ class HostStaging:
                hint: str = "raise max_batch_size", reserve: int = 0) -> MappingProxyType:
         """Append ``extras`` (int32-convertible 1-D arrays) after the plan in its host buffer and copy both to
         the device in one async copy; returns the device address of every plan field and extra (and
-        ``"base"``, the buffer's start), a read-only mapping shared by the plans of one layout. The extras land where ``extra_offsets`` says. ``hint``: how to make
-        room, for the error of a fixed (CUDA-graph) buffer that a later plan outgrows (extras sized by the
-        batch's KV, not by max_batch_size, need their own); ``reserve``: int32 elements the first sizing of a
-        fixed buffer adds (room for what later plans may append)."""
+        ``"base"``, the buffer's start), a read-only mapping shared by the plans of one layout. The extras land
+        where ``extra_offsets`` says. ``hint``: how to make room, for the error of a fixed (CUDA-graph) buffer
+        that a later plan outgrows (extras sized by the batch's KV, not by max_batch_size, need their own);
+        ``reserve``: int32 elements the first sizing of a fixed buffer adds (room for what later plans may
+        append)."""
         sizes = tuple([(name, values.size) for name, values in extras.items()])
         layout = self._layouts.get((plan.numel, sizes))
         if layout is None:
@@ -104,18 +104,17 @@ class HostStaging:
             grown = torch.empty(offset * 2, dtype=torch.int32, pin_memory=True)
             grown[: plan.numel].copy_(host[: plan.numel])
             host = self._buffers[self._turn] = grown
-        if extras:
-            flat = self._flat(host)
-            for name, values in extras.items():
-                start = starts[name]
-                flat[start: start + values.size] = values
+        address, flat = self._host_view(host)
+        for name, values in extras.items():
+            start = starts[name]
+            flat[start: start + values.size] = values
         if device_buffer.tensor is None and device_buffer.fixed:
             device_buffer.get(offset + reserve, "plan", hint)
         dev = device_buffer.get(offset, "plan", hint)
         base = dev.data_ptr()
         stream = current_stream(self.device.index)
         # one driver call: the host buffer stays untouched until this turn's event (below) has passed
-        driver.copy_to_device_async(base, self._host_address(host), 4 * offset, stream)
+        driver.copy_to_device_async(base, address, 4 * offset, stream)
         event = self._events[self._turn]
         if event is None:
             event = self._events[self._turn] = driver.StreamEvent(self.device.index)
@@ -124,14 +123,15 @@ class HostStaging:
         self._turn ^= 1
         return self._device_addresses(plan, base, starts)
 
-    def _host_address(self, host: torch.Tensor) -> int:
-        """``host.data_ptr()``, kept for this turn's buffer (a torch call costs more than the lookup)."""
-        cached = self._slices[self._turn]
+    def _host_view(self, host: torch.Tensor) -> tuple[int, np.ndarray]:
+        """``(address, numpy view)`` of this turn's host buffer, made once per buffer (torch calls cost more than
+        the lookup). One entry a turn: a grown buffer is let go at that turn's next upload."""
+        cached = self._host_views[self._turn]
         if cached is None or cached[0] is not host:
-            cached = self._slices[self._turn] = (host, host.data_ptr())
-        return cached[1]
+            cached = self._host_views[self._turn] = (host, host.data_ptr(), host.numpy())
+        return cached[1], cached[2]
 
-    def _device_addresses(self, plan: Plan, base: int, starts: dict[str, int]) -> dict[str, int]:
+    def _device_addresses(self, plan: Plan, base: int, starts: dict[str, int]) -> MappingProxyType:
         """Device address of every plan field, extra and ``"base"``; made once per (schema, base, extras' places)
         and shared, read-only (a ``MappingProxyType``: copying a dict of ~15 entries each plan costs more)."""
         key = (id(plan.schema), base, tuple(starts.items()))  # schemas are shared between plans, never mutated
@@ -145,10 +145,3 @@ class HostStaging:
             addresses["base"] = base
             cached = self._addresses[key] = (plan.schema, MappingProxyType(addresses))
         return cached[1]
-
-    def _flat(self, host: torch.Tensor) -> np.ndarray:
-        """The numpy view of a staging buffer (made once per buffer)."""
-        cached = self._views.get(host.data_ptr())
-        if cached is None or cached.size != host.numel():
-            cached = self._views[host.data_ptr()] = host.numpy()
-        return cached
