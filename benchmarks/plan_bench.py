@@ -10,8 +10,9 @@ reuses one host buffer, as a wrapper's plan() does; ``new_buffer_us`` lets every
 also writes the records. The host is small and shared: other processes on its CPUs inflate every number
 (1.5-2x under a load of 2), so the 1-minute load average before and after is printed to stderr.
 ``--mask-tiles`` also times the custom-mask tile classification of a 16k x 16k document mask (8 causal
-documents, 512 items of 32 tokens; ``flashgen.plan.mask_tiles``). ``--against DIR`` times another tree's planner (``DIR/flashgen/plan``, e.g. main exported with ``git archive
-main flashgen | tar -x -C DIR``) interleaved with this one's, ``--rounds`` times each, and prints both medians.
+documents, 512 items of 32 tokens; ``flashgen.plan.mask_tiles``). ``--against DIR`` times another tree's
+planner (``DIR/flashgen/plan``, e.g. main exported with ``git archive main flashgen | tar -x -C DIR``)
+interleaved with this one's, ``--rounds`` times each, and prints both medians.
 
     python3 benchmarks/plan_bench.py --json plan_bench.json
     python3 benchmarks/plan_bench.py --against /tmp/plan_old --rounds 3

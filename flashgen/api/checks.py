@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import numbers
-
 import torch
+
+from ..plan.host import check_int
 
 
 def check_tensor(name: str, t: object, *, dtypes: tuple[torch.dtype, ...] | None = None, ndim: int | None = None,
@@ -34,8 +34,4 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 def check_count(name: str, value, minimum: int = 1) -> int | None:
     """None, or ``value`` as an int >= ``minimum`` (numpy ints included), else ``ValueError`` naming it: the
     wrappers' constructor arguments (sizes, capacities)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name}: got {value!r}, expected None or an int >= {minimum}")
-    return int(value)
+    return check_int(name, value, minimum, optional=True, error=ValueError)

@@ -10,6 +10,7 @@ import torch
 
 from ..kernels import family
 from ..plan import PlanError, SplitPolicy, plan_decode
+from ..plan.host import check_heads
 from ..spec import AttentionSpec
 from .checks import check_count
 from .kv_inputs import PageTable, kv_view, page_table
@@ -17,7 +18,7 @@ from .page_ids import page_ids_for
 from .portable import (HOST_ARRAYS_HINT, RUNTIME_FIELDS, SplitKVLaunch, host_ids_reserve, page_fields, split_kv_fields,
                        table_extras)
 from .staging import DeviceBuffer
-from .wrapper import Runtime, WrapperCore, check_heads, graph_capacity, positive, resolve_device
+from .wrapper import Runtime, WrapperCore, graph_capacity, positive, resolve_device
 
 
 class BatchDecodeWrapper:

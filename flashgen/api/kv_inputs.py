@@ -13,6 +13,7 @@ from ..plan import (
     host_array,
     validate_block_table,
 )
+from ..plan.host import check_int
 from ..plan.page_table import csr_checked, csr_lens, indptr_steps
 from ..spec import AttentionSpec, Paged
 
@@ -100,9 +101,7 @@ def page_table(spec: AttentionSpec, *, kv_indptr=None, kv_indices=None, kv_last_
                seq_lens=None, num_pages: int | None = None) -> PageTable:
     """Check and take in one of the page-table forms (host arrays are validated in full)."""
     if num_pages is not None and (type(num_pages) is not int or num_pages < 0):
-        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
-            raise PlanError(f"num_pages: got {num_pages!r}, expected None or an int >= 0 (the page pool's size)")
-        num_pages = int(num_pages)
+        num_pages = check_int("num_pages", num_pages, 0, optional=True, note=" (the page pool's size)")
     if not isinstance(spec.kv_layout, Paged):
         if kv_indptr is None or any(x is not None for x in (kv_indices, kv_last_page_len, block_table, seq_lens)):
             raise PlanError("kv_indptr: a Ragged layout takes kv_indptr (token offsets of each request) only")

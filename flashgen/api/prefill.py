@@ -12,6 +12,7 @@ import torch
 
 from ..kernels import family
 from ..plan import PlanError, SplitPolicy, host_array
+from ..plan.host import check_heads
 from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Ragged
 from .backends import select
 from .checks import check_count, check_tensor
@@ -19,7 +20,7 @@ from .kv_inputs import kv_view, page_table
 from .page_ids import page_ids_for
 from .portable import PortablePrefill
 from .sm90 import SM90Prefill
-from .wrapper import WrapperCore, check_heads, graph_capacity, resolve_device
+from .wrapper import WrapperCore, graph_capacity, resolve_device
 
 
 class BatchPrefillWrapper:
@@ -35,14 +36,14 @@ class BatchPrefillWrapper:
     Queries of request b are its last ``qo_len`` tokens: a causal mask is aligned to the end of its KV.
     ``use_cuda_graph=True`` with ``max_batch_size`` and ``max_total_q``: every buffer and the grid are
     sized for those maxima, so a graph captured around ``run()`` replays correctly after ``plan()`` of any
-    batch up to them (q and out then have ``max_total_q`` rows; the KV cache must keep its addresses). Device page
-    ids are copied at each plan into a buffer the wrapper owns, so each plan may pass a fresh tensor:
+    batch up to them (q and out then have ``max_total_q`` rows; the KV cache must keep its addresses). Device
+    page ids are copied at each plan into a buffer the wrapper owns, so each plan may pass a fresh tensor:
     ``max_num_pages`` (the most page ids one plan uses, ``kv_indptr[-1]``) or, for a block table,
     ``max_pages_per_request`` (the columns kept of each row) size it, by default the first plan's (see
     ``BatchDecodeWrapper``; CUDA-graph mode only). A device custom mask is copied the same way, into a buffer
-    sized by the first plan's mask (plan the batch with the most mask bits first). ``check_indices``: plan() checks device page ids on the GPU,
-    a debugging aid that synchronises (as ``BatchDecodeWrapper``'s). ``workspace`` is accepted for
-    FlashInfer-style call sites; the wrapper owns its buffers.
+    sized by the first plan's mask (plan the batch with the most mask bits first). ``check_indices``: plan()
+    checks device page ids on the GPU, a debugging aid that synchronises (as ``BatchDecodeWrapper``'s).
+    ``workspace`` is accepted for FlashInfer-style call sites; the wrapper owns its buffers.
 
     ``backend``: ``"auto"`` (default) runs the Hopper kernel (``"sm90"``) on a compute-capability 9.0 GPU
     when it supports the spec (``backends.check_sm90``; so far ragged KV or paged, NoMask / Causal /

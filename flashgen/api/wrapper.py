@@ -13,15 +13,14 @@ is 15-60 µs; every torch call costs several µs there (a ``non_blocking`` ``cop
 write and ~1 µs for a driver call through cuda-python. So a plan makes no torch call in the steady state: the
 upload is one driver copy and one driver event that guards the staging buffer; device buffers, counters and
 pinned buffers are sized on the first plan and grow only when a batch outgrows them; device facts are read
-once per process; the params struct is packed once, by name (``BoundParams``). ``run()`` (~8-10 µs) checks q / out with attribute compares, looks the cache up in
-the memo, writes the run-time params and launches.
+once per process; the params struct is packed once, by name (``BoundParams``). ``run()`` (~8-10 µs) checks
+q / out with attribute compares, looks the cache up in the memo, writes the run-time params and launches.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import numbers
 import operator
 from typing import Mapping, NamedTuple
 
@@ -131,18 +130,6 @@ def _window(spec: AttentionSpec, window_left) -> int:
                             "none; mask=SlidingWindow(left) enables one)")
         return 0
     return WINDOW_NONE if window_left == -1 else min(window_left, WINDOW_NONE)
-
-
-def check_heads(num_qo_heads, num_kv_heads) -> None:
-    """``PlanError`` unless the head counts are ints >= 1 and ``num_kv_heads`` divides ``num_qo_heads``."""
-    if (type(num_qo_heads) is int and type(num_kv_heads) is int and num_qo_heads > 0 and num_kv_heads > 0
-            and not num_qo_heads % num_kv_heads):
-        return
-    for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise PlanError(f"{name}: got {value!r}, expected an int >= 1")
-    if num_qo_heads % num_kv_heads:
-        raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
 
 
 def kv_key(kv_cache, num_kv_heads: int) -> tuple | None:

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .host import PlanError, host_array
+from .host import PlanError, check_int, host_array
 from .page_table import validate_indptr
 from .plan import Plan
 from .heuristics import choose_kv_chunk, default_tile_rows
@@ -46,8 +46,7 @@ def bsr_page_table(indptr: object, indices: object, *, block_q: int, block_kv: i
     """
     for name, value, minimum in (("block_q", block_q, 1), ("block_kv", block_kv, 1), ("qo_len", qo_len, 0),
                                  ("kv_len", kv_len, 0)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-            raise PlanError(f"{name}: got {value!r}, expected an int >= {minimum}")
+        check_int(name, value, minimum)
     rows, cols = -(-qo_len // block_q), -(-kv_len // block_kv)
     ptr = validate_indptr("indptr", indptr)
     if ptr.size != rows + 1:

@@ -6,6 +6,8 @@ device-to-host copy (a sync), so it is refused with an error that names the argu
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 import torch
 
@@ -68,3 +70,30 @@ def host_list(name: str, value: object, error: type[PlanError] = PlanError) -> l
     [3, 9]
     """
     return value.tolist() if is_int_vector(value) else host_array(name, value, 1, error).tolist()
+
+
+def check_int(name: str, value: object, minimum: int, *, optional: bool = False, note: str = "",
+              error: type[Exception] = PlanError) -> int | None:
+    """``value`` as an int >= ``minimum`` (numpy's ints too; a bool or a float is refused), or ``error`` naming
+    it (``note`` ends its message); with ``optional``, None passes through. The one check of the planners' and
+    wrappers' sizes and counts.
+
+    >>> check_int("num_sms", 132, 1), check_int("capacity", None, 0, optional=True)
+    (132, None)
+    """
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise error(f"{name}: got {value!r}, expected {'None or ' if optional else ''}an int >= {minimum}{note}")
+    return int(value)
+
+
+def check_heads(num_qo_heads: object, num_kv_heads: object) -> None:
+    """``PlanError`` unless the head counts are ints >= 1 and ``num_kv_heads`` divides ``num_qo_heads``."""
+    if (type(num_qo_heads) is int and type(num_kv_heads) is int and num_qo_heads > 0 and num_kv_heads > 0
+            and not num_qo_heads % num_kv_heads):
+        return
+    check_int("num_qo_heads", num_qo_heads, 1)
+    check_int("num_kv_heads", num_kv_heads, 1)
+    if num_qo_heads % num_kv_heads:
+        raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")

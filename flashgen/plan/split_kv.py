@@ -23,7 +23,7 @@ import torch
 from .fast_paths import MAX_KV_LEN, iota, plan_decode_numpy, plan_numpy
 from .heuristics import (DEFAULT_SPLIT_POLICY, SplitPolicy, choose_kv_chunk, choose_split, choose_tail_split,
                          default_tile_rows, fills_waves)
-from .host import PlanError, host_array, is_int_vector
+from .host import PlanError, check_heads, check_int, host_array, is_int_vector
 from .list_paths import SMALL_DECODE, plan_decode_lists, plan_lists, small_inputs
 from .page_table import indptr_steps
 from .plan import Plan
@@ -156,18 +156,14 @@ def _check_options(num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sm
     for name, value, minimum in (("num_qo_heads", num_qo_heads, 1), ("num_kv_heads", num_kv_heads, 1),
                                  ("tile_rows", tile_rows, 1), ("kv_granularity", kv_granularity, 1),
                                  ("num_sms", num_sms, 1), ("item_overhead", item_overhead, 0)):
-        if name == "tile_rows" and value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-            raise PlanError(f"{name}: got {value!r}, expected an int >= {minimum}")
-    if num_qo_heads % num_kv_heads:
-        raise PlanError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
+        if value is not None or name != "tile_rows":  # tile_rows None: the default
+            check_int(name, value, minimum)
+    check_heads(num_qo_heads, num_kv_heads)
 
 
 def _check_capacity(max_batch_size, max_total_q, capacity) -> None:
     for name, value in (("max_batch_size", max_batch_size), ("max_total_q", max_total_q), ("capacity", capacity)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
-            raise PlanError(f"{name}: got {value!r}, expected None or an int >= 0")
+        check_int(name, value, 0, optional=True)
 
 
 def _raise_length(lens: np.ndarray) -> None:
