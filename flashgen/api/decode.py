@@ -163,9 +163,9 @@ class DecodeBackend(SplitKVLaunch):
         addresses = core.upload(plan, extras, HOST_ARRAYS_HINT if pages_host is not None else "raise max_batch_size",
                                 host_ids_reserve(core, table, pages_host))
         fields, self._held = page_fields(table, core.device, addresses)
-        tmp_o = self._tmp_o.get(info.partial_capacity * num_qo_heads * self.spec.head_dim_vo, "tmp_o").data_ptr()
-        tmp_lse = self._tmp_lse.get(info.partial_capacity * num_qo_heads, "tmp_lse").data_ptr()
-        counters = core.counters(info.max_total_q * num_qo_heads, "raise max_batch_size").data_ptr()
+        tmp_o = self._tmp_o.address_of(info.partial_capacity * num_qo_heads * self.spec.head_dim_vo, "tmp_o")
+        tmp_lse = self._tmp_lse.address_of(info.partial_capacity * num_qo_heads, "tmp_lse")
+        counters = core.counters(info.max_total_q * num_qo_heads, "raise max_batch_size")
         fields.update(split_kv_fields(addresses, tmp_o, tmp_lse, counters, num_qo_heads, num_kv_heads, runtime))
         fields["v_scale"] = v_scale
         self._params.pack(fields)

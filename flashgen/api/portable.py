@@ -143,12 +143,12 @@ class PortablePrefill(SplitKVLaunch):
             extras, mask_held, reserve = self._mask_extras(plan, qo, table.kv_lens, custom_mask, extras, pages_host)
         elif pages_host is not None:
             extras["pages"] = pages_host
-        hint = HOST_ARRAYS_HINT if set(extras) - {"kv_indptr"} else "raise max_batch_size"
+        hint = HOST_ARRAYS_HINT if len(extras) > ("kv_indptr" in extras) else "raise max_batch_size"
         addresses = core.upload(plan, extras, hint, reserve + host_ids_reserve(core, table, pages_host))
         fields, page_held = page_fields(table, core.device, addresses)
-        tmp_o = self._tmp_o.get(info.partial_capacity * num_qo_heads * dv, "tmp_o").data_ptr()
-        tmp_lse = self._tmp_lse.get(info.partial_capacity * num_qo_heads, "tmp_lse").data_ptr()
-        counters = core.counters(info.max_total_q * num_qo_heads, "raise max_total_q").data_ptr()
+        tmp_o = self._tmp_o.address_of(info.partial_capacity * num_qo_heads * dv, "tmp_o")
+        tmp_lse = self._tmp_lse.address_of(info.partial_capacity * num_qo_heads, "tmp_lse")
+        counters = core.counters(info.max_total_q * num_qo_heads, "raise max_total_q")
         fields.update(split_kv_fields(addresses, tmp_o, tmp_lse, counters, num_qo_heads, num_kv_heads, runtime))
         if isinstance(self.spec.mask, CustomMask):  # bits (a host mask's) and tile lists from the plan buffer
             fields.update(custom_mask=mask_held.data_ptr() if mask_held is not None else addresses["base"],

@@ -127,6 +127,7 @@ class SM90Prefill:
         self.kernel_spec = self._kernels["prefill_sm90"]
         self._scratch = DeviceBuffer(TORCH_DTYPES[spec.dtype], core.device, False) if self.rope else None
         self._maps: dict[tuple, bytes] = {}  # q / out tensor maps (_qo_map)
+        self._heads: dict[tuple, tuple] = {}  # (num_qo_heads, num_kv_heads) -> _head_fields
         self._kernel = None
         self._mask_held: torch.Tensor | None = None  # a device custom mask (in place, or its graph-mode copy)
         self._masks = DeviceBuffer(torch.uint8, core.device, True) if core.fixed else None
@@ -174,7 +175,8 @@ class SM90Prefill:
             extras = self._mask_extras(plan, qo, table.kv_lens, custom_mask, extras, pages_host)
         elif pages_host is not None:
             extras["pages"] = pages_host
-        hint = HOST_ARRAYS_HINT if set(extras) - {"kv_indptr", "src_indptr"} else "raise max_batch_size"
+        hint = HOST_ARRAYS_HINT if len(extras) > ("kv_indptr" in extras) + ("src_indptr" in extras) else \
+            "raise max_batch_size"
         addresses = core.upload(plan, extras, hint, host_ids_reserve(core, table, pages_host))
         tables, self._page_ids_held = page_fields(table, core.device, addresses)
         if self.rope:
@@ -185,20 +187,29 @@ class SM90Prefill:
         # persistent CTAs, one an SM, walk the capacity x num_kv_heads work items (the kernel strides over them)
         self._grid = (max(1, min(plan.info.capacity * num_kv_heads, self.num_sms)), 1, 1)
         base = addresses["base"]  # tile_indptr and host mask offsets count from here
-        group = self._group = num_qo_heads // num_kv_heads
-        self._q_tma, self._o_tma = sm90_qo_tma(group, self._o_staged)
-        magic, shift = fast_div(group)
+        heads = self._heads.get((num_qo_heads, num_kv_heads))
+        if heads is None:
+            heads = self._heads[(num_qo_heads, num_kv_heads)] = self._head_fields(num_qo_heads, num_kv_heads)
+        self._group, self._q_tma, self._o_tma = heads[1]
         fields = {name: addresses[name] for name in ("qo_indptr", "kv_len", "request_idx", "qo_tile_idx",
                                                       "kv_start", "kv_end")}
-        fields.update(tables, num_qo_heads=num_qo_heads, group_size=group, group_magic=magic, group_shift=shift,
-                      q_tma=int(self._q_tma), o_tma=int(self._o_tma), sm_scale=runtime.sm_scale,
-                      num_items=plan.info.capacity, num_kv_heads=num_kv_heads, window_left=runtime.window_left,
-                      soft_cap=runtime.soft_cap)
+        fields.update(tables)
+        fields.update(heads[0], sm_scale=runtime.sm_scale, num_items=plan.info.capacity,
+                      window_left=runtime.window_left, soft_cap=runtime.soft_cap)
         fields.update(custom_mask=(self._mask_held.data_ptr() if self._mask_held is not None else base) if custom else 0,
                       mask_offset=addresses["mask_offset"] if custom else 0,
                       tile_indptr=addresses["tile_indptr"] if custom else 0, tiles=base if custom else 0)
         self._params.pack(fields)
         return plan.info.max_total_q
+
+    def _head_fields(self, num_qo_heads: int, num_kv_heads: int) -> tuple[dict, tuple]:
+        """The params that follow from the head counts (memoised per wrapper: a loop plans with the same ones),
+        and ``(group, q_tma, o_tma)``."""
+        group = num_qo_heads // num_kv_heads
+        q_tma, o_tma = sm90_qo_tma(group, self._o_staged)
+        magic, shift = fast_div(group)
+        return ({"num_qo_heads": num_qo_heads, "group_size": group, "group_magic": magic, "group_shift": shift,
+                 "q_tma": int(q_tma), "o_tma": int(o_tma), "num_kv_heads": num_kv_heads}, (group, q_tma, o_tma))
 
     def _mask_extras(self, plan, qo: np.ndarray, kv_lens: np.ndarray, custom_mask, extras: dict,
                      pages_host: np.ndarray | None) -> dict:

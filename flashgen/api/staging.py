@@ -32,20 +32,32 @@ def extra_offsets(plan_numel: int, sizes: dict[str, int]) -> tuple[dict[str, int
 
 
 class DeviceBuffer:
-    """A device buffer that grows on demand, or (CUDA-graph mode) is sized once and never moves."""
+    """A device buffer that grows on demand, or (CUDA-graph mode) is sized once and never moves. Its size and
+    address are kept as ints (``numel``, ``address``): a plan reads them without a torch call."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device, fixed: bool):
         self.dtype, self.device, self.fixed, self.tensor = dtype, device, fixed, None
+        self.numel = self.address = 0
 
     def get(self, numel: int, what: str, hint: str = "raise max_batch_size") -> torch.Tensor:
         """At least ``numel`` elements; ``what`` and ``hint`` (how to make room) name the buffer in the error a
         fixed buffer raises when a later plan needs more than the first plan sized."""
-        if self.tensor is None or (self.tensor.numel() < numel and not self.fixed):
-            self.tensor = torch.empty(max(numel, 1), dtype=self.dtype, device=self.device)
-        elif self.tensor.numel() < numel:
-            raise PlanError(f"{what}: needs {numel} elements, more than the {self.tensor.numel()} sized by the "
-                            f"first plan of this CUDA-graph wrapper ({hint})")
+        if self.numel < numel or self.tensor is None:
+            self._grow(numel, what, hint)
         return self.tensor
+
+    def address_of(self, numel: int, what: str, hint: str = "raise max_batch_size") -> int:
+        """``get(numel, what, hint).data_ptr()``."""
+        if self.numel < numel or self.tensor is None:
+            self._grow(numel, what, hint)
+        return self.address
+
+    def _grow(self, numel: int, what: str, hint: str) -> None:
+        if self.tensor is not None and self.fixed:
+            raise PlanError(f"{what}: needs {numel} elements, more than the {self.numel} sized by the "
+                            f"first plan of this CUDA-graph wrapper ({hint})")
+        self.tensor = torch.empty(max(numel, 1), dtype=self.dtype, device=self.device)
+        self.numel, self.address = self.tensor.numel(), self.tensor.data_ptr()
 
 
 class HostStaging:
@@ -61,19 +73,21 @@ class HostStaging:
         self._addresses: dict[tuple, tuple] = {}  # (schema id, device base, extras) -> (schema, addresses)
         self._layouts: dict[tuple, tuple] = {}  # (plan numel, extras' names and sizes) -> extra_offsets
         self._host_views: list[tuple | None] = [None, None]  # a turn's (host buffer, its address, numpy view)
+        self._sizes = [0, 0]  # elements of each turn's buffer
         self._turn = 0
 
     def _take(self, numel: int) -> torch.Tensor:
         if self._recorded[self._turn]:
             self._events[self._turn].synchronize()
         buf = self._buffers[self._turn]
-        if buf is None or buf.numel() < numel:
+        if self._sizes[self._turn] < numel:
             buf = self._buffers[self._turn] = torch.empty(max(numel, 4096), dtype=torch.int32, pin_memory=True)
+            self._sizes[self._turn] = buf.numel()
         return buf
 
     def plan(self, planner) -> Plan:
         """``planner(host_buffer)`` -> Plan, packed into this turn's buffer (grown when a batch needs more)."""
-        numel = self._buffers[self._turn].numel() if self._buffers[self._turn] is not None else 4096
+        numel = self._sizes[self._turn] or 4096
         for _ in range(8):
             try:
                 return planner(self._take(numel))
@@ -100,18 +114,18 @@ class HostStaging:
             layout = self._layouts[(plan.numel, sizes)] = extra_offsets(plan.numel, dict(sizes))
         starts, offset = layout
         host = self._buffers[self._turn]
-        if host.numel() < offset:  # grow, keeping the plan already written
+        if self._sizes[self._turn] < offset:  # grow, keeping the plan already written
             grown = torch.empty(offset * 2, dtype=torch.int32, pin_memory=True)
             grown[: plan.numel].copy_(host[: plan.numel])
             host = self._buffers[self._turn] = grown
+            self._sizes[self._turn] = offset * 2
         address, flat = self._host_view(host)
         for name, values in extras.items():
             start = starts[name]
             flat[start: start + values.size] = values
         if device_buffer.tensor is None and device_buffer.fixed:
             device_buffer.get(offset + reserve, "plan", hint)
-        dev = device_buffer.get(offset, "plan", hint)
-        base = dev.data_ptr()
+        base = device_buffer.address_of(offset, "plan", hint)
         stream = current_stream(self.device.index)
         # one driver call: the host buffer stays untouched until this turn's event (below) has passed
         driver.copy_to_device_async(base, address, 4 * offset, stream)

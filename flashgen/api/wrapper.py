@@ -194,6 +194,7 @@ class WrapperCore:
         self.staging = HostStaging(device)
         self.plan_buffer = DeviceBuffer(torch.int32, device, self.fixed)
         self._counters: torch.Tensor | None = None
+        self._counters_numel = self._counters_address = 0
         self._kv_memo: dict[tuple, tuple] = {}
         self.dtype = TORCH_DTYPES[spec.dtype]
         self.planned: Planned | None = None
@@ -207,13 +208,15 @@ class WrapperCore:
         addresses (read-only, shared by plans of one layout)."""
         return self.staging.upload(plan, extras, self.plan_buffer, hint, reserve)
 
-    def counters(self, numel: int, hint: str) -> torch.Tensor:
-        """A zeroed int32 buffer of at least ``numel`` (the split merges' semaphores; kernels leave it zero)."""
-        if self._counters is None or self._counters.numel() < numel:
+    def counters(self, numel: int, hint: str) -> int:
+        """The address of a zeroed int32 buffer of at least ``numel`` (the split merges' semaphores; kernels leave
+        it zero)."""
+        if self._counters_numel < numel:
             if self._counters is not None and self.fixed:
                 raise PlanError(f"counters: needs {numel}, more than sized by the first plan ({hint})")
             self._counters = torch.zeros(max(numel, 1), dtype=torch.int32, device=self.device)
-        return self._counters
+            self._counters_numel, self._counters_address = self._counters.numel(), self._counters.data_ptr()
+        return self._counters_address
 
     def runtime(self, sm_scale, rope_theta, rope_scale, window_left, soft_cap) -> Runtime:
         """``runtime_values`` of the spec, memoised for the defaults (what an inference loop passes each step)."""
