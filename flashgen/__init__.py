@@ -28,7 +28,8 @@ from .spec import (  # noqa: E402
 )
 
 __all__ = [
-    "BatchDecodeWrapper", "BatchPrefillWrapper", "CascadeWrapper", "CascadeLevel", "CascadePolicy", "attention", "merge_state", "merge_state_in_place", "merge_states", "CacheError", "CacheStore", "TemplateError", "CompileError",
+    "BatchDecodeWrapper", "BatchPrefillWrapper", "attention", "merge_state", "merge_state_in_place", "merge_states", "CacheError", "CacheStore", "TemplateError", "CompileError",
+    "CascadeWrapper", "CascadeLevel", "CascadePolicy",
     "ToolchainError", "Kernel", "MissingKernelError", "NoDeviceError", "build", "ensure_compiled", "render", "ALiBi",
     "AttentionSpec", "Causal", "CustomMask", "MergeSpec", "NoMask", "Paged", "Ragged", "RoPE",
     "SlidingWindow", "SpecError",

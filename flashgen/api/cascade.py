@@ -137,7 +137,8 @@ class CascadeWrapper:
         self._num_sms = check_count("num_sms", num_sms)
         self.max_num_pages = check_count("max_num_pages", max_num_pages)
         if prefill_backend not in BACKENDS:
-            raise ValueError(f"prefill_backend: got {prefill_backend!r}, expected one of {', '.join(map(repr, BACKENDS))}")
+            raise ValueError(f"prefill_backend: got {prefill_backend!r}, expected one of "
+                             f"{', '.join(map(repr, BACKENDS))}")
         if use_cuda_graph:
             if not (num_levels and max_batch_size):
                 raise ValueError("num_levels: num_levels and max_batch_size are required with use_cuda_graph=True "
@@ -311,7 +312,8 @@ class CascadeWrapper:
         out, lse = runs[0].run(q, kv_cache, out=out, return_lse=True)
         if len(runs) > 1:
             scratch = self._scratch
-            if scratch is None or scratch.shape != out.shape or scratch.dtype != out.dtype or scratch.device != out.device:
+            if (scratch is None or scratch.shape != out.shape or scratch.dtype != out.dtype
+                    or scratch.device != out.device):
                 scratch = self._scratch = torch.empty_like(out, memory_format=torch.contiguous_format)
             for inner in runs[1:]:
                 part, part_lse = inner.run(q, kv_cache, out=scratch, return_lse=True)

@@ -46,8 +46,9 @@ class CascadeLevel(NamedTuple):
     max_blocks]`` host or device, ``seq_lens [groups]`` host). A group with no KV is allowed (its tokens get
     nothing from this level). Host page ids let the planner fold a level that does not pay into the next.
 
-    >>> CascadeLevel([0, 4], [0, 2], [7, 3], [16])   # 4 tokens, one group over pages 7 and 3 (32 tokens)
-    CascadeLevel(qo_indptr=[0, 4], kv_indptr=[0, 2], kv_indices=[7, 3], kv_last_page_len=[16], block_table=None, seq_lens=None)
+    >>> level = CascadeLevel([0, 4], [0, 2], [7, 3], [16])   # 4 tokens, one group over pages 7 and 3 (32 tokens)
+    >>> level.kv_indices, level.block_table
+    ([7, 3], None)
     """
 
     qo_indptr: object
@@ -101,7 +102,8 @@ def check_levels(levels: object, page_size: int, num_pages: int | None = None) -
     kv_indices, kv_last_page_len)`` or mappings with ``CascadeLevel``'s keys) into ``LevelTable`` records; host
     block tables become CSR. Errors are ``PlanError`` naming the level and argument, e.g. ``levels[1].kv_indptr``.
 
-    >>> [t.kv_lens.tolist() for t in check_levels([([0, 3], [0, 1], [5], [16]), ([0, 1, 3], [0, 1, 2], [2, 4], [3, 9])], 16)]
+    >>> levels = check_levels([([0, 3], [0, 1], [5], [16]), ([0, 1, 3], [0, 1, 2], [2, 4], [3, 9])], 16)
+    >>> [t.kv_lens.tolist() for t in levels]
     [[16], [3, 9]]
     """
     if isinstance(levels, (str, bytes, Mapping)) or not isinstance(levels, Sequence) or not levels:
@@ -127,7 +129,8 @@ def _as_level(level: object) -> CascadeLevel:
     if isinstance(level, Mapping):
         unknown = set(level) - set(CascadeLevel._fields)
         if unknown:
-            raise PlanError(f"{sorted(unknown)[0]}: not a CascadeLevel field (expected {', '.join(CascadeLevel._fields)})")
+            raise PlanError(f"{sorted(unknown)[0]}: not a CascadeLevel field (expected "
+                            f"{', '.join(CascadeLevel._fields)})")
         if "qo_indptr" not in level:
             raise PlanError("qo_indptr: required")
         return CascadeLevel(**level)
@@ -183,10 +186,10 @@ def check_causal(last: LevelTable, index: int) -> None:
     bad = last.kv_lens < qo_lens - 1
     if bad.any():
         b = int(np.flatnonzero(bad)[0])
-        raise PlanError(f"levels[{index}]: request {b} has {int(qo_lens[b])} queries but {int(last.kv_lens[b])} keys "
-                        f"in its last level; with a Causal mask every shared key must precede its first query "
-                        f"(last-level kv_len >= qo_len - 1): move its last {int(qo_lens[b]) - 1 - int(last.kv_lens[b])} "
-                        "shared keys into its last level")
+        qo_len, kv_len = int(qo_lens[b]), int(last.kv_lens[b])
+        raise PlanError(f"levels[{index}]: request {b} has {qo_len} queries but {kv_len} keys in its last level; "
+                        "with a Causal mask every shared key must precede its first query (last-level kv_len >= "
+                        f"qo_len - 1): move its last {qo_len - 1 - kv_len} shared keys into its last level")
 
 
 # ---------------------------------------------------------------------------------------------- derived levels
