@@ -192,7 +192,7 @@ class CascadeWrapper:
             if self.num_levels is not None and len(tables) > self.num_levels:
                 raise PlanError(f"levels: {len(tables)} levels, more than num_levels = {self.num_levels}")
         if self.spec.is_causal:
-            check_causal(tables[-1], len(tables) - 1)
+            check_causal(tables)
         shape = Shape(num_qo_heads, num_kv_heads, self.spec.head_dim, self.spec.head_dim_vo, self._kv_bytes,
                       TORCH_DTYPES[self.spec.dtype].itemsize, self._tile_rows)
         kept, runs_tables, choices = choose_levels(tables, shape, page_size, policy, self.use_cuda_graph, flat)

@@ -179,17 +179,26 @@ def _check_level(level: CascadeLevel, page_size: int, num_pages: int | None) -> 
     return LevelTable(qo, lens, indptr, ids, host_array("kv_last_page_len", level.kv_last_page_len))
 
 
-def check_causal(last: LevelTable, index: int) -> None:
-    """``PlanError`` naming the first request (group of the last level) whose queries would see shared keys
-    after their own position: a causal cascade needs last-level ``kv_len >= qo_len - 1``."""
+def check_causal(levels: list[LevelTable]) -> None:
+    """``PlanError`` naming the first request (group of the last level) whose queries would see shared keys after
+    their own position: a causal cascade needs, for each request with shared keys, last-level ``kv_len >= qo_len -
+    1`` (every shared key at or before its first query)."""
+    last = levels[-1]
     qo_lens = np.diff(last.qo_indptr)
-    bad = last.kv_lens < qo_lens - 1
+    first = last.qo_indptr[:-1]
+    shared = np.zeros(last.groups, np.int64)
+    for level in levels[:-1]:
+        if level.groups:
+            shared += level.kv_lens[np.clip(np.searchsorted(level.qo_indptr, first, side="right") - 1, 0,
+                                            level.groups - 1)]
+    bad = (qo_lens > 0) & (shared > 0) & (last.kv_lens < qo_lens - 1)
     if bad.any():
         b = int(np.flatnonzero(bad)[0])
         qo_len, kv_len = int(qo_lens[b]), int(last.kv_lens[b])
-        raise PlanError(f"levels[{index}]: request {b} has {qo_len} queries but {kv_len} keys in its last level; "
-                        "with a Causal mask every shared key must precede its first query (last-level kv_len >= "
-                        f"qo_len - 1): move its last {qo_len - 1 - kv_len} shared keys into its last level")
+        raise PlanError(f"levels[{len(levels) - 1}]: request {b} has {qo_len} queries but {kv_len} keys in its last "
+                        f"level after {int(shared[b])} shared ones; with a Causal mask every shared key must precede "
+                        f"its first query (last-level kv_len >= qo_len - 1): move its last {qo_len - 1 - kv_len} "
+                        "shared keys into its last level")
 
 
 # ---------------------------------------------------------------------------------------------- derived levels

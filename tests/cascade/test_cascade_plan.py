@@ -64,9 +64,7 @@ def test_derived_levels_of_prefix_trees(seed, batch, depth, page_size, decode, c
     rng = np.random.default_rng(seed)
     lists = tree_pages(rng, batch, depth)
     last = last_page_lens(rng, lists, page_size)
-    kv_lens = [(len(p) - 1) * page_size + int(n) if p else 0 for p, n in zip(lists, last)]
     qo_lens = np.ones(batch, np.int64) if decode else rng.integers(0, 5, batch)
-    qo_lens = np.minimum(qo_lens, np.array(kv_lens) + 1) if causal else qo_lens
     qo = np.concatenate([[0], np.cumsum(qo_lens)])
     levels = derive_levels(qo, **csr(lists, last), page_size=page_size, causal=causal)
     assert_levels_cover(levels, lists, last, qo_lens, page_size)
@@ -75,7 +73,7 @@ def test_derived_levels_of_prefix_trees(seed, batch, depth, page_size, decode, c
     for parent, child in zip(levels, levels[1:]):  # derived groups nest
         assert fold_level(parent, child, page_size) is not None
     if causal:
-        check_causal(levels[-1], len(levels) - 1)
+        check_causal(levels)
     if decode:  # every shared page is found: each page read once
         assert sum(int(t.kv_lens.sum()) for t in levels) == unique_tokens(lists, last, page_size)
     for cap in range(1, len(levels) + 1):
@@ -123,8 +121,14 @@ def test_causal_shares_only_keys_before_the_first_query():
     assert levels[0].kv_indices.tolist() == [1] and levels[-1].kv_lens.tolist() == [32, 32]
     decode = derive_levels([0, 1, 2], **table, page_size=16, causal=True)
     assert len(decode) == 2 and decode[0].kv_lens.tolist() == [48] and decode[-1].kv_lens.tolist() == [0, 0]
-    with pytest.raises(PlanError, match=r"levels\[1\]: request 1 has 20 queries but 0 keys"):
-        check_causal(decode[-1]._replace(qo_indptr=np.array([0, 1, 21])), 1)
+    with pytest.raises(PlanError, match=r"levels\[1\]: request 1 has 20 queries but 0 keys in its last level after "
+                       r"48 shared ones"):
+        check_causal([decode[0]._replace(qo_indptr=np.array([0, 21])),
+                      decode[1]._replace(qo_indptr=np.array([0, 1, 21]))])
+    # a request with more queries than keys, none of them shared, is fine
+    alone = derive_levels([0, 1, 6], [0, 2, 3], [1, 2, 3], [16, 3], page_size=16, causal=True)
+    check_causal(alone)
+    assert alone[-1].kv_lens.tolist() == [32, 3]
 
 
 def test_derivation_of_a_long_shared_prefix_compares_pairs_both_ways():

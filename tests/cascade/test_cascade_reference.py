@@ -100,7 +100,7 @@ def test_given_levels_with_uneven_groups_and_empty_ones_compose():
                CascadeLevel(qo2, *levels[2][1:4])]
     tables2 = flashgen.plan.check_levels(levels2, page_size)
     with pytest.raises(PlanError, match=r"request 3 has 2 queries but 0 keys"):
-        flashgen.plan.cascade.check_causal(tables2[-1], 2)
+        flashgen.plan.cascade.check_causal(tables2)
     spec = AttentionSpec(HEAD_DIM, kv_layout=Paged(page_size), mask=Causal())
     q2 = torch.cat([q, q[:1]])
     runs = [(spec.replace(mask=NoMask()), t) for t in tables2[:-1]] + [(spec, tables2[-1])]
