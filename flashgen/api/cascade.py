@@ -157,6 +157,7 @@ class CascadeWrapper:
         self._sm90: dict[AttentionSpec, int] = {}  # spec -> the Hopper kernel's q tile rows, 0 where it cannot run
         self._inner: dict[tuple, object] = {}
         self._runs: tuple | None = None
+        self._run_tables: tuple = ()
         self._scratch: torch.Tensor | None = None
         self.levels: tuple[LevelRecord, ...] = ()
 
@@ -176,6 +177,7 @@ class CascadeWrapper:
         ``BatchDecodeWrapper.plan`` takes them. ``policy``: a ``flashgen.plan.CascadePolicy`` (rates, and
         ``fold="cost" | "never" | "always"``). Errors name the argument and, for a level, ``levels[l]``.
         """
+        self._runs = None  # a plan that fails leaves nothing to run
         check_heads(num_qo_heads, num_kv_heads)
         policy = check_policy(policy)
         page_size = self.spec.kv_layout.page_size
@@ -203,7 +205,6 @@ class CascadeWrapper:
         shared = list(zip(kept[:-1], runs_tables[:-1]))
         if self.use_cuda_graph:  # every level launches: the ones not run get no KV
             shared += [(None, empty_level(int(last.qo_indptr[-1])))] * (self.num_levels - 1 - len(shared))
-        self._runs = None  # a failed plan leaves nothing to run
         runs, ran = [], {}
         for slot, (index, table) in enumerate(shared):
             backend = self._backend(table, self._shared_spec, num_qo_heads, num_kv_heads)
