@@ -6,12 +6,14 @@
   their validation and the reference path; ``fast_paths`` (numpy) and ``list_paths`` (a few requests) plan
   the same fields faster, behind one ``PlanRequest`` (``request``).
 - ``heuristics``: the split policy (chunk length, last-wave split) with worked examples; ``SplitPolicy``.
-- ``cascade``: shared-prefix levels, each planned over its own pages, merged.
+- ``cascade``: shared-prefix levels (given, or derived from per-request page tables), each planned over its own
+  pages, merged; ``cascade_cost``: which levels pay (the cost model) and the folding of those that do not.
 - ``block_sparse``: a BSR pattern as a page plan.
 """
 
 from .block_sparse import BlockSparseInfo, bsr_page_table, plan_block_sparse
-from .cascade import CascadeInfo, plan_cascade
+from .cascade import CascadeInfo, CascadeLevel, LevelTable, check_levels, derive_levels, fold_level, plan_cascade
+from .cascade_cost import CascadePolicy, LevelCost, choose_levels, level_cost
 from .heuristics import DEFAULT_SPLIT_POLICY, SplitPolicy
 from .host import PlanError, host_array
 from .page_table import (
@@ -36,7 +38,9 @@ from .split_kv import (
 )
 
 __all__ = [
-    "BlockSparseInfo", "bsr_page_table", "plan_block_sparse", "CascadeInfo", "plan_cascade",
+    "BlockSparseInfo", "bsr_page_table", "plan_block_sparse", "CascadeInfo", "plan_cascade", "CascadeLevel",
+    "LevelTable", "check_levels", "derive_levels", "fold_level", "CascadePolicy", "LevelCost", "choose_levels",
+    "level_cost",
     "PlanError", "host_array", "PageTableError", "block_table_to_csr", "csr_to_block_table",
     "kv_lens_from_csr", "validate_block_table", "validate_csr", "validate_indptr", "Plan", "PlanField",
     "SPLIT_KV_SCHEMA", "SplitKVInfo", "choose_kv_chunk", "choose_tail_split", "default_tile_rows", "plan_decode",
