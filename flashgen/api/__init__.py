@@ -1,7 +1,11 @@
-"""User-facing operations: the batch decode and prefill wrappers, attention(), merging attention states."""
+"""User-facing operations: the batch decode and prefill wrappers, attention(), block-sparse attention, sparse
+page tables, merging attention states."""
 
+from .block_sparse import BlockSparseWrapper
 from .decode import BatchDecodeWrapper
 from .merge import merge_state, merge_state_in_place, merge_states
 from .prefill import BatchPrefillWrapper, attention
+from .sparse_pages import select_pages
 
-__all__ = ["BatchDecodeWrapper", "BatchPrefillWrapper", "attention", "merge_state", "merge_state_in_place", "merge_states"]
+__all__ = ["BlockSparseWrapper", "BatchDecodeWrapper", "BatchPrefillWrapper", "attention", "merge_state", "merge_state_in_place", "merge_states",
+           "select_pages"]
