@@ -96,41 +96,63 @@ def _from_mask(page_mask, total: int, ptr: np.ndarray) -> tuple[np.ndarray, np.n
 
 
 def _from_positions(keep, keep_indptr, ptr: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarray]:
-    """Flat page-table positions of the kept pages (sorted) and the new indptr."""
+    """Flat page-table positions of the kept pages (ascending) and the new indptr."""
     npages = np.diff(ptr)
     keep = host_array("keep", keep, np.ndim(keep) if np.ndim(keep) in (1, 2) else 1)
     if keep.ndim == 2:
-        if keep_indptr is not None:
-            raise PlanError("keep_indptr: goes with a flat keep [n], not keep [batch, k]")
-        if keep.shape[0] != batch:
-            raise PlanError(f"keep: has {keep.shape[0]} rows, expected batch_size = {batch} (len(kv_indptr) - 1)")
-        rows, cols = np.nonzero(keep >= 0)
-        local = keep[rows, cols].astype(np.int64)
-        where = lambda i: f"keep[{rows[i]}, {cols[i]}]"  # noqa: E731
-    else:
-        if keep_indptr is None:
-            raise PlanError("keep_indptr: required with a flat keep [n] (or pass keep as [batch, k])")
-        kip = validate_indptr("keep_indptr", keep_indptr)
-        if kip.size != batch + 1:
-            raise PlanError(f"keep_indptr: has {kip.size} entries, expected batch_size + 1 = {batch + 1}")
-        if kip[-1] > keep.size:
-            raise PlanError(f"keep_indptr[-1] = {int(kip[-1])} > len(keep) = {keep.size}")
-        local = keep[: kip[-1]].astype(np.int64)
-        rows = np.repeat(np.arange(batch), np.diff(kip))
-        where = lambda i: f"keep[{i}]"  # noqa: E731
-    bad = (local < 0) | (local >= npages[rows])
+        return _from_rows(keep, keep_indptr, ptr, npages, batch)
+    if keep_indptr is None:
+        raise PlanError("keep_indptr: required with a flat keep [n] (or pass keep as [batch, k])")
+    kip = validate_indptr("keep_indptr", keep_indptr)
+    if kip.size != batch + 1:
+        raise PlanError(f"keep_indptr: has {kip.size} entries, expected batch_size + 1 = {batch + 1}")
+    if kip[-1] > keep.size:
+        raise PlanError(f"keep_indptr[-1] = {int(kip[-1])} > len(keep) = {keep.size}")
+    local = keep[: kip[-1]].astype(np.int64)
+    rows = np.repeat(np.arange(batch), np.diff(kip))
+    bad = local.view(np.uint64) >= npages[rows]  # a negative position is a huge unsigned one
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise PlanError(f"{where(i)} = {int(local[i])}: request {rows[i]} has pages 0 .. {int(npages[rows[i]]) - 1}")
+        _outside(f"keep[{i}]", int(local[i]), int(rows[i]), int(npages[rows[i]]))
     flat = ptr[rows] + local
-    order = np.argsort(flat, kind="stable")
-    flat = flat[order]
-    twice = np.flatnonzero(np.diff(flat) == 0)
-    if twice.size:
-        i = int(order[twice[0] + 1])
-        raise PlanError(f"{where(i)} = {int(local[i])}: request {rows[i]} keeps that page twice")
-    counts = np.bincount(rows, minlength=batch) if rows.size else np.zeros(batch, np.int64)
+    if not (np.diff(flat) > 0).all():  # not ascending already: sort, then look for a page kept twice
+        order = np.argsort(flat, kind="stable")
+        flat = flat[order]
+        twice = np.flatnonzero(np.diff(flat) == 0)
+        if twice.size:
+            i = int(order[twice[0] + 1])
+            raise PlanError(f"keep[{i}] = {int(local[i])}: request {rows[i]} keeps that page twice")
+    return flat, kip.astype(np.int64, copy=False)
+
+
+def _from_rows(keep: np.ndarray, keep_indptr, ptr: np.ndarray, npages: np.ndarray, batch: int):
+    """``_from_positions`` of ``keep [batch, k]`` (negative entries padding): each row sorted, so the kept
+    positions come out ascending and a page kept twice is two equal neighbours."""
+    if keep_indptr is not None:
+        raise PlanError("keep_indptr: goes with a flat keep [n], not keep [batch, k]")
+    if keep.shape[0] != batch:
+        raise PlanError(f"keep: has {keep.shape[0]} rows, expected batch_size = {batch} (len(kv_indptr) - 1)")
+    if keep.shape[1] == 0:
+        return np.zeros(0, np.int64), np.zeros(batch + 1, np.int64)
+    srt = np.sort(keep, axis=1)  # padding first
+    valid = srt >= 0
+    high = srt[:, -1] >= npages
+    if high.any():
+        b = int(np.flatnonzero(high)[0])
+        j = int(np.flatnonzero(keep[b] >= npages[b])[0])
+        _outside(f"keep[{b}, {j}]", int(keep[b, j]), b, int(npages[b]))
+    twice = (srt[:, 1:] == srt[:, :-1]) & valid[:, 1:]
+    if twice.any():
+        b, j = (int(x[0]) for x in np.nonzero(twice))
+        j = int(np.flatnonzero(keep[b] == srt[b, j])[1])
+        raise PlanError(f"keep[{b}, {j}] = {int(keep[b, j])}: request {b} keeps that page twice")
+    counts = valid.sum(1)
+    flat = np.repeat(ptr[:-1], counts) + srt[valid]
     return flat, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+def _outside(where: str, value: int, request: int, pages: int):
+    raise PlanError(f"{where} = {value} is outside request {request}'s pages [0, {pages})")
 
 
 def _gather_ids(kv_indices, flat: np.ndarray, total: int):
