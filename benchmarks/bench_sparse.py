@@ -7,6 +7,8 @@ least one block). Contenders, each optional (a peer that does not import or fail
 
 - ``flashgen-bsr-<backend>``: ``BlockSparseWrapper`` (backend auto: the sm90 kernel on Hopper; and portable);
 - ``flashgen-dense-<backend>``: ``BatchPrefillWrapper``, one NoMask request of M x N: the baseline;
+- ``flashgen-var``: ``VariableBlockSparseWrapper`` on the same pattern (every kv head the same; its q and out
+  regrouping per kv head included in the time);
 - ``flashinfer-bsr``: ``flashinfer.BlockSparseAttentionWrapper``; ``flashinfer-var``: its
   ``VariableBlockSparseAttentionWrapper`` (every kv head the same pattern; q, k, v in its HND layout, prepared
   outside the timing);
@@ -83,6 +85,23 @@ def flashgen_dense(backend, case):
     return (lambda: wrapper.run(case["q"], (case["k"], case["v"]), out=out)), {"kernel": wrapper.backend}
 
 
+def block_sizes(case):
+    """Row and column block sizes ``[Hkv, MB]``, ``[Hkv, NB]`` of the uniform pattern (the last ones clipped)."""
+    rows, cols = case["keep"].shape
+    row_sz = np.minimum(case["R"], case["M"] - np.arange(rows) * case["R"])
+    col_sz = np.minimum(case["C"], case["N"] - np.arange(cols) * case["C"])
+    return np.tile(row_sz, (case["hkv"], 1)), np.tile(col_sz, (case["hkv"], 1))
+
+
+def flashgen_var(case):
+    wrapper = flashgen.VariableBlockSparseWrapper(SPEC)
+    keep = np.broadcast_to(case["keep"], (case["hkv"], *case["keep"].shape))
+    wrapper.plan(keep, *block_sizes(case), case["hq"], case["hkv"])
+    out = torch.empty_like(case["q"])
+    fn = lambda: wrapper.run(case["q"], case["k"], case["v"], out=out)  # noqa: E731
+    return fn, {"kernel": wrapper.backend}
+
+
 def flashinfer_bsr(case):
     import flashinfer
 
@@ -104,10 +123,8 @@ def flashinfer_var(case):
     w = flashinfer.VariableBlockSparseAttentionWrapper(ws)
     hkv, (rows, cols) = case["hkv"], case["keep"].shape
     keep = torch.from_numpy(case["keep"]).cuda()[None].expand(hkv, rows, cols).contiguous()
-    row_sz = torch.from_numpy(np.minimum(case["R"], case["M"] - np.arange(rows) * case["R"])).int().cuda()
-    col_sz = torch.from_numpy(np.minimum(case["C"], case["N"] - np.arange(cols) * case["C"])).int().cuda()
-    w.plan(keep, row_sz[None].expand(hkv, rows).contiguous(), col_sz[None].expand(hkv, cols).contiguous(),
-           case["hq"], hkv, D, q_data_type=torch.bfloat16)
+    row_sz, col_sz = (torch.from_numpy(x).int().cuda() for x in block_sizes(case))
+    w.plan(keep, row_sz, col_sz, case["hq"], hkv, D, q_data_type=torch.bfloat16)
     q, k, v = (x.transpose(0, 1).contiguous() for x in (case["q"], case["k"], case["v"]))  # HND, outside the timing
     return lambda: w.run(q, k, v)
 
@@ -178,7 +195,9 @@ def parse_args():
     parser.add_argument("--heads", default="32/8", help="q/kv head pairs, e.g. 32/8,32/32")
     parser.add_argument("--backends", default=None, help="flashgen backends (default: auto and portable on Hopper, "
                                                          "else portable)")
-    parser.add_argument("--peers", default="flashinfer,flashinfer-var,flex")
+    parser.add_argument("--peers", default="flashgen-var,flashinfer,flashinfer-var,flex",
+                        help="besides flashgen's block-sparse and dense rows: some of flashgen-var (its "
+                             "VariableBlockSparseWrapper on the same pattern), flashinfer, flashinfer-var, flex")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--check", action="store_true", help="compare flashgen's output with the fp64 reference first")
     parser.add_argument("--check-rows", type=int, default=6, help="block rows --check compares")
@@ -255,6 +274,8 @@ def run_case(args, case, density: float, kept: int) -> list[dict]:
     for backend in args.backends:
         attempt(f"flashgen-bsr-{backend}", lambda: flashgen_bsr(backend, case), kept)
         attempt(f"flashgen-dense-{backend}", lambda: flashgen_dense(backend, case), case["M"] * case["N"])
+    if "flashgen-var" in args.peers:
+        attempt("flashgen-var", lambda: flashgen_var(case), kept)
     if "flashinfer" in args.peers:
         attempt("flashinfer-bsr", lambda: flashinfer_bsr(case), kept)
     if "flashinfer-var" in args.peers:

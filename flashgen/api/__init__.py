@@ -6,6 +6,7 @@ from .decode import BatchDecodeWrapper
 from .merge import merge_state, merge_state_in_place, merge_states
 from .prefill import BatchPrefillWrapper, attention
 from .sparse_pages import select_pages
+from .variable_block_sparse import VariableBlockSparseWrapper
 
 __all__ = ["BlockSparseWrapper", "BatchDecodeWrapper", "BatchPrefillWrapper", "attention", "merge_state", "merge_state_in_place", "merge_states",
-           "select_pages"]
+           "select_pages", "VariableBlockSparseWrapper"]

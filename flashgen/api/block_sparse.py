@@ -32,6 +32,16 @@ def sm90_reads_whole_pages(spec: AttentionSpec) -> bool:
         return False
 
 
+def check_prefill_spec(spec: AttentionSpec, backend: str, kernel_options: dict | None = None) -> None:
+    """The prefill families' checks of head dims and dtypes (``SpecError``), before any plan fixes a page size:
+    the sm90 family's for ``backend="sm90"``, else the portable one's (which ``"auto"`` falls back to)."""
+    probe = spec.replace(kv_layout=Paged(16))
+    if backend == "sm90":
+        family("prefill_sm90").check(family("prefill_sm90").project(probe))
+    else:
+        family("prefill", kernel_options).check(family("prefill").project(probe))
+
+
 def inner_backend(spec: AttentionSpec, backend: str, kv_len: int, block_kv: int) -> str:
     """The backend the inner ``BatchPrefillWrapper`` is asked for: ``backend`` itself, except that where N is
     not a multiple of C and the sm90 kernel would load the last, partial page whole (past N), ``"auto"`` becomes
@@ -120,11 +130,7 @@ class BlockSparseWrapper:
         check_position_free(spec, "BlockSparseWrapper")
         if backend not in BACKENDS:
             raise ValueError(f"backend: got {backend!r}, expected one of {', '.join(map(repr, BACKENDS))}")
-        probe = spec.replace(kv_layout=Paged(16))  # the families' checks of dims and dtypes, before any plan
-        if backend == "sm90":
-            family("prefill_sm90").check(family("prefill_sm90").project(probe))
-        else:
-            family("prefill", kernel_options).check(family("prefill").project(probe))
+        check_prefill_spec(spec, backend, kernel_options)
         self.spec, self._backend, self._kernel_options = spec, backend, kernel_options
         self.num_sms = check_count("num_sms", num_sms)
         self.use_cuda_graph = use_cuda_graph

@@ -4,7 +4,8 @@ Block-sparse: the dense reference under the block mask (``bsr_mask``), densities
 {1, 16, 64, 128} with M and N not multiples of them (and N a multiple of C, where the Hopper kernel loads whole
 pages by TMA), GQA groups 1 and 4, on the portable backend and, on a Hopper GPU, ``backend="auto"`` (the sm90
 kernel wherever it may run the plan). K and V are views into buffers whose rows past N hold NaN, so a read past
-the end shows. Sparse decode: scattered kept pages (``select_pages``), the skipped pages NaN in the cache the
+the end shows. Variable blocks: each kv head's own pattern and block sizes, against the reference of each head
+under its mask. Sparse decode: scattered kept pages (``select_pages``), the skipped pages NaN in the cache the
 kernel reads, against the reference over the whole table with the skipped tokens masked.
 """
 
@@ -144,6 +145,45 @@ def test_cuda_graph_replay_after_replanning(n, backend):
         torch.cuda.synchronize()
         assert_matches_reference(SPEC.replace(kv_layout=BlockSparse(r, c)), q_gpu, tuple(x.cuda() for x in kv), out,
                                  lse, bsr=(indptr, indices))
+
+
+# ---------------------------------------------------------------------------------------------- variable blocks
+
+# (name, row sizes, column sizes) of 2 kv heads: M = 63 (empty row blocks too), column sizes whose gcd (the page
+# size) is a TMA page size (portable on every GPU) or one the sm90 kernel gathers (sm90 under "auto" on Hopper)
+VARIABLE = [
+    ("gcd64", [[20, 0, 43], [30, 33, 0]], [[64, 128, 64], [128, 64, 64]]),
+    ("gcd16", [[20, 0, 43], [1, 32, 30]], [[16, 48, 96], [80, 16, 64]]),
+    ("gcd1", [[63, 0, 0], [30, 33, 0]], [[37, 60, 60], [100, 50, 7]]),
+    ("gcd48", [[20, 0, 43], [30, 33, 0]], [[48, 144, 48], [96, 96, 48]]),
+]
+
+
+@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("name, row_sz, col_sz", VARIABLE, ids=[case[0] for case in VARIABLE])
+def test_variable_blocks_match_reference(name, row_sz, col_sz, group, backend):
+    hkv, m, n = 2, 63, sum(col_sz[0])
+    rng = np.random.default_rng(group * 10 + len(name))
+    mask = rng.random((hkv, 3, 3)) < 0.5
+    mask[1, 1] = False  # a block row of head 1 keeps nothing: out 0, lse -inf
+    mask[0, 0, 0] = True
+    q, kv, q_gpu, k_gpu, v_gpu = dense_inputs(SPEC, m, n, hkv * group, hkv, seed=group)
+    wrapper = flashgen.VariableBlockSparseWrapper(SPEC, backend=backend)
+    wrapper.plan(mask, row_sz, col_sz, hkv * group, hkv)
+    page = int(np.gcd.reduce(np.ravel(col_sz)))
+    expected = "portable" if backend == "portable" or sm90_reads_whole_pages(SPEC.replace(kv_layout=Paged(page))) \
+        else "sm90"
+    assert wrapper.backend == expected
+    out = torch.full((m, hkv * group, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out, lse = wrapper.run(q_gpu, k_gpu, v_gpu, out=out, return_lse=True)
+    k, v = (x.cuda() for x in kv)
+    for h in range(hkv):
+        heads = slice(h * group, (h + 1) * group)
+        token_mask = np.repeat(np.repeat(mask[h], row_sz[h], 0), col_sz[h], 1)
+        assert_matches_reference(SPEC.replace(mask=CustomMask()), q_gpu[:, heads].contiguous(),
+                                 (k[:, h:h + 1], v[:, h:h + 1]), out[:, heads], lse[:, heads], qo_indptr=[0, m],
+                                 kv_indptr=[0, n], custom_mask=[torch.from_numpy(token_mask)])
 
 
 # ---------------------------------------------------------------------------------------------- sparse decode
