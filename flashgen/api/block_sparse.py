@@ -111,7 +111,8 @@ class BlockSparseWrapper:
     32, 64, 128, 256 ... at head_dim 128), the last column block is partial and a box would read past K and V,
     so such a plan runs on the portable kernel (gathered page sizes, e.g. C = 1, 24, 48, stay on the Hopper
     kernel). ``"sm90"`` raises ``PlanError`` for such a plan; ``"portable"`` always runs the portable kernel.
-    ``wrapper.backend`` says which ran the last plan. One inner wrapper (and kernel) is kept per (C, backend).
+    ``wrapper.backend`` says which ran the last plan. One inner wrapper is kept per C (two where some plans' N
+    is a multiple of C and some not).
 
     ``use_cuda_graph=True``: the first plan fixes M, N, R and C (later plans must keep them) and the inner
     wrapper's capacity (``ceil(M / R)`` block rows, M query rows); ``max_num_blocks`` (default: the first plan's
@@ -136,7 +137,7 @@ class BlockSparseWrapper:
         self.use_cuda_graph = use_cuda_graph
         self.max_num_blocks = check_count("max_num_blocks", max_num_blocks, 0)
         self.device = resolve_device(device)
-        self._inner: dict[tuple[int, str], BatchPrefillWrapper] = {}
+        self._inner: dict[tuple[int, bool], BatchPrefillWrapper] = {}  # by C and whether C divides N
         self._shape: tuple[int, int, int, int] | None = None  # (M, N, R, C) of the last plan
         self._planned: tuple[BatchPrefillWrapper, int] | None = None  # (inner wrapper, N)
 
@@ -179,10 +180,12 @@ class BlockSparseWrapper:
         self._shape, self._planned = (M, N, R, C), (inner, N)
 
     def _inner_wrapper(self, M: int, N: int, R: int, C: int, num_blocks: int) -> BatchPrefillWrapper:
-        spec = self.spec.replace(kv_layout=Paged(C, "NHD"))
-        backend = inner_backend(spec, self._backend, N, C)
-        inner = self._inner.get((C, backend))
+        """The inner wrapper of blocks C wide, by (C, whether the last column block is partial): a dict lookup
+        once seen (plan() builds no spec then)."""
+        inner = self._inner.get((C, N % C == 0))
         if inner is None:
+            spec = self.spec.replace(kv_layout=Paged(C, "NHD"))
+            backend = inner_backend(spec, self._backend, N, C)
             graph = {}
             if self.use_cuda_graph:
                 most = num_blocks if self.max_num_blocks is None else self.max_num_blocks
@@ -191,7 +194,7 @@ class BlockSparseWrapper:
             inner = BatchPrefillWrapper(spec, device=self.device, num_sms=self.num_sms, backend=backend,
                                         kernel_options=self._kernel_options, **graph)
             inner._view = dense_pages(C)
-            self._inner[(C, backend)] = inner
+            self._inner[(C, N % C == 0)] = inner
         return inner
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None,

@@ -155,7 +155,7 @@ class VariableBlockSparseWrapper:
         check_prefill_spec(spec, backend)
         self.spec, self._backend, self.num_sms = spec, backend, num_sms
         self.device = resolve_device(device)
-        self._inner: dict[tuple[int, int, str], BatchPrefillWrapper] = {}
+        self._inner: dict[tuple[int, int], BatchPrefillWrapper] = {}  # by page size and kv heads
         self._planned = None
         self._scratch: dict[str, torch.Tensor] = {}  # the regrouped q and the inner out, reused while big enough
 
@@ -182,11 +182,11 @@ class VariableBlockSparseWrapper:
         self._planned = (inner, m, n, num_qo_heads, num_kv_heads)
 
     def _inner_wrapper(self, page_size: int, num_kv_heads: int) -> BatchPrefillWrapper:
-        spec = self.spec.replace(kv_layout=Paged(page_size, "NHD"))
-        backend = overlapping_pages_backend(spec, self._backend)
-        key = (page_size, num_kv_heads, backend)
+        key = (page_size, num_kv_heads)
         inner = self._inner.get(key)
         if inner is None:
+            spec = self.spec.replace(kv_layout=Paged(page_size, "NHD"))
+            backend = overlapping_pages_backend(spec, self._backend)
             inner = BatchPrefillWrapper(spec, device=self.device, num_sms=self.num_sms, backend=backend)
             inner._view = head_pages(page_size, num_kv_heads)
             self._inner[key] = inner
