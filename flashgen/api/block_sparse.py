@@ -22,6 +22,7 @@ from .prefill import BatchPrefillWrapper, prefill_kv_view
 from .sparse_pages import check_position_free
 from .wrapper import resolve_device
 
+
 def sm90_reads_whole_pages(spec: AttentionSpec) -> bool:
     """Whether the Hopper kernel loads ``spec``'s pages (a ``Paged`` spec) whole, a page per TMA box, rather
     than gathering rows below each request's length (page sizes TMA cannot take); False where it does not run
@@ -112,7 +113,9 @@ class BlockSparseWrapper:
     so such a plan runs on the portable kernel (gathered page sizes, e.g. C = 1, 24, 48, stay on the Hopper
     kernel). ``"sm90"`` raises ``PlanError`` for such a plan; ``"portable"`` always runs the portable kernel.
     ``wrapper.backend`` says which ran the last plan. One inner wrapper is kept per C (two where some plans' N
-    is a multiple of C and some not).
+    is a multiple of C and some not). Each block row is its own run of q tiles (``R x num_qo_heads /
+    num_kv_heads`` packed rows; the Hopper kernel's tile is 128 of them), so blocks of fewer packed rows than a
+    tile leave the rest of it idle.
 
     ``use_cuda_graph=True``: the first plan fixes M, N, R and C (later plans must keep them) and the inner
     wrapper's capacity (``ceil(M / R)`` block rows, M query rows); ``max_num_blocks`` (default: the first plan's
