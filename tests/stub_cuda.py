@@ -11,7 +11,8 @@ from unittest import mock
 import torch
 
 from flashgen import jit
-from flashgen.api import decode, merge, page_ids, portable, prefill, sm90, staging, wrapper
+from flashgen.api import (block_sparse, decode, merge, page_ids, portable, prefill, sm90, staging,
+                          variable_block_sparse, wrapper)
 from flashgen.kernels import family
 
 
@@ -74,6 +75,8 @@ def stubbed_cuda():
 
     cpu = lambda device=None: torch.device("cpu")  # noqa: E731
     with mock.patch.object(decode, "resolve_device", cpu), mock.patch.object(prefill, "resolve_device", cpu), \
+            mock.patch.object(block_sparse, "resolve_device", cpu), \
+            mock.patch.object(variable_block_sparse, "resolve_device", cpu), \
             mock.patch.object(staging.torch, "empty", empty), \
             mock.patch.object(torch.cuda, "Event", _Event), \
             mock.patch.object(staging.driver, "StreamEvent", _Event), \

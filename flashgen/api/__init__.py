@@ -1,8 +1,14 @@
-"""User-facing operations: the batch decode, prefill and cascade wrappers, attention(), merging attention states."""
+"""User-facing operations: the batch decode, prefill and cascade wrappers, attention(), block-sparse
+attention, sparse page tables, merging attention states."""
 
+from .block_sparse import BlockSparseWrapper
 from .cascade import CascadeWrapper, LevelRecord
 from .decode import BatchDecodeWrapper
 from .merge import merge_state, merge_state_in_place, merge_states
 from .prefill import BatchPrefillWrapper, attention
+from .sparse_pages import select_pages
+from .variable_block_sparse import VariableBlockSparseWrapper
 
-__all__ = ["CascadeWrapper", "LevelRecord", "BatchDecodeWrapper", "BatchPrefillWrapper", "attention", "merge_state", "merge_state_in_place", "merge_states"]
+__all__ = ["BlockSparseWrapper", "CascadeWrapper", "LevelRecord", "BatchDecodeWrapper", "BatchPrefillWrapper",
+           "attention", "merge_state", "merge_state_in_place", "merge_states", "select_pages",
+           "VariableBlockSparseWrapper"]

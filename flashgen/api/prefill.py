@@ -79,7 +79,7 @@ class BatchPrefillWrapper:
         self._core = WrapperCore(self.spec, self.device, num_sms, graph, align=16, page_ids=page_ids)
         self.num_sms = self._core.num_sms
         self._impl = (SM90Prefill if self.backend == "sm90" else PortablePrefill)(self._core, kernel_options)
-        self._view = _kv_view
+        self._view = prefill_kv_view  # run()'s view of kv_cache (BlockSparseWrapper's inner wrappers set their own)
 
     # ------------------------------------------------------------------------------------------ plan
 
@@ -134,7 +134,7 @@ class BatchPrefillWrapper:
         return (out, lse) if return_lse else out
 
 
-def _kv_view(spec: AttentionSpec, kv_cache, num_kv_heads: int):
+def prefill_kv_view(spec: AttentionSpec, kv_cache, num_kv_heads: int):
     """kv_view, also for head_dim_vo != head_dim: K and V are then checked one by one, and V's strides must be
     K's scaled by head_dim_vo / head_dim (both tensors dense in their head dim), as the kernel addresses V."""
     if spec.head_dim == spec.head_dim_vo:
