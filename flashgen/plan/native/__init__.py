@@ -1,0 +1,138 @@
+"""The native planner: the split-KV list paths (``list_paths``) of a small batch as one C++ call.
+
+``plan_split_kv`` and ``plan_decode`` with the default split policy call ``plan_prefill`` / ``plan_decode``
+here first: the native module reads the batch (numpy arrays, CPU tensors, lists), resolves the sizes, chooses
+the split and writes the plan's fields into the host buffer, ~2 us where the Python list paths take 20-35 on a
+fast host. It returns the same plans, byte for byte (tests/plan/test_plan_native.py), and None wherever the
+Python paths have the say (inputs they refuse or convert, PlanErrors, batches past the list paths' bounds):
+those plan (or raise) as before.
+
+The module is built on the first plan (``build.ensure_built``: a one-time ~1-3 s compile with the host C++
+compiler, cached, or loaded from the cache or an AOT cache of ``flashgen build``). Where it cannot be built or
+loaded, plans take the Python list paths, the same plans, and one ``warnings.warn`` says why. ``use(False)``
+turns it off (tests compare the two paths with it):
+
+    >>> from flashgen.plan import native, plan_decode
+    >>> with native.use(False):
+    ...     python_plan = plan_decode([300, 9000], num_qo_heads=32, num_kv_heads=8)
+    >>> python_plan.info == plan_decode([300, 9000], num_qo_heads=32, num_kv_heads=8).info
+    True
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+from ..fast_paths import split_kv_layout
+from ..plan import Plan, _new_host_buffer, host_storage, host_view, host_views
+from ..request import new_info
+
+_UNLOADED = object()  # the module is loaded at the first plan
+_module = None  # the loaded module (None: not loaded, or unavailable)
+_entry = None  # its cache entry
+_failure: str | None = None  # why it is unavailable
+_enabled = True
+_active = _UNLOADED  # what plans use: the module, None (off or unavailable), or _UNLOADED
+_lock = threading.Lock()
+
+
+class use:
+    """``use(False)`` plans with the Python list paths, ``use(True)`` with the native planner where it is
+    available (the default); returns the previous setting as a context manager that restores it on exit."""
+
+    def __init__(self, enabled: bool):
+        global _enabled
+        self.previous = _enabled
+        _enabled = bool(enabled)
+        _refresh()
+
+    def __enter__(self) -> "use":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _enabled
+        _enabled = self.previous
+        _refresh()
+
+
+def _refresh() -> None:
+    global _active
+    _active = None if not _enabled else _module if (_module is not None or _failure is not None) else _UNLOADED
+
+
+def planner():
+    """The loaded native module, built or loaded on the first call; None where it is unavailable (``failure()``
+    says why; a warning said so once)."""
+    global _module, _entry, _failure
+    with _lock:
+        if _module is None and _failure is None:
+            from .build import NativeBuildError, ensure_built
+
+            try:
+                _entry, _module = ensure_built()
+            except NativeBuildError as exc:
+                _failure = str(exc)
+                warnings.warn(f"flashgen: the native planner is unavailable, plans use the Python list paths "
+                              f"(the same plans, slower): {_failure}", RuntimeWarning, stacklevel=3)
+        _refresh()
+    return _module
+
+
+def entry():
+    """The cache entry (``flashgen.cache.Entry``) the loaded planner came from, or None."""
+    return _entry
+
+
+def failure() -> str | None:
+    """Why the native planner is unavailable (None when it loaded, or before the first plan)."""
+    return _failure
+
+
+def available() -> bool:
+    """Whether plans use the native planner (loading it now if it was not)."""
+    return _enabled and planner() is not None
+
+
+def plan_prefill(qo_indptr, kv_lens, host_buffer, *options) -> Plan | None:
+    """``list_paths.plan_lists(small_inputs(...))``'s plan natively, or None for the Python paths to plan.
+    ``options``: num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead, enable_split,
+    balance_tail, split_min_waves, max_batch_size, max_total_q, capacity (``plan_split_kv``'s)."""
+    module = _active if _active is not _UNLOADED else planner() and _active
+    if module is None:
+        return None
+    return _plan(module.prefill, (qo_indptr, kv_lens), host_buffer, options)
+
+
+def plan_decode(kv_lens, host_buffer, *options) -> Plan | None:
+    """``list_paths.plan_decode_lists``'s plan natively, or None for the Python paths to plan. ``options``:
+    num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead, enable_split,
+    max_batch_size, max_total_q, capacity (``plan_decode``'s)."""
+    module = _active if _active is not _UNLOADED else planner() and _active
+    if module is None:
+        return None
+    return _plan(module.decode, (kv_lens,), host_buffer, options)
+
+
+def _plan(call, batch, host_buffer, options) -> Plan | None:
+    # call(*batch, flat, *options) -> the info tuple, the numel the plan needs (no buffer, or too small a
+    # one), or None
+    if host_buffer is None:
+        numel = call(*batch, None, *options)
+        if numel is None:
+            return None
+        host = _new_host_buffer(numel)
+        info = call(*batch, host.numpy(), *options)
+    else:
+        cached = host_views(host_buffer)
+        if cached is None:
+            return None  # not an int32 CPU tensor: the Python path raises, after the batch's own errors
+        info = call(*batch, cached[1], *options)
+        if type(info) is int:
+            host_storage(info, host_buffer)  # raises the "host_buffer:" PlanError that staging grows on
+            return None
+    if info is None:
+        return None
+    schema, numel, _ = split_kv_layout(info[1], info[3], info[5])
+    return Plan("split_kv", schema, host if host_buffer is None else host_view(host_buffer, cached, numel),
+                new_info(info))
