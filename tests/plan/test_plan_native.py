@@ -20,6 +20,7 @@ import torch
 from flashgen.cache import CacheStore, read_entry
 from flashgen.plan import PlanError, fast_paths, heuristics, list_paths, native, plan_decode, plan_split_kv, split_kv
 from flashgen.plan.native import build
+from flashgen.plan.request import SplitKVInfo
 
 REPO = Path(__file__).resolve().parents[2]
 SENTINEL = -777  # what the host buffers hold before a plan: the two plans must write (and skip) the same places
@@ -82,7 +83,7 @@ class Twin:
 
     def count(self, call, batch: tuple, options: tuple) -> None:
         """Count the calls the module itself plans (not a fall back to the Python paths)."""
-        self.native_plans += type(call(*batch, np.empty(BUFFER, dtype=np.int32), *options)) is tuple
+        self.native_plans += isinstance(call(*batch, np.empty(BUFFER, dtype=np.int32), *options), SplitKVInfo)
 
 
 def _host(rng, values, dtype):
@@ -320,6 +321,7 @@ def test_a_changed_source_builds_a_new_entry(built, cache_dir, tmp_path, monkeyp
 SECOND_PROCESS = """
 import sys
 from flashgen.plan.native import build
+from flashgen.plan.request import SplitKVInfo
 def refuse(*args):
     raise SystemExit("compiled")
 build._compile = refuse

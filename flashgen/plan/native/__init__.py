@@ -26,7 +26,7 @@ import warnings
 
 from ..fast_paths import split_kv_layout
 from ..plan import Plan, _new_host_buffer, host_storage, host_view, host_views
-from ..request import new_info
+from ..request import SplitKVInfo
 
 _UNLOADED = object()  # the module is loaded at the first plan
 _module = None  # the loaded module (None: not loaded, or unavailable)
@@ -71,6 +71,7 @@ def planner():
 
             try:
                 _entry, _module = ensure_built()
+                _module.set_info_type(SplitKVInfo)
             except NativeBuildError as exc:
                 _failure = str(exc)
                 warnings.warn(f"flashgen: the native planner is unavailable, plans use the Python list paths "
@@ -94,45 +95,60 @@ def available() -> bool:
     return _enabled and planner() is not None
 
 
-def plan_prefill(qo_indptr, kv_lens, host_buffer, *options) -> Plan | None:
-    """``list_paths.plan_lists(small_inputs(...))``'s plan natively, or None for the Python paths to plan.
-    ``options``: num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead, enable_split,
-    balance_tail, split_min_waves, max_batch_size, max_total_q, capacity (``plan_split_kv``'s)."""
+def plan_prefill(qo_indptr, kv_lens, host_buffer, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms,
+                 item_overhead, enable_split, balance_tail, split_min_waves, max_batch_size, max_total_q,
+                 capacity) -> Plan | None:
+    """``list_paths.plan_lists(small_inputs(...))``'s plan natively (``plan_split_kv``'s arguments), or None for
+    the Python paths to plan."""
     module = _active if _active is not _UNLOADED else planner() and _active
     if module is None:
         return None
-    return _plan(module.prefill, (qo_indptr, kv_lens), host_buffer, options)
-
-
-def plan_decode(kv_lens, host_buffer, *options) -> Plan | None:
-    """``list_paths.plan_decode_lists``'s plan natively, or None for the Python paths to plan. ``options``:
-    num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead, enable_split,
-    max_batch_size, max_total_q, capacity (``plan_decode``'s)."""
-    module = _active if _active is not _UNLOADED else planner() and _active
-    if module is None:
-        return None
-    return _plan(module.decode, (kv_lens,), host_buffer, options)
-
-
-def _plan(call, batch, host_buffer, options) -> Plan | None:
-    # call(*batch, flat, *options) -> the info tuple, the numel the plan needs (no buffer, or too small a
-    # one), or None
-    if host_buffer is None:
-        numel = call(*batch, None, *options)
-        if numel is None:
-            return None
-        host = _new_host_buffer(numel)
-        info = call(*batch, host.numpy(), *options)
+    if host_buffer is None:  # a buffer of its own, of the plan's size: asked for first
+        numel = module.prefill(qo_indptr, kv_lens, None, num_qo_heads, num_kv_heads, tile_rows, kv_granularity,
+                               num_sms, item_overhead, enable_split, balance_tail, split_min_waves, max_batch_size,
+                               max_total_q, capacity)
+        host = None if numel is None else _new_host_buffer(numel)
+        flat = None if host is None else host.numpy()
     else:
         cached = host_views(host_buffer)
-        if cached is None:
-            return None  # not an int32 CPU tensor: the Python path raises, after the batch's own errors
-        info = call(*batch, cached[1], *options)
-        if type(info) is int:
-            host_storage(info, host_buffer)  # raises the "host_buffer:" PlanError that staging grows on
-            return None
+        flat = None if cached is None else cached[1]  # (not a 1-D int32 CPU tensor: the Python path raises)
+    if flat is None:
+        return None
+    info = module.prefill(qo_indptr, kv_lens, flat, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms,
+                          item_overhead, enable_split, balance_tail, split_min_waves, max_batch_size, max_total_q,
+                          capacity)
+    return _finish(info, host_buffer, host if host_buffer is None else cached)
+
+
+def plan_decode(kv_lens, host_buffer, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead,
+                enable_split, max_batch_size, max_total_q, capacity) -> Plan | None:
+    """``list_paths.plan_decode_lists``'s plan natively (``plan_decode``'s arguments), or None for the Python paths
+    to plan."""
+    module = _active if _active is not _UNLOADED else planner() and _active
+    if module is None:
+        return None
+    if host_buffer is None:
+        numel = module.decode(kv_lens, None, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms,
+                              item_overhead, enable_split, max_batch_size, max_total_q, capacity)
+        host = None if numel is None else _new_host_buffer(numel)
+        flat = None if host is None else host.numpy()
+    else:
+        cached = host_views(host_buffer)
+        flat = None if cached is None else cached[1]
+    if flat is None:
+        return None
+    info = module.decode(kv_lens, flat, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead,
+                         enable_split, max_batch_size, max_total_q, capacity)
+    return _finish(info, host_buffer, host if host_buffer is None else cached)
+
+
+def _finish(info, host_buffer, host) -> Plan | None:
+    # info: the SplitKVInfo of the plan written, the numel it needs (too small a host_buffer), or None; host: the
+    # plan's own buffer, or host_buffer's views (host_views)
+    if type(info) is int:
+        host_storage(info, host_buffer)  # raises the "host_buffer:" PlanError that api/staging grows on
+        return None
     if info is None:
         return None
     schema, numel, _ = split_kv_layout(info[1], info[3], info[5])
-    return Plan("split_kv", schema, host if host_buffer is None else host_view(host_buffer, cached, numel),
-                new_info(info))
+    return Plan("split_kv", schema, host if host_buffer is None else host_view(host_buffer, host, numel), info)

@@ -1,7 +1,7 @@
 // The split-KV list paths of flashgen/plan/list_paths.py (prefill: small_inputs, _sizes, plan_lists, and
 // finish_plan's padding; decode: plan_decode_lists) in one call, for the default split policy
 // (flashgen/plan/heuristics.py). Each call writes the plan's int32 fields into the caller's host buffer at the
-// offsets of fast_paths.split_kv_layout and returns the SplitKVInfo fields as a tuple of ints; or the number of
+// offsets of fast_paths.split_kv_layout and returns the SplitKVInfo (set_info_type); or the number of
 // int32 elements the plan needs, when no buffer (or too small a one) was given; or None wherever the Python
 // path has the say: inputs it refuses or converts, PlanErrors (capacity, sizes), bounds and batches past the
 // list paths'. The Python path then plans (or raises) as it always has, so None is never a wrong answer.
@@ -37,6 +37,7 @@ constexpr int MAX_TAIL_SPLIT = 8;               // heuristics.choose_tail_split 
 
 PyTypeObject* ndarray_type = nullptr;  // numpy.ndarray
 PyTypeObject* tensor_type = nullptr;   // torch.Tensor
+PyTypeObject* info_type = &PyTuple_Type;  // SplitKVInfo (set_info_type), a tuple subclass of 14 fields
 
 inline i64 ceil_div(i64 a, i64 b) { return a / b + (a % b != 0); }  // a >= 0, b > 0: Python's -(-a // b)
 inline i128 ceil_div128(i128 a, i128 b) { return a / b + (a % b != 0); }
@@ -413,7 +414,7 @@ PyObject* write_plan(Target& target, const Options& o, const i64* qo, const i64*
     i64 partial_capacity = o.partial_capacity < 0 ? rows : o.partial_capacity;
     const i64 info[13] = {batch, o.max_batch_size, total_q, o.max_total_q, n, cap, o.num_qo_heads, o.num_kv_heads,
                           o.group_size, o.tile_rows, kv_chunk, rows, partial_capacity};
-    PyObject* out = PyTuple_New(14);
+    PyObject* out = info_type->tp_alloc(info_type, 14);  // a NamedTuple's instance is its tuple
     if (out == nullptr) return nullptr;
     for (int f = 0; f < 13; ++f) {
         PyObject* value = PyLong_FromLongLong(info[f]);
@@ -626,11 +627,25 @@ PyObject* decode(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return write_plan(target, o, qo, lens, chunks, batch, batch, items, ramps, kv_chunk, split && n <= SMALL_ITEMS);
 }
 
+// set_info_type(SplitKVInfo): the type of the info tuples the plans return (a tuple subclass without slots of
+// its own, as a NamedTuple is)
+PyObject* set_info_type(PyObject*, PyObject* type) {
+    if (!PyType_Check(type) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type), &PyTuple_Type) ||
+        reinterpret_cast<PyTypeObject*>(type)->tp_basicsize != PyTuple_Type.tp_basicsize) {
+        PyErr_SetString(PyExc_TypeError, "set_info_type: expected a NamedTuple class");
+        return nullptr;
+    }
+    Py_INCREF(type);  // kept for the life of the process
+    info_type = reinterpret_cast<PyTypeObject*>(type);
+    Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"prefill", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(prefill)), METH_FASTCALL,
      "The split-KV plan of a small prefill batch (list_paths.plan_lists), written into flat."},
     {"decode", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(decode)), METH_FASTCALL,
      "The split-KV plan of a small decode batch (list_paths.plan_decode_lists), written into flat."},
+    {"set_info_type", set_info_type, METH_O, "Plans return their info as this tuple subclass (SplitKVInfo)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
