@@ -6,6 +6,7 @@ a warned fall back to the Python paths (the same plans) where no compiler is fou
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -305,17 +306,70 @@ def test_the_key_follows_the_source_compiler_and_python():
     assert build.content_key(source + b"\n") != build.content_key(source)
 
 
+# a planner that plans nothing (None: the Python paths plan), quick to compile: for the tests of the build alone
+STUB = b"""#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+static PyObject* none(PyObject*, PyObject* const*, Py_ssize_t) { Py_RETURN_NONE; }
+static PyMethodDef methods[] = {{"prefill", (PyCFunction)(void (*)())none, METH_FASTCALL, ""},
+                                {"decode", (PyCFunction)(void (*)())none, METH_FASTCALL, ""}, {}};
+static PyModuleDef stub = {PyModuleDef_HEAD_INIT, "flashgen_planner", "", -1, methods};
+PyMODINIT_FUNC PyInit_flashgen_planner() { return PyModule_Create(&stub); }
+"""
+
+
+@pytest.fixture
+def stub(tmp_path, monkeypatch) -> Path:
+    """``build.SOURCE``: the stub planner."""
+    path = tmp_path / "stub" / "planner.cpp"
+    path.parent.mkdir()
+    path.write_bytes(STUB)
+    monkeypatch.setattr(build, "SOURCE", path)
+    return path
+
+
 def test_a_changed_source_builds_a_new_entry(built, cache_dir, tmp_path, monkeypatch):
     store = CacheStore(cache_dir)
     first = seed(cache_dir, built)
     assert build.ensure_built(store)[0].path == first  # found, not compiled
     changed = tmp_path / "planner.cpp"
-    changed.write_bytes(build.SOURCE.read_bytes() + b"\n// changed\n")
+    changed.write_bytes(STUB)
     monkeypatch.setattr(build, "SOURCE", changed)
     entry, module2 = build.ensure_built(store)
     assert entry.path != first and entry.path.parent == first.parent
-    assert (entry.path / "planner.cpp").read_bytes() == changed.read_bytes()
-    assert module2.decode is not None and store.verify() == []
+    assert (entry.path / "planner.cpp").read_bytes() == STUB
+    assert module2.decode(None) is None and store.verify() == []
+    changed.write_bytes(STUB + b"// one byte more\n")
+    assert build.ensure_built(store)[0].path not in (first, entry.path)
+
+
+def _builder(cache: Path, results) -> None:
+    """A process building the planner into ``cache``: puts (its compiles, the entry's path) on ``results``."""
+    compiles = []
+    compile_ = build._compile
+
+    def counted(*args):
+        compiles.append(1)
+        return compile_(*args)
+
+    build._compile = counted
+    entry, _ = build.ensure_built(CacheStore(cache))
+    results.put((len(compiles), str(entry.path)))
+
+
+def test_concurrent_processes_build_it_once(stub, tmp_path):
+    """Three forked processes (a fresh interpreter would spend seconds importing torch) at once, one cache."""
+    fork = multiprocessing.get_context("fork")
+    results = fork.SimpleQueue()
+    procs = [fork.Process(target=_builder, args=(tmp_path / "cache", results)) for _ in range(3)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(300)
+    assert [proc.exitcode for proc in procs] == [0, 0, 0]
+    outs = [results.get() for _ in procs]
+    assert sorted(compiles for compiles, _ in outs) == [0, 0, 1] and len({path for _, path in outs}) == 1
+    store = CacheStore(tmp_path / "cache")
+    assert len(store.entry_dirs()) == 1 and store.verify() == [] and store.build_dirs() == []
 
 
 SECOND_PROCESS = """
@@ -345,6 +399,19 @@ def test_an_aot_cache_needs_no_compiler(built, cache_dir, tmp_path, monkeypatch)
     monkeypatch.setattr(build, "COMPILERS", (str(tmp_path / "missing" / "c++"),))
     entry, _ = build.ensure_built()
     assert entry.path == shipped and not (cache_dir / build.ARCH).exists()
+
+
+def test_disable_jit_never_compiles(cache_dir, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_DISABLE_JIT", "1")
+    with pytest.raises(build.NativeBuildError, match="FLASHGEN_DISABLE_JIT=1 and no cache holds a loadable planner"):
+        build.ensure_built()
+    assert not (cache_dir / build.ARCH).exists()
+
+
+def test_a_failure_of_any_kind_falls_back(module, tmp_path, monkeypatch, fresh):
+    monkeypatch.setattr(build, "SOURCE", tmp_path / "gone.cpp")  # a broken install
+    with pytest.warns(RuntimeWarning, match="native planner is unavailable.*FileNotFoundError"):
+        assert plan_decode([5, 9000], num_qo_heads=4, num_kv_heads=4).info.num_items > 2
 
 
 def test_without_a_compiler_plans_warn_once_and_are_the_same(module, cache_dir, tmp_path, monkeypatch, fresh):

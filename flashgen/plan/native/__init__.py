@@ -72,8 +72,9 @@ def planner():
             try:
                 _entry, _module = ensure_built()
                 _module.set_info_type(SplitKVInfo)
-            except NativeBuildError as exc:
-                _failure = str(exc)
+            except Exception as exc:  # noqa: BLE001 - whatever stops it, the Python paths plan the same
+                _entry, _module = None, None
+                _failure = str(exc) if isinstance(exc, NativeBuildError) else f"{type(exc).__name__}: {exc}"
                 warnings.warn(f"flashgen: the native planner is unavailable, plans use the Python list paths "
                               f"(the same plans, slower): {_failure}", RuntimeWarning, stacklevel=3)
         _refresh()
