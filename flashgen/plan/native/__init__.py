@@ -38,8 +38,8 @@ _lock = threading.Lock()
 
 
 class use:
-    """``use(False)`` plans with the Python list paths, ``use(True)`` with the native planner where it is
-    available (the default); returns the previous setting as a context manager that restores it on exit."""
+    """``use(False)``: plans take the Python list paths; ``use(True)``: the native planner where it is available
+    (the default). Either way, as a context manager it restores the previous setting on exit."""
 
     def __init__(self, enabled: bool):
         global _enabled

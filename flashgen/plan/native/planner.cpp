@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <vector>
 
 namespace {
@@ -245,6 +246,7 @@ bool resolve_sizes(Options* o, PyObject* max_batch_size, PyObject* max_total_q, 
     if (fixed) {
         i64 min_items = ceil_div(o->max_total_q * o->group_size, o->tile_rows) + o->max_batch_size;
         if (o->capacity < 0) o->capacity = min_items + 2 * ceil_div(o->num_sms, o->num_kv_heads);
+        if (o->capacity >= OPTION_LIMIT) return false;  // (no host buffer holds it: the Python path says so)
         o->partial_capacity = o->capacity * ceil_div(o->tile_rows, o->group_size);
     }
     return true;
@@ -558,12 +560,59 @@ PyObject* prefill(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         Py_RETURN_NONE;
     Target target;
     if (!target.open(args[2])) Py_RETURN_NONE;
-    return plan_prefill(target, o, qo, lens, batch);
+    try {
+        return plan_prefill(target, o, qo, lens, batch);
+    } catch (const std::bad_alloc&) {
+        return PyErr_NoMemory();
+    }
 }
 
 // ------------------------------------------------------------------------------------------------ decode
 
 constexpr i64 MAX_DECODE_ITEMS = 1 << 20;  // a split past this many items: the Python path
+
+// list_paths.plan_decode_lists after the intake and _sizes
+PyObject* plan_decode(Target& target, const Options& o, const i64* qo, const i64* lens, i64 batch, i64 max_len,
+                      i64 work) {
+    i64 g = o.granularity;
+    i64 kv_chunk = std::max(g, ceil_div(max_len, g) * g), n = batch;
+    bool split = false;
+    if (o.enable_split && max_len <= g) {
+        kv_chunk = g;
+    } else if (o.enable_split) {
+        i64 chunk[9], counted[9];
+        int count = split_candidates(max_len, work, o, chunk);
+        for (int c = 0; c < count; ++c) {
+            counted[c] = 0;
+            for (i64 r = 0; r < batch; ++r) counted[c] += ceil_div(lens[r], chunk[c]);
+        }
+        int at = pick_chunk(chunk, counted, count, batch - counted[0], max_len, work, o, &n);
+        if (at < 0) Py_RETURN_NONE;  // the capacity PlanError
+        kv_chunk = chunk[at];
+        split = n > batch;
+    }
+    if (n > MAX_DECODE_ITEMS) Py_RETURN_NONE;
+    int32_t chunks[SMALL_DECODE];
+    std::vector<Item> items;
+    std::vector<Ramp> ramps;
+    items.reserve(size_t(n));
+    for (i64 r = 0; r < batch; ++r) {
+        i64 x = lens[r], c = split ? std::max(ceil_div(x, kv_chunk), 1LL) : 1;  // an empty request has one chunk
+        chunks[r] = int32_t(c);
+        if (c == 1) {
+            items.push_back({int32_t(r), 0, -1, 0, int32_t(x)});
+            continue;
+        }
+        for (i64 j = 0; j < c; ++j)
+            items.push_back({int32_t(r), 0, int32_t(j), int32_t(j * kv_chunk), int32_t(std::min((j + 1) * kv_chunk, x))});
+        ramps.push_back({r, r + 1, c});
+    }
+    // longest first, ties in (request, chunk) order: list_paths._write_decode_rows, fast_paths.split_decode_items
+    std::stable_sort(items.begin(), items.end(),
+                     [](const Item& a, const Item& b) { return a.start - a.end < b.start - b.end; });
+    // the list path packs split items (zeroing the rows' alignment gaps) up to SMALL_ITEMS of them
+    return write_plan(target, o, qo, lens, chunks, batch, batch, items, ramps, kv_chunk, split && n <= SMALL_ITEMS);
+}
 
 // decode(kv_lens, flat, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead,
 //        enable_split, max_batch_size, max_total_q, capacity): list_paths.plan_decode_lists
@@ -584,47 +633,14 @@ PyObject* decode(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!read_options(args + 2, &o) || !truth_arg(args[8], &o.enable_split) ||
         !resolve_sizes(&o, args[9], args[10], args[11], batch, batch, -1))
         Py_RETURN_NONE;
-    i64 g = o.granularity;
     if (o.group_size > o.tile_rows) Py_RETURN_NONE;  // a GQA group past one tile: the numpy path
     Target target;
     if (!target.open(args[1])) Py_RETURN_NONE;
-    i64 kv_chunk = std::max(g, ceil_div(max_len, g) * g), n = batch;
-    bool split = false;
-    if (o.enable_split && max_len <= g) {
-        kv_chunk = g;
-    } else if (o.enable_split) {
-        i64 chunk[9], counted[9];
-        int count = split_candidates(max_len, work, o, chunk);
-        for (int c = 0; c < count; ++c) {
-            counted[c] = 0;
-            for (Py_ssize_t r = 0; r < batch; ++r) counted[c] += ceil_div(lens[r], chunk[c]);
-        }
-        int at = pick_chunk(chunk, counted, count, batch - counted[0], max_len, work, o, &n);
-        if (at < 0) Py_RETURN_NONE;  // the capacity PlanError
-        kv_chunk = chunk[at];
-        split = n > batch;
+    try {
+        return plan_decode(target, o, qo, lens, batch, max_len, work);
+    } catch (const std::bad_alloc&) {
+        return PyErr_NoMemory();
     }
-    if (n > MAX_DECODE_ITEMS) Py_RETURN_NONE;
-    int32_t chunks[SMALL_DECODE];
-    std::vector<Item> items;
-    std::vector<Ramp> ramps;
-    items.reserve(size_t(n));
-    for (Py_ssize_t r = 0; r < batch; ++r) {
-        i64 x = lens[r], c = split ? std::max(ceil_div(x, kv_chunk), 1LL) : 1;  // an empty request has one chunk
-        chunks[r] = int32_t(c);
-        if (c == 1) {
-            items.push_back({int32_t(r), 0, -1, 0, int32_t(x)});
-            continue;
-        }
-        for (i64 j = 0; j < c; ++j)
-            items.push_back({int32_t(r), 0, int32_t(j), int32_t(j * kv_chunk), int32_t(std::min((j + 1) * kv_chunk, x))});
-        ramps.push_back({r, r + 1, c});
-    }
-    // longest first, ties in (request, chunk) order: list_paths._write_decode_rows, fast_paths.split_decode_items
-    std::stable_sort(items.begin(), items.end(),
-                     [](const Item& a, const Item& b) { return a.start - a.end < b.start - b.end; });
-    // the list path packs split items (zeroing the rows' alignment gaps) up to SMALL_ITEMS of them
-    return write_plan(target, o, qo, lens, chunks, batch, batch, items, ramps, kv_chunk, split && n <= SMALL_ITEMS);
 }
 
 // set_info_type(SplitKVInfo): the type of the info tuples the plans return (a tuple subclass without slots of
