@@ -12,10 +12,14 @@ also writes the records. The host is small and shared: other processes on its CP
 ``--mask-tiles`` also times the custom-mask tile classification of a 16k x 16k document mask (8 causal
 documents, 512 items of 32 tokens; ``flashgen.plan.mask_tiles``). ``--against DIR`` times another tree's
 planner (``DIR/flashgen/plan``, e.g. main exported with ``git archive main flashgen | tar -x -C DIR``)
-interleaved with this one's, ``--rounds`` times each, and prints both medians.
+interleaved with this one's, ``--rounds`` times each, and prints both medians. ``--native`` times the wrappers'
+small plans (``NATIVE_CASES``: prefill 1 x 128 tokens, decode of 1, 8, 24 requests; numpy int32 inputs, as a
+wrapper passes them) with the native planner and with the Python list paths (``flashgen.plan.native.use``),
+interleaved ``--rounds`` times in this process.
 
     python3 benchmarks/plan_bench.py --json plan_bench.json
     python3 benchmarks/plan_bench.py --against /tmp/plan_old --rounds 3
+    python3 benchmarks/plan_bench.py --native --rounds 5
 """
 
 from __future__ import annotations
@@ -128,6 +132,42 @@ def compare(reference: Path, rounds: int, batches=BATCHES) -> list[dict]:
     return records
 
 
+# (kind, label, planner arguments): a wrapper's plan() of a small batch. The portable prefill of d128 (64-token KV
+# tiles, 2 CTAs an SM: 264 slots on 132 SMs; causal, so no balance_tail), the sm90 prefill (unsplit, 128-row
+# tiles), the decode kernel (16-row tiles)
+_ONE = (np.array([0, 128], np.int32), np.array([128], np.int32))
+_DECODE_LENS = np.exp(np.random.default_rng(0).uniform(np.log(16), np.log(32768), 24)).astype(np.int32)
+NATIVE_CASES = tuple(
+    ("prefill", f"1x128 tile_rows={rows} num_sms={sms}{'' if split else ' unsplit'}", _ONE,
+     dict(num_qo_heads=32, num_kv_heads=8, tile_rows=rows, kv_granularity=64, num_sms=sms, enable_split=split))
+    for rows, sms, split in ((64, 132, True), (64, 264, True), (128, 132, True), (128, 264, True), (128, 132, False))
+) + tuple(("decode", f"B={b}", (_DECODE_LENS[:b].copy(),),
+           dict(num_qo_heads=32, num_kv_heads=8, tile_rows=16, kv_granularity=16, num_sms=264)) for b in (1, 8, 24))
+
+
+def compare_native(rounds: int) -> list[dict]:
+    """Median µs of each ``NATIVE_CASES`` plan with the Python list paths and with the native planner, alternating
+    ``rounds`` times: the smallest of the rounds' medians, as ``compare``."""
+    from flashgen.plan import native
+
+    if not native.available():
+        raise SystemExit(f"the native planner is unavailable: {native.failure()}")
+    buffer = torch.empty(1 << 16, dtype=torch.int32)
+    records = []
+    for kind, label, args, options in NATIVE_CASES:
+        planner = plan_decode if kind == "decode" else plan_prefill
+        pairs = []
+        for _ in range(rounds):
+            pair = []
+            for enabled in (False, True):
+                with native.use(enabled):
+                    pair.append(median_us(lambda: planner(*args, host_buffer=buffer, **options), 0.1))
+            pairs.append(pair)
+        records.append({"kind": kind, "batch": label, "ref_us": min(p[0] for p in pairs),
+                        "new_us": min(p[1] for p in pairs), "rounds": pairs})
+    return records
+
+
 def compare_table(records: list[dict]) -> str:
     lines = ["| kind | batch | reference µs | this tree µs | speed-up | rounds (ref / new) |",
              "|---|---:|---:|---:|---:|---|"]
@@ -166,12 +206,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the records as a JSON list to this path")
     parser.add_argument("--against", type=Path, help="a tree holding flashgen/plan to time interleaved with this one")
-    parser.add_argument("--rounds", type=int, default=3, help="alternations per batch with --against")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations per batch with --against or --native")
     parser.add_argument("--mask-tiles", action="store_true", help="also time a 16k x 16k mask's tile classification")
+    parser.add_argument("--native", action="store_true",
+                        help="time the wrappers' small plans with the native planner against the Python list paths")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
-    records = compare(args.against, args.rounds) if args.against else run()
-    print(compare_table(records) if args.against else table(records))
+    if args.native:
+        records = compare_native(args.rounds)
+        print(compare_table(records).replace("reference µs", "Python lists µs").replace("this tree µs", "native µs"))
+    else:
+        records = compare(args.against, args.rounds) if args.against else run()
+        print(compare_table(records) if args.against else table(records))
     if args.mask_tiles:
         print(f"mask tiles, 16k x 16k document mask: {mask_tiles_ms():.0f} ms")
     print(f"load average: {load_before:.2f} before, {os.getloadavg()[0]:.2f} after", file=sys.stderr)

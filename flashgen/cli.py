@@ -137,7 +137,23 @@ def cmd_build(args: argparse.Namespace) -> int:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for (op, _), (entry, seconds) in zip(builds, pool.map(one, builds)):
             print(f"{arch}  {entry.uri:<48} {seconds:7.2f} s  {entry.path}")
+    _build_planner(store)
     return 0
+
+
+def _build_planner(store) -> None:
+    """The native planner into the cache too (a deployment of this cache then needs no C++ compiler); where it
+    cannot be built, a line says why and plans there use the Python list paths (the build still succeeds)."""
+    from .plan.native.build import ARCH, URI, NativeBuildError, ensure_built
+
+    start = time.perf_counter()
+    try:
+        entry, _ = ensure_built(store)
+    except NativeBuildError as exc:
+        reason = " ".join(str(exc).split())
+        print(f"{ARCH}  {URI:<48} not built ({reason[:300]}); plans use the Python list paths")
+        return
+    print(f"{ARCH}  {entry.uri:<48} {time.perf_counter() - start:7.2f} s  {entry.path}")
 
 
 def cmd_cache(args: argparse.Namespace) -> int:

@@ -71,6 +71,20 @@ def seed(cache: Path, kernel_cache: Path, jobs: list[tuple[str, object, str]]) -
     return copies
 
 
+def seed_planner(cache: Path) -> bool:
+    """Copy the session's native planner (tests/conftest.py loads it) into ``cache``, so that ``flashgen build``
+    there finds it rather than compiling it again; False (nothing copied) where it did not load."""
+    from flashgen.plan import native
+
+    entry = native.entry()
+    if entry is None:
+        return False
+    target = cache / entry.path.parent.name / entry.path.name
+    if not target.exists():
+        shutil.copytree(entry.path, target)
+    return True
+
+
 def assert_sound_cubin(entry, report: str, entry_points: list[str], label: str = "") -> None:
     """An ELF cubin with the expected entry points and no register spills (stores or loads)."""
     assert entry.cubin[:4] == b"\x7fELF", entry.uri

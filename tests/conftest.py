@@ -80,6 +80,14 @@ def cache_dir(tmp_path, monkeypatch):
     return path
 
 
+def pytest_sessionstart(session):
+    """Load the native planner (building it on a miss) in the environment's cache, once: a test's first plan
+    would otherwise build it into whatever private cache that test has set (tests/plan/test_plan_native.py)."""
+    from flashgen.plan import native
+
+    native.planner()
+
+
 def pytest_collection_finish(session):
     """Start compiling the selected compile tests' kernels in the background (tests/compile_checks.py)."""
     session.config.kernel_cache = Path(tempfile.mkdtemp(prefix="flashgen-kernel-cache-"))

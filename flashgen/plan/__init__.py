@@ -4,7 +4,8 @@
 - ``plan``: the ``Plan`` type (int32 arrays in one host buffer, one async copy to the device).
 - ``split_kv``: split-KV work items for decode and prefill, CUDA-graph fixed-capacity mode: the entry points,
   their validation and the reference path; ``fast_paths`` (numpy) and ``list_paths`` (a few requests) plan
-  the same fields faster, behind one ``PlanRequest`` (``request``).
+  the same fields faster, behind one ``PlanRequest`` (``request``); ``native`` runs the list paths as one C++
+  call (built on the first plan through the kernel cache: the one place the planner uses ``flashgen.cache``).
 - ``heuristics``: the split policy (chunk length, last-wave split) with worked examples; ``SplitPolicy``.
 - ``cascade``: shared-prefix levels (given, or derived from per-request page tables), each planned over its own
   pages, merged; ``cascade_cost``: which levels pay (the cost model) and the folding of those that do not.

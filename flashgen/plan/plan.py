@@ -45,21 +45,37 @@ def host_storage(numel: int, host_buffer: torch.Tensor | None = None) -> tuple[t
     if host_buffer is None:
         host = _new_host_buffer(numel)
         return host, host.numpy()
-    cached = getattr(host_buffer, "_plan_views", None)
-    if cached is None or cached[0] != host_buffer.data_ptr():
-        if host_buffer.dtype != torch.int32 or not host_buffer.is_cpu or host_buffer.dim() != 1:
-            raise PlanError(f"host_buffer: needs a 1-D int32 CPU tensor of at least {numel} elements, got "
-                            f"{host_buffer.dtype} {host_buffer.device} of shape {tuple(host_buffer.shape)}")
-        contiguous = host_buffer.is_contiguous()
-        cached = host_buffer._plan_views = [host_buffer.data_ptr(), host_buffer.numpy(), contiguous, -1, None]
+    cached = host_views(host_buffer)
+    if cached is None:
+        raise PlanError(f"host_buffer: needs a 1-D int32 CPU tensor of at least {numel} elements, got "
+                        f"{host_buffer.dtype} {host_buffer.device} of shape {tuple(host_buffer.shape)}")
     flat = cached[1]
     if flat.size < numel or host_buffer.numel() < numel:
         raise PlanError(f"host_buffer: needs an int32 CPU tensor of at least {numel} elements, got "
                         f"{host_buffer.dtype} {host_buffer.device} with {host_buffer.numel()}")
+    return host_view(host_buffer, cached, numel), flat
+
+
+def host_views(host_buffer: torch.Tensor) -> list | None:
+    """The views ``host_storage`` keeps on a reused ``host_buffer`` (``_plan_views``: its data pointer, its numpy
+    view, whether it is contiguous, and the last ``numel`` with its tensor view), or None where it is not a
+    1-D int32 CPU tensor."""
+    cached = getattr(host_buffer, "_plan_views", None)
+    if cached is None or cached[0] != host_buffer.data_ptr():
+        if host_buffer.dtype != torch.int32 or not host_buffer.is_cpu or host_buffer.dim() != 1:
+            return None
+        contiguous = host_buffer.is_contiguous()
+        cached = host_buffer._plan_views = [host_buffer.data_ptr(), host_buffer.numpy(), contiguous, -1, None]
+    return cached
+
+
+def host_view(host_buffer: torch.Tensor, cached: list, numel: int) -> torch.Tensor:
+    """The first ``numel`` elements of ``host_buffer`` (at least that long) as a tensor, kept in ``cached``
+    (``host_views``) for the next plan of that size."""
     if cached[3] != numel:
         # as_strided is a cheaper view than slicing on a small host; a strided buffer is sliced
         cached[3:] = numel, (host_buffer.as_strided((numel,), (1,)) if cached[2] else host_buffer[:numel])
-    return cached[4], flat
+    return cached[4]
 
 
 @functools.lru_cache(maxsize=64)

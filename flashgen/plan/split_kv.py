@@ -20,6 +20,7 @@ import torch
 
 # SPLIT_KV_SCHEMA, SplitKVInfo, SplitPolicy and the heuristics' public names are re-exported from here (flashgen.plan
 # and older imports take them from this module)
+from . import native
 from .fast_paths import MAX_KV_LEN, iota, plan_decode_numpy, plan_numpy
 from .heuristics import (DEFAULT_SPLIT_POLICY, SplitPolicy, choose_kv_chunk, choose_split, choose_tail_split,
                          default_tile_rows, fills_waves)
@@ -66,6 +67,12 @@ def plan_split_kv(qo_indptr: object, kv_lens: object, *, num_qo_heads: int, num_
     >>> plan.info.kv_chunk, plan["num_chunks"].tolist()
     (2512, [1, 16])
     """
+    if split_policy is None or split_policy is DEFAULT_SPLIT_POLICY:  # a small batch: the list paths, natively
+        plan = native.plan_prefill(qo_indptr, kv_lens, host_buffer, num_qo_heads, num_kv_heads, tile_rows,
+                                   kv_granularity, num_sms, item_overhead, enable_split, balance_tail,
+                                   split_min_waves, max_batch_size, max_total_q, capacity)
+        if plan is not None:
+            return plan
     _check_options(num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead)
     options = (num_qo_heads, num_kv_heads, kv_granularity, num_sms, item_overhead, enable_split, balance_tail,
                split_min_waves, DEFAULT_SPLIT_POLICY if split_policy is None else split_policy, host_buffer)
@@ -96,6 +103,11 @@ def plan_decode(kv_lens: object, *, num_qo_heads: int, num_kv_heads: int, tile_r
     >>> plan_decode([300, 9000, 12], num_qo_heads=32, num_kv_heads=8).info.grid[1]
     8
     """
+    if split_policy is None or split_policy is DEFAULT_SPLIT_POLICY:  # a small batch: the list path, natively
+        plan = native.plan_decode(kv_lens, host_buffer, num_qo_heads, num_kv_heads, tile_rows, kv_granularity,
+                                  num_sms, item_overhead, enable_split, max_batch_size, max_total_q, capacity)
+        if plan is not None:
+            return plan
     _check_options(num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead)
     lens = values = None
     if is_int_vector(kv_lens) and kv_lens.numel() <= SMALL_DECODE:

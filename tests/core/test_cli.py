@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from compile_checks import prefetch, seed
+from compile_checks import prefetch, seed, seed_planner
 from flashgen import cli
 from flashgen.cli import DEFAULT_BUILDS
 from flashgen.compile import toolchain
@@ -70,19 +70,21 @@ def test_info_runs(tmp_path):
 @pytest.mark.nvcc
 def test_build_list_verify_clean(run, cache_dir, kernel_cache):
     seed(cache_dir, kernel_cache, [(op, spec, "sm_90a") for op, spec in DEFAULT_BUILDS])
+    planner = seed_planner(cache_dir)  # the native planner: `flashgen build` puts it in the cache too
     code, built, err = run("build", "--arch", "sm_90a")
     assert code == 0, err
-    assert len(built.strip().splitlines()) == len(DEFAULT_BUILDS) == 6
+    assert len(built.strip().splitlines()) == len(DEFAULT_BUILDS) + 1 == 7
     assert built.count("sm_90a  merge_states_") == 3 and "sm_90a  decode_d128" in built
     assert "sm_90a  prefill_sm90_d128" in built
-    assert run("cache", "list")[1].count(" ok") == 6
+    assert built.strip().splitlines()[-1].startswith("host  planner")
+    assert run("cache", "list")[1].count(" ok") == 6 + planner
     assert run("cache", "verify")[0] == 0
     cubin = next((cache_dir / "sm_90a").glob("merge_states_f16-*")) / "kernel.cubin"
     cubin.write_bytes(b"\x7fELF garbage")
     code, bad, _ = run("cache", "verify")
     assert code == 1 and "BAD" in bad
     assert run("cache", "clean", "--corrupt")[0] == 0
-    assert run("cache", "list")[1].count(" ok") == 5
+    assert run("cache", "list")[1].count(" ok") == 5 + planner
     run("cache", "clean")
     assert run("cache", "list")[1].strip() == ""
 
@@ -96,10 +98,25 @@ def test_build_without_gpu_or_arch_is_a_clear_error(run, monkeypatch):
 
 
 @pytest.mark.nvcc
-def test_build_from_a_plan_file(run, tmp_path):
+def test_build_from_a_plan_file(run, tmp_path, cache_dir):
+    seed_planner(cache_dir)
     code, out, err = run("build", "--arch", "sm_80", "--plan", plan_file(tmp_path, [MERGE_F16]))  # compiles
     assert code == 0, err
     assert "sm_80  merge_states_f16" in out
+
+
+@pytest.mark.nvcc
+def test_a_build_without_a_cxx_compiler_builds_the_kernels(run, tmp_path, cache_dir, kernel_cache, monkeypatch):
+    from flashgen.plan.native import build
+
+    seed(cache_dir, kernel_cache, [("merge_states", cli.spec_from_dict(MERGE_F16["spec"]), "sm_80")])
+    monkeypatch.setattr(build, "COMPILERS", (str(tmp_path / "missing" / "c++"),))
+    code, out, err = run("build", "--arch", "sm_80", "--plan", plan_file(tmp_path, [MERGE_F16]))
+    assert code == 0, err
+    assert "sm_80  merge_states_f16" in out
+    assert re.match(r"host  planner +not built \(no C\+\+ compiler: looked for \S+missing/c\+\+ on PATH, and no "
+                    r"cache holds a planner built from this source .*\); plans use the Python list paths$",
+                    out.splitlines()[-1]), out
 
 
 @pytest.mark.nvcc
@@ -107,6 +124,7 @@ def test_hopper_only_builds_are_skipped_for_other_archs(run, tmp_path, cache_dir
     items = [{"op": "prefill_sm90", "spec": {"type": "AttentionSpec", "head_dim": 64, "kv_layout": {"type": "Ragged"}}},
              MERGE_F16]
     seed(cache_dir, kernel_cache, [("merge_states", cli.spec_from_dict(MERGE_F16["spec"]), "sm_80")])
+    seed_planner(cache_dir)
     code, out, err = run("build", "--arch", "sm_80", "--plan", plan_file(tmp_path, items))
     assert code == 0, err
     assert "skipping 1 sm_90a-only build(s): prefill_sm90" in out and "sm_80  merge_states_f16" in out
@@ -119,10 +137,11 @@ def test_a_rope_spec_builds_what_the_sm90_backend_runs(run, tmp_path, cache_dir,
     plan = plan_file(tmp_path, ROPE_PLAN)
     assert cli._plan_builds(Path(plan)) == plan_builds(ROPE_PLAN)
     seed(cache_dir, kernel_cache, [(op, spec, "sm_90a") for op, spec in plan_builds(ROPE_PLAN)])
+    seed_planner(cache_dir)
     code, out, err = run("build", "--arch", "sm_90a", "--plan", plan)
     assert code == 0, err
     lines = out.strip().splitlines()
-    assert len(lines) == 2, out
+    assert len(lines) == 3 and lines[-1].startswith("host  planner"), out  # the kernels, then the planner
     assert "sm_90a  rope_gather_d128_vo128_bf16_kvbf16_paged16nhd_nomask_rope_nocap" in out  # mask-free
     assert "sm_90a  prefill_sm90_d128_vo128_bf16_kvbf16_ragged_causal_nopos_nocap" in out
 
@@ -135,9 +154,10 @@ def test_shipped_build_plans_compile(run, cache_dir, kernel_cache, monkeypatch):
         builds = cli._plan_builds(plan)
         assert builds == plan_builds(json.loads(plan.read_text()))
         seed(cache, kernel_cache, [(op, spec, "sm_90a") for op, spec in builds])  # compiled once a session
+        seed_planner(cache)
         code, out, err = run("build", "--arch", "sm_90a", "--plan", str(plan))
         assert code == 0, err
-        assert len(out.strip().splitlines()) == len(json.loads(plan.read_text()))
+        assert len(out.strip().splitlines()) == len(json.loads(plan.read_text())) + 1  # and the planner
 
 
 # user errors: exit code 2 and one line on stderr naming what is wrong, never a traceback (in-process: fast)

@@ -294,8 +294,8 @@ def test_the_worked_examples_hold():
     # the policy's docstring examples (heuristics.py) are doctests: numbers the code computes
     import doctest
 
-    from flashgen.plan import heuristics, host, split_kv
-    for module in (heuristics, split_kv, host):
+    from flashgen.plan import heuristics, host, native, split_kv
+    for module in (heuristics, split_kv, host, native):
         result = doctest.testmod(module)
         assert result.attempted and not result.failed, module.__name__
 
