@@ -105,7 +105,7 @@ class HostStaging:
         where ``extra_offsets`` says. ``hint``: how to make room, for the error of a fixed (CUDA-graph) buffer
         that a later plan outgrows (extras sized by the batch's KV, not by max_batch_size, need their own);
         ``reserve``: int32 elements the first sizing of a fixed buffer adds (room for what later plans may
-        append)."""
+        append; the extras' alignment padding that such growth brings is added to it)."""
         sizes = tuple([(name, values.size) for name, values in extras.items()])
         layout = self._layouts.get((plan.numel, sizes))
         if layout is None:
@@ -124,7 +124,8 @@ class HostStaging:
             start = starts[name]
             flat[start: start + values.size] = values
         if device_buffer.tensor is None and device_buffer.fixed:
-            device_buffer.get(offset + reserve, "plan", hint)
+            # extras that grow into the reserve may also grow their 16-byte alignment padding, by up to 3 each
+            device_buffer.get(offset + (reserve + (_ALIGN - 1) * len(extras) if reserve else 0), "plan", hint)
         base = device_buffer.address_of(offset, "plan", hint)
         stream = current_stream(self.device.index)
         # one driver call: the host buffer stays untouched until this turn's event (below) has passed

@@ -62,3 +62,21 @@ def test_a_grown_device_buffer_is_copied_into():
         # the same length as the first plans again, into the grown buffer
         _check_upload(staging, device_buffer, [100, 200], {"pages": np.arange(10, 20, dtype=np.int32)})
         _check_upload(staging, device_buffer, [100, 200], {"pages": np.arange(20, 30, dtype=np.int32)})
+
+
+def test_a_fixed_buffer_reserve_covers_the_alignment_of_grown_extras():
+    # a CUDA-graph buffer sized by a first plan whose extras are shorter than later plans': the reserve (the
+    # growth of the page ids) must also cover the extra 16-byte alignment padding the longer arrays take
+    with stubbed_cuda():
+        for first_pages, later_pages in [(5, 16), (1, 12), (9, 20), (4, 7)]:
+            staging = HostStaging(torch.device("cpu"))
+            device_buffer = DeviceBuffer(torch.int32, torch.device("cpu"), fixed=True)
+            plan = staging.plan(lambda host: plan_decode([100, 200, 300], num_qo_heads=8, num_kv_heads=8,
+                                                         num_sms=16, host_buffer=host))
+            extras = {"kv_indptr": np.array([0, 1, 3, 5], np.int32), "pages": np.arange(first_pages, dtype=np.int32)}
+            staging.upload(plan, extras, device_buffer, reserve=later_pages - first_pages)
+            sized = device_buffer.tensor
+            for pages in range(first_pages, later_pages + 1):
+                extras = {"kv_indptr": np.array([0, 1, 3, 5], np.int32), "pages": np.arange(pages, dtype=np.int32)}
+                end = _check_upload(staging, device_buffer, [100, 200, 300], extras)
+                assert device_buffer.tensor is sized and end <= sized.numel()
