@@ -14,6 +14,7 @@ from .cache import CacheError, CacheStore  # noqa: E402
 from .kernels import TemplateError  # noqa: E402
 from .compile import CompileError, ToolchainError  # noqa: E402
 from .jit import Kernel, MissingKernelError, NoDeviceError, build, ensure_compiled, render  # noqa: E402
+from . import jit_native  # noqa: E402,F401  (registers the native planner's build-and-load)
 from .spec import (  # noqa: E402
     ALiBi,
     AttentionSpec,

@@ -144,7 +144,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 def _build_planner(store) -> None:
     """The native planner into the cache too (a deployment of this cache then needs no C++ compiler); where it
     cannot be built, a line says why and plans there use the Python list paths (the build still succeeds)."""
-    from .plan.native.build import ARCH, URI, NativeBuildError, ensure_built
+    from .jit_native import ARCH, URI, NativeBuildError, ensure_built
 
     start = time.perf_counter()
     try:

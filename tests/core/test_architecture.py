@@ -134,3 +134,13 @@ def test_every_family_is_registered_by_the_kernels_package():
 def test_python_files_stay_short():
     long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
     assert not long or set(long) <= {"plan/split_kv.py"}, f"files over 600 lines: {long}"
+
+
+def test_plan_imports_spec_only_and_spec_nothing():
+    # docs/DESIGN: the planner is pure host code (its native module is built by flashgen.jit_native, which
+    # registers itself as the loader), and specs import nothing of flashgen
+    graph = import_graph()
+    bad = {(name, target) for name, targets in graph.items() for target in targets
+           if (name.startswith("flashgen.plan") and not target.startswith(("flashgen.plan", "flashgen.spec")))
+           or (name.startswith("flashgen.spec") and not target.startswith("flashgen.spec"))}
+    assert not bad, f"plan / spec import outside their layer: {sorted(bad)}"

@@ -107,7 +107,7 @@ def test_build_from_a_plan_file(run, tmp_path, cache_dir):
 
 @pytest.mark.nvcc
 def test_a_build_without_a_cxx_compiler_builds_the_kernels(run, tmp_path, cache_dir, kernel_cache, monkeypatch):
-    from flashgen.plan.native import build
+    from flashgen import jit_native as build
 
     seed(cache_dir, kernel_cache, [("merge_states", cli.spec_from_dict(MERGE_F16["spec"]), "sm_80")])
     monkeypatch.setattr(build, "COMPILERS", (str(tmp_path / "missing" / "c++"),))

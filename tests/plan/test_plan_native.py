@@ -20,7 +20,7 @@ import torch
 
 from flashgen.cache import CacheStore, read_entry
 from flashgen.plan import PlanError, fast_paths, heuristics, list_paths, native, plan_decode, plan_split_kv, split_kv
-from flashgen.plan.native import build
+from flashgen import jit_native as build
 from flashgen.plan.request import SplitKVInfo
 
 REPO = Path(__file__).resolve().parents[2]
@@ -374,7 +374,7 @@ def test_concurrent_processes_build_it_once(stub, tmp_path):
 
 SECOND_PROCESS = """
 import sys
-from flashgen.plan.native import build
+from flashgen import jit_native as build
 from flashgen.plan.request import SplitKVInfo
 def refuse(*args):
     raise SystemExit("compiled")

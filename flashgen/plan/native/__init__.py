@@ -7,7 +7,7 @@ fast host. It returns the same plans, byte for byte (tests/plan/test_plan_native
 Python paths have the say (inputs they refuse or convert, PlanErrors, batches past the list paths' bounds):
 those plan (or raise) as before.
 
-The module is built on the first plan (``build.ensure_built``: a one-time ~1-3 s compile with the host C++
+The module is built on the first plan (``flashgen.jit_native.ensure_built``: a one-time ~1-3 s compile with the host C++
 compiler, cached, or loaded from the cache or an AOT cache of ``flashgen build``). Where it cannot be built or
 loaded, plans take the Python list paths, the same plans, and one ``warnings.warn`` says why. ``use(False)``
 turns it off (tests compare the two paths with it):
@@ -35,6 +35,20 @@ _failure: str | None = None  # why it is unavailable
 _enabled = True
 _active = _UNLOADED  # what plans use: the module, None (off or unavailable), or _UNLOADED
 _lock = threading.Lock()
+
+
+class NativeBuildError(RuntimeError):
+    """The native planner cannot be built or loaded; the message says why."""
+
+
+_loader = None  # () -> (cache entry, module): flashgen.jit_native.ensure_built, registered at its import
+
+
+def set_loader(loader) -> None:
+    """Register the function that builds or loads the module (``flashgen.jit_native`` does, on import): the
+    planner package itself imports nothing of the cache or the toolchain."""
+    global _loader
+    _loader = loader
 
 
 class use:
@@ -67,10 +81,11 @@ def planner():
     global _module, _entry, _failure
     with _lock:
         if _module is None and _failure is None:
-            from .build import NativeBuildError, ensure_built
-
             try:
-                _entry, _module = ensure_built()
+                if _loader is None:
+                    raise NativeBuildError("no loader is registered (flashgen.jit_native registers one when "
+                                           "flashgen is imported)")
+                _entry, _module = _loader()
                 _module.set_info_type(SplitKVInfo)
             except Exception as exc:  # noqa: BLE001 - whatever stops it, the Python paths plan the same
                 _entry, _module = None, None

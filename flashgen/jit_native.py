@@ -1,4 +1,6 @@
-"""Build and load the native planner (``planner.cpp``, a CPython extension) through the kernel cache.
+"""Build and load the native planner (``flashgen/plan/native/planner.cpp``, a CPython extension) through the kernel
+cache: the build-and-load step of host code, beside ``jit`` (kernels). Importing it registers ``ensure_built`` as
+``flashgen.plan.native``'s loader (``flashgen`` imports it), so the planner package imports nothing but its own.
 
 The contract, in one place: the module is compiled once per (source, C++ compiler, Python ABI, flashgen
 version, flags) with the host C++ compiler (``c++``, else ``g++``, on PATH) into the cache as an entry
@@ -26,17 +28,16 @@ import sysconfig
 import time
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("planner.cpp")
+from .plan import native
+from .plan.native import NativeBuildError
+
+SOURCE = Path(__file__).parent / "plan" / "native" / "planner.cpp"
 MODULE = "flashgen_planner"  # the extension's name: its PyInit_flashgen_planner
 SHARED_OBJECT = "planner.so"
 ARCH, URI = "host", "planner"  # the entry's folder in the cache: <cache>/host/planner-<hash16>/
 COMPILERS = ("c++", "g++")  # looked up on PATH, in this order (a path is taken as it is)
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")
 COMPILE_TIMEOUT = 300  # seconds
-
-
-class NativeBuildError(RuntimeError):
-    """The native planner cannot be built or loaded; the message says why."""
 
 
 def find_compiler() -> str:
@@ -188,3 +189,6 @@ def _try_load(entry):
         return _load(entry)
     except NativeBuildError:
         return None  # rebuilt (into the writable cache) by the caller
+
+
+native.set_loader(ensure_built)
