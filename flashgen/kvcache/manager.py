@@ -321,7 +321,7 @@ class PagedKVCache:
         seq.swapped = None
         if self._prefix is not None:
             for key, page in zip(seq.keys, seq.pages):
-                self._prefix.register(key, page)
+                self._prefix.insert(key, page)
 
     def evict(self, num_pages: int | None = None) -> int:
         """Free up to ``num_pages`` (all if None) unreferenced prefix-cache pages, least recently released
@@ -397,11 +397,11 @@ class PagedKVCache:
         seq.length = old + n
         if ids is not None and len(seq.tokens) >= old:
             seq.tokens[old:] = ids
-        self._register(seq)
+        self._key_full_pages(seq)
         positions = np.arange(old, old + n)
         return np.asarray(seq.pages, dtype=np.int64)[positions // ps] * ps + positions % ps
 
-    def _register(self, seq: _Seq) -> None:
+    def _key_full_pages(self, seq: _Seq) -> None:
         """Key the sequence's newly filled pages whose token ids are known."""
         if self._prefix is None:
             return
@@ -410,7 +410,7 @@ class PagedKVCache:
         if full > start:
             keys = hash_chain(seq.tokens, self.page_size, start, seq.keys[-1] if seq.keys else b"", full)
             for i, key in enumerate(keys, start):
-                self._prefix.register(key, seq.pages[i])
+                self._prefix.insert(key, seq.pages[i])
             seq.keys.extend(keys)
 
     def _reserve(self, need: int, seq_id: object, what: str) -> None:

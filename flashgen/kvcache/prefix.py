@@ -63,7 +63,7 @@ class PrefixCache:
     def is_cached(self, page: int) -> bool:
         return page in self._key_of
 
-    def register(self, key: bytes, page: int) -> None:
+    def insert(self, key: bytes, page: int) -> None:
         """Key a referenced full page; a key already held by another page keeps that page."""
         if key not in self._page_of and page not in self._key_of:
             self._page_of[key] = page

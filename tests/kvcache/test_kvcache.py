@@ -251,3 +251,29 @@ def test_errors_name_the_argument():
     with pytest.raises(KVCacheError, match=r"num_new\[0\]"):
         cache.write_coords(["a"], [1])
     assert cache.seq_len("a") == 0 and cache.stats().pages_free == 4
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout,kv_form,form", [("NHD", "combined", "csr"), ("HND", "pair", "blocks")])
+def test_decode_over_the_managers_pool(layout, kv_form, form):
+    from flashgen.testing.check import assert_matches_reference
+
+    spec = AttentionSpec(128, dtype="bfloat16", kv_layout=Paged(16, layout))
+    cache = PagedKVCache(64, 16, 2, 128, torch.bfloat16, layout, "cuda", kv_form=kv_form)
+    for i, n in enumerate([1, 37, 200, 16]):
+        cache.add(i)
+        cache.append(i, torch.randn(n, 2, 128, device="cuda").bfloat16(), torch.randn(n, 2, 128, device="cuda").bfloat16())
+    cache.fork(1, "f")
+    cache.append("f", torch.randn(3, 2, 128, device="cuda").bfloat16(), torch.randn(3, 2, 128, device="cuda").bfloat16())
+    batch = [2, "f", 0, 1, 3]
+    tables = cache.page_tables(batch, device="cuda")
+    args = tables.csr() if form == "csr" else tables.blocks()
+    wrapper = flashgen.BatchDecodeWrapper(spec)
+    wrapper.plan(num_qo_heads=8, num_kv_heads=2, num_pages=cache.num_pages, **args)
+    q = torch.randn(len(batch), 8, 128, device="cuda").bfloat16()
+    out = wrapper.run(q, cache.kv)
+    host = {"kv_indptr": tables.kv_indptr, "kv_indices": tables.kv_indices_host,
+            "kv_last_page_len": tables.kv_last_page_len} if form == "csr" else \
+        {"block_table": tables.block_table_host, "seq_lens": tables.seq_lens}
+    kv_cpu = cache.kv.cpu() if kv_form == "combined" else tuple(x.cpu() for x in cache.kv)
+    assert_matches_reference(spec, q.cpu(), kv_cpu, out, qo_indptr=list(range(len(batch) + 1)), **host)
