@@ -168,7 +168,10 @@ class PagedKVCache:
 
     def refcount(self, page: int) -> int:
         """How many live sequences' page tables hold ``page``."""
-        return self._pool.refcount[_positive("page", page, 0)]
+        page = _positive("page", page, 0)
+        if page >= self.num_pages:
+            raise KVCacheError(f"page: got {page}, expected 0..{self.num_pages - 1}")
+        return self._pool.refcount[page]
 
     def free_pages(self) -> list[int]:
         return self._pool.free_pages()
