@@ -173,6 +173,13 @@ class PagedKVCache:
             raise KVCacheError(f"page: got {page}, expected 0..{self.num_pages - 1}")
         return self._pool.refcount[page]
 
+    def pages_needed(self, seq_id: object, num_tokens: int) -> int:
+        """Pages that growing live ``seq_id`` by ``num_tokens`` would take (new pages, plus one where a shared
+        partial last page must be copied first): what a scheduler compares with ``stats().pages_free``."""
+        seq = self._seq(seq_id)
+        n = _positive("num_tokens", num_tokens, 0)
+        return -(-(seq.length + n) // self.page_size) - len(seq.pages) + (n > 0 and self._cow_needed(seq))
+
     def free_pages(self) -> list[int]:
         return self._pool.free_pages()
 

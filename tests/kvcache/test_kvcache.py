@@ -133,6 +133,7 @@ def test_fork_copy_on_write_keeps_bytes():
     cache.append("p", k, v)
     cache.fork("p", "c")
     assert cache.pages("c") == cache.pages("p") and cache.stats().pages_in_use == 2
+    assert cache.pages_needed("c", 1) == 1 and cache.pages_needed("c", 3) == 2 and cache.pages_needed("c", 0) == 0
     k2, v2 = kv(1, 1)
     cache.append("c", k2, v2)
     assert cache.pages("c")[0] == cache.pages("p")[0] and cache.pages("c")[1] != cache.pages("p")[1]

@@ -76,7 +76,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert self._snapshot() == before, "a failed call changed the cache"
             assert self.cache.preempted == []
             ok = False
-        for p in self.cache.take_preempted():
+        self.preempted_now = self.cache.take_preempted()
+        for p in self.preempted_now:
             assert p.kind == self.policy and p.seq_id in self.model and not self.model[p.seq_id].swapped
             assert p.num_tokens == self.model[p.seq_id].k.shape[0]
             if p.kind == "swap":
@@ -92,12 +93,15 @@ class CacheMachine(RuleBasedStateMachine):
         trial = _Seq(seq.tokens[:old] + ids if ids is not None and len(seq.tokens) >= old else seq.tokens)
         trial.k = seq.k
         k, v = self._new_rows(trial, n)
+        needed, in_use = self.cache.pages_needed(sid, n), self.cache.stats().pages_in_use
         if external:  # allocate, then write through the slots as the append kernel will
             ok = self._call(self._allocate_write, sid, n, ids, k, v)
         else:
             ok = self._call(self.cache.append, sid, k, v, tokens=ids)
         if ok:
             seq.tokens, seq.k, seq.v = trial.tokens, torch.cat([seq.k, k]), torch.cat([seq.v, v])
+            if not self.preempted_now:  # what pages_needed promised is what the call took
+                assert self.cache.stats().pages_in_use - in_use == needed
 
     def _allocate_write(self, sid, n, ids, k, v):
         slots = self.cache.allocate(sid, n, tokens=ids)
