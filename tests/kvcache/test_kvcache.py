@@ -241,6 +241,12 @@ def test_errors_name_the_argument():
         cache.append("a", torch.zeros(1, 3, D), torch.zeros(1, 3, D))
     with pytest.raises(KVCacheError, match="k: expected dtype"):
         cache.append("a", *kv(1, 0, torch.float16))
+    with pytest.raises(KVCacheError, match="k: expected a tensor on cpu"):
+        cache.append("a", torch.zeros(1, H, D, device="meta"), torch.zeros(1, H, D, device="meta"))
+    with pytest.raises(KVCacheError, match="page: got 4, expected 0..3"):
+        cache.refcount(4)
+    with pytest.raises(KVCacheError, match="not swapped out"):
+        cache.resume("a")
     with pytest.raises(KVCacheError, match="v: shape"):
         cache.append("a", kv(2, 0)[0], kv(1, 0)[1])
     with pytest.raises(KVCacheError, match="num_tokens"):
