@@ -10,6 +10,7 @@ from .api import BatchDecodeWrapper, merge_state, merge_state_in_place, merge_st
 from .api import BatchPrefillWrapper, CascadeWrapper, attention  # noqa: E402
 from .api import BlockSparseWrapper, VariableBlockSparseWrapper, select_pages  # noqa: E402
 from .plan import CascadeLevel, CascadePolicy  # noqa: E402
+from .kvcache import CacheStats, KVCacheError, OutOfPages, PagedKVCache, PageTables, Preemption, WriteCoords  # noqa: E402
 from .cache import CacheError, CacheStore  # noqa: E402
 from .kernels import TemplateError  # noqa: E402
 from .compile import CompileError, ToolchainError  # noqa: E402
@@ -32,6 +33,7 @@ from .spec import (  # noqa: E402
 __all__ = [
     "BatchDecodeWrapper", "BatchPrefillWrapper", "BlockSparseWrapper", "VariableBlockSparseWrapper", "select_pages", "attention", "merge_state", "merge_state_in_place", "merge_states", "CacheError", "CacheStore", "TemplateError", "CompileError",
     "CascadeWrapper", "CascadeLevel", "CascadePolicy",
+    "PagedKVCache", "OutOfPages", "KVCacheError", "CacheStats", "PageTables", "Preemption", "WriteCoords",
     "ToolchainError", "Kernel", "MissingKernelError", "NoDeviceError", "build", "ensure_compiled", "render", "ALiBi",
     "AttentionSpec", "Causal", "CustomMask", "MergeSpec", "NoMask", "Paged", "Ragged", "RoPE",
     "SlidingWindow", "SpecError",
