@@ -12,6 +12,7 @@ class TemplateError(RuntimeError):
     """A template failed to render: the message names the template, the line and the spec uri."""
 
 
+@functools.lru_cache(maxsize=1)
 def templates_dir() -> Path:
     """The templates folder: ``flashgen/templates`` in a wheel, the checkout's ``templates/`` otherwise."""
     package = Path(__file__).resolve().parent.parent  # flashgen/
