@@ -52,8 +52,9 @@ def read_plan(path: Path) -> tuple[str, list[tuple[str, object]]]:
             raise PlanError(f"--plan {path}: not valid JSON ({exc})") from exc
         model = ""
         if not isinstance(items, list):
-            raise PlanError(f"--plan {path}: got a JSON {type(items).__name__}, expected a JSON list of "
-                            '{"op": ..., "spec": {...}} items')
+            kind = {dict: "object", str: "string", int: "number", float: "number"}.get(type(items), json.dumps(items))
+            raise PlanError(f"--plan {path}: got a JSON {kind}, expected a JSON list of "
+                            '{"op": ..., "spec": {...}} items (or a TOML plan: plans/)')
     else:
         try:
             data = _toml_loads(text)
