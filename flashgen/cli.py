@@ -177,7 +177,8 @@ def cmd_build(args: argparse.Namespace) -> int:
                 progress.write(f"{arch}  {entry.uri:<48} {seconds:7.2f} s  {entry.path}")
     finally:
         progress.close()
-    print(f"{len(builds)} kernels in {time.perf_counter() - start:.1f} s (-j {jobs}) into {store.root}")
+    # on stderr, with the progress bar: stdout keeps one line per built item
+    print(f"{len(builds)} kernels in {time.perf_counter() - start:.1f} s (-j {jobs}) into {store.root}", file=sys.stderr)
     _build_planner(store)
     return 0
 

@@ -78,10 +78,13 @@ def _item(where: str, item: object) -> tuple[str, object]:
     op = item["op"]
     if op not in ops():
         raise PlanError(f"{where}: op {op!r}, expected one of {', '.join(ops())}")
+    from .api.backends import kernels_for
+
     try:
         spec = spec_from_dict(item["spec"])
-        fam = family(op)
-        fam.check(fam.project(spec))
+        for kernel_op, kernel_spec in kernels_for(spec, "sm90") if op == "prefill_sm90" else [(op, spec)]:
+            fam = family(kernel_op)
+            fam.check(fam.project(kernel_spec))
     except SpecError as exc:
         raise PlanError(f"{where}: spec: {exc}") from exc
     return op, spec
