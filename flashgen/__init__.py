@@ -2,39 +2,43 @@
 
 Describe the attention in an ``AttentionSpec``; ``render`` gives the CUDA source, ``build`` a loaded kernel
 (compiled with ninja + nvcc on a cache miss, cached on disk).
+
+``import flashgen`` imports nothing but its version: each public name below is imported from its module on
+first use (PEP 562), so a process that only loads cached kernels never pays for the code generator (jinja2),
+the CUDA driver bindings or the planner until it uses them.
 """
 
-from ._version import __version__  # noqa: E402,F401
+from ._version import __version__  # noqa: F401
 
-from .api import BatchDecodeWrapper, merge_state, merge_state_in_place, merge_states  # noqa: E402
-from .api import BatchPrefillWrapper, CascadeWrapper, attention  # noqa: E402
-from .api import BlockSparseWrapper, VariableBlockSparseWrapper, select_pages  # noqa: E402
-from .plan import CascadeLevel, CascadePolicy  # noqa: E402
-from .kvcache import CacheStats, KVCacheError, OutOfPages, PagedKVCache, PageTables, Preemption, WriteCoords  # noqa: E402
-from .cache import CacheError, CacheStore  # noqa: E402
-from .kernels import TemplateError  # noqa: E402
-from .compile import CompileError, ToolchainError  # noqa: E402
-from .jit import Kernel, MissingKernelError, NoDeviceError, build, ensure_compiled, render  # noqa: E402
-from . import jit_native  # noqa: E402,F401  (registers the native planner's build-and-load)
-from .spec import (  # noqa: E402
-    ALiBi,
-    AttentionSpec,
-    Causal,
-    CustomMask,
-    MergeSpec,
-    NoMask,
-    Paged,
-    Ragged,
-    RoPE,
-    SlidingWindow,
-    SpecError,
-)
+# public name -> the module (relative to this package) that defines it
+_EXPORTS = {
+    **dict.fromkeys(("BatchDecodeWrapper", "BatchPrefillWrapper", "BlockSparseWrapper", "CascadeWrapper",
+                     "VariableBlockSparseWrapper", "attention", "merge_state", "merge_state_in_place",
+                     "merge_states", "select_pages"), ".api"),
+    **dict.fromkeys(("CascadeLevel", "CascadePolicy"), ".plan"),
+    **dict.fromkeys(("PagedKVCache", "OutOfPages", "KVCacheError", "CacheStats", "PageTables", "Preemption",
+                     "WriteCoords"), ".kvcache"),
+    **dict.fromkeys(("CacheError", "CacheStore"), ".cache"),
+    "TemplateError": ".kernels",
+    **dict.fromkeys(("CompileError", "ToolchainError"), ".compile"),
+    **dict.fromkeys(("Kernel", "MissingKernelError", "NoDeviceError", "build", "ensure_compiled", "render"), ".jit"),
+    **dict.fromkeys(("ALiBi", "AttentionSpec", "Causal", "CustomMask", "MergeSpec", "NoMask", "Paged", "Ragged",
+                     "RoPE", "SlidingWindow", "SpecError"), ".spec"),
+}
 
-__all__ = [
-    "BatchDecodeWrapper", "BatchPrefillWrapper", "BlockSparseWrapper", "VariableBlockSparseWrapper", "select_pages", "attention", "merge_state", "merge_state_in_place", "merge_states", "CacheError", "CacheStore", "TemplateError", "CompileError",
-    "CascadeWrapper", "CascadeLevel", "CascadePolicy",
-    "PagedKVCache", "OutOfPages", "KVCacheError", "CacheStats", "PageTables", "Preemption", "WriteCoords",
-    "ToolchainError", "Kernel", "MissingKernelError", "NoDeviceError", "build", "ensure_compiled", "render", "ALiBi",
-    "AttentionSpec", "Causal", "CustomMask", "MergeSpec", "NoMask", "Paged", "Ragged", "RoPE",
-    "SlidingWindow", "SpecError",
-]
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flashgen' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

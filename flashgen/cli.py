@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from . import knobs
 from ._version import __version__
+from .cache import CacheStore
 from .spec import AttentionSpec, Causal, MergeSpec, Paged, Ragged, spec_from_dict
 
 # the kernels `flashgen build` compiles when given no plan: the merges, and a Llama-style (bf16, head_dim
@@ -63,38 +65,68 @@ class UsageError(Exception):
 
 
 def _plan_builds(path: Path) -> list[tuple[str, object]]:
-    """A build plan: JSON list of {"op": ..., "spec": {...}} (see plans/). A ``prefill_sm90`` item stands for
-    the kernels the sm90 backend runs for its spec (for RoPE: the rope_gather pre-pass and the ragged twin's
-    kernel), so a plan names the spec a model serves, not the backend's internals. Every mistake in the file is
-    a ``UsageError`` naming it, and the item."""
+    """The builds of a plan file (``flashgen.deploy.read_plan``: TOML, or the older JSON list). A
+    ``prefill_sm90`` item stands for the kernels the sm90 backend runs for its spec (for RoPE: the rope_gather
+    pre-pass and the ragged twin's kernel), so a plan names the spec a model serves, not the backend's
+    internals. Every mistake in the file is a ``UsageError`` naming it, and the item."""
     from .api.backends import kernels_for
-    from .kernels import ops
-    from .spec import SpecError
+    from .deploy import PlanError, read_plan
 
     try:
-        items = json.loads(path.read_text())
-    except OSError as exc:
-        raise UsageError(f"--plan {path}: cannot read it ({exc.strerror or exc})") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--plan {path}: not valid JSON ({exc})") from exc
-    form = 'a JSON list of {"op": ..., "spec": {...}} items'
-    if not isinstance(items, list):
-        kind = {dict: "object", str: "string", int: "number", float: "number"}.get(type(items), json.dumps(items))
-        raise UsageError(f"--plan {path}: got a JSON {kind}, expected {form}")
+        _, items = read_plan(path)
+    except PlanError as exc:
+        raise UsageError(str(exc)) from exc
     builds = []
-    for i, item in enumerate(items):
-        where = f"--plan {path}: item {i}"
-        if not isinstance(item, dict) or not isinstance(item.get("spec"), dict) or "op" not in item:
-            raise UsageError(f"{where}: got {json.dumps(item)[:80]}, expected {{\"op\": ..., \"spec\": {{...}}}}")
-        op = item["op"]
-        if op not in ops():
-            raise UsageError(f"{where}: op {op!r}, expected one of {', '.join(ops())}")
-        try:
-            spec = spec_from_dict(item["spec"])
-        except SpecError as exc:
-            raise UsageError(f"{where}: spec: {exc}") from exc
+    for op, spec in items:
         builds += kernels_for(spec, "sm90") if op == "prefill_sm90" else [(op, spec)]
-    return builds
+    return list(dict.fromkeys(builds))
+
+
+GIB_PER_JOB = 0.5  # a compile's peak resident memory, 0.24 GiB measured (sm90 prefill), with a margin
+
+
+def _memory_jobs(requested: int) -> int:
+    """``-j`` bounded by the memory available now (/proc/meminfo's MemAvailable, else the free pages) at
+    ``GIB_PER_JOB`` a compile; at least 1."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return requested
+    return max(1, min(requested, int(available / (GIB_PER_JOB * 2**30))))
+
+
+class _Progress:
+    """tqdm's bar where it is installed, else one line per finished build with a count."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self.bar = None
+        else:
+            self.bar = tqdm(total=total, unit="kernel", file=sys.stderr)
+
+    def write(self, line: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.write(line)
+            self.bar.update(1)
+        else:
+            print(f"[{self.done:>{len(str(self.total))}}/{self.total}] {line}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _jobs(text: str) -> int:
@@ -126,7 +158,10 @@ def cmd_build(args: argparse.Namespace) -> int:
     if not builds:
         print(f"{arch}  nothing to build for this arch")
         return 0
-    store = _store()
+    store = _store() if not getattr(args, "out", None) else CacheStore(Path(args.out))
+    jobs = _memory_jobs(args.jobs)
+    if jobs < args.jobs:
+        print(f"-j {args.jobs} bounded to {jobs} by free memory ({GIB_PER_JOB} GiB a compile)")
 
     def one(item):
         op, spec = item
@@ -134,10 +169,42 @@ def cmd_build(args: argparse.Namespace) -> int:
         entry = ensure_compiled(spec, op, arch, store)
         return entry, time.perf_counter() - start
 
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for (op, _), (entry, seconds) in zip(builds, pool.map(one, builds)):
-            print(f"{arch}  {entry.uri:<48} {seconds:7.2f} s  {entry.path}")
+    start = time.perf_counter()
+    progress = _Progress(len(builds))
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for entry, seconds in pool.map(one, builds):
+                progress.write(f"{arch}  {entry.uri:<48} {seconds:7.2f} s  {entry.path}")
+    finally:
+        progress.close()
+    # on stderr, with the progress bar: stdout keeps one line per built item
+    print(f"{len(builds)} kernels in {time.perf_counter() - start:.1f} s (-j {jobs}) into {store.root}", file=sys.stderr)
     _build_planner(store)
+    return 0
+
+
+def cmd_plan_from_config(args: argparse.Namespace) -> int:
+    from .deploy import PlanError, plan_toml, specs_from_config
+
+    try:
+        config = json.loads(Path(args.config).read_text())
+    except OSError as exc:
+        raise UsageError(f"{args.config}: cannot read it ({exc.strerror or exc})") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{args.config}: not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise UsageError(f"{args.config}: expected a JSON object (a Hugging Face config.json)")
+    try:
+        facts, builds = specs_from_config(config, tuple(args.page_size or (16,)), args.dtype)
+    except PlanError as exc:
+        raise UsageError(f"{args.config}: {exc}") from exc
+    model = args.model or config.get("_name_or_path") or Path(args.config).parent.name or "model"
+    text = plan_toml(model, facts, builds, note=f"derived by `flashgen plan-from-config` from {Path(args.config).name}")
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}: {len(builds)} kernels for {model}")
+    else:
+        sys.stdout.write(text)
     return 0
 
 
@@ -184,7 +251,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cmd_info(argparse.Namespace())
     target = args.arch or knobs.cuda_arch() or device_arch() or "sm_90a"
     print(f"\n== building the default kernels for {target}")
-    cmd_build(argparse.Namespace(arch=target, plan=[], jobs=2))
+    cmd_build(argparse.Namespace(arch=target, plan=[], jobs=2, out=None))
     if device_arch() is None:
         print("\nno GPU visible: kernels compiled and cached; on a GPU machine `flashgen demo` also runs the merge "
               "kernels against the fp64 reference (and `pytest -m cuda` checks every kernel)")
@@ -228,9 +295,19 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("info", help="toolchain, GPU, arch and cache").set_defaults(func=cmd_info)
     build = sub.add_parser("build", help="compile kernels into the cache (needs nvcc, not a GPU)")
     build.add_argument("--arch", help="target arch, e.g. sm_90a (default: FLASHGEN_CUDA_ARCH, else the GPU's)")
-    build.add_argument("--plan", action="append", default=[], help="a JSON build plan (repeatable); default: the built-in kernels")
-    build.add_argument("-j", "--jobs", type=_jobs, default=2, help="parallel compiles (>= 1)")
+    build.add_argument("--plan", action="append", default=[],
+                       help="a build plan, TOML or JSON (repeatable; see plans/); default: the built-in kernels")
+    build.add_argument("-j", "--jobs", type=_jobs, default=2, help="parallel compiles (>= 1; bounded by free memory)")
+    build.add_argument("--out", help="build into this folder (a relocatable cache for FLASHGEN_EXTRA_CACHE_DIRS) "
+                                     "instead of the writable cache")
     build.set_defaults(func=cmd_build)
+    derive = sub.add_parser("plan-from-config", help="a build plan for a Hugging Face config.json")
+    derive.add_argument("config", help="the model's config.json")
+    derive.add_argument("--page-size", type=_jobs, action="append", help="KV page size (repeatable; default 16)")
+    derive.add_argument("--dtype", choices=("bfloat16", "float16"), help="override the config's torch_dtype")
+    derive.add_argument("--model", help="the model's name in the plan (default: the config's _name_or_path)")
+    derive.add_argument("--out", help="write the plan here (default: stdout)")
+    derive.set_defaults(func=cmd_plan_from_config)
     cache = sub.add_parser("cache", help="list, verify or clean the kernel cache")
     cache.add_argument("action", choices=("list", "verify", "clean"))
     cache.add_argument("--corrupt", action="store_true", help="clean: remove only entries that fail verification")

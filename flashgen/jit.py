@@ -2,7 +2,10 @@
 
 Contract of ``build(spec, op, options=None)``:
 1. In-process fast path: a dict keyed by (op, spec, options, arch, device) returns the loaded ``Kernel`` (µs).
-2. Render the source from the spec and compute the content key (sources, header tree, nvcc version, arch,
+2. The lookup index (``flashgen.cache.index``): what decides the render (op, projected spec, options, arch,
+   flashgen version, the digest of the templates and the code generator) -> an entry whose content key it
+   checks. A hit loads the cubin without rendering or running nvcc (one index file and one manifest read).
+   On a miss, render the source from the spec and compute the content key (sources, header tree, nvcc version, arch,
    flags, flashgen version). Look the key up in the read-only extra caches, then the writable cache; a
    sound entry is loaded without taking a lock.
 3. On a miss: if ``FLASHGEN_DISABLE_JIT=1`` raise ``MissingKernelError`` naming the spec. Otherwise take the
@@ -20,6 +23,8 @@ are matched by their content key, which leaves the compiler out.
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,10 +33,11 @@ from typing import NoReturn
 
 from . import knobs
 from ._version import __version__
-from .cache import CacheStore, Entry, KeyInputs, kernel_key, read_entry, read_header_tree
-from .kernels import EntryPoint, LaunchConfig, family, include_dir
-from .compile import (CUBIN, SOURCE, ToolchainError, choose_arch, device_arch, find_nvcc, nvcc_flags, run_ninja,
-                      write_build_ninja, write_source)
+from .cache import CacheStore, Entry, KeyInputs, index, kernel_key, read_entry, read_header_tree
+from .kernels import EntryPoint, KernelFamily, LaunchConfig, family, include_dir
+from .compile import (CUBIN, SOURCE, ToolchainError, choose_arch, device_arch, find_nvcc, nvcc_flags, nvcc_identity,
+                      run_ninja, write_build_ninja, write_source)
+from .spec.serialize import spec_to_dict
 
 
 class MissingKernelError(RuntimeError):
@@ -69,6 +75,81 @@ class BuildRequest:
 @functools.lru_cache(maxsize=4)
 def _header_tree(path: str) -> dict[str, bytes]:
     return read_header_tree(Path(path))
+
+
+# what renders a kernel besides the spec: the templates (and headers), the families and the spec types
+_CODEGEN_DIRS = (Path(__file__).parent / "kernels", Path(__file__).parent / "spec")
+
+
+def _source_files(templates: str) -> list[tuple[str, str, os.stat_result]]:
+    """(name, path, stat) of every file that renders a kernel (os.walk, not pathlib: this runs on every
+    process's first load, and is cheaper so)."""
+    found = []
+    for base in (templates, *map(str, _CODEGEN_DIRS)):
+        label = os.path.basename(base)
+        for folder, dirs, names in os.walk(base):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(names):
+                path = os.path.join(folder, name)
+                found.append((f"{label}/{os.path.relpath(path, base)}", path, os.stat(path)))
+    return found
+
+
+def sources_digest() -> str:
+    """A digest of every file that renders a kernel (templates, headers, ``flashgen/kernels``,
+    ``flashgen/spec``): the lookup index keys by it, so an edit in a development checkout misses the index.
+    Reading and hashing them all takes ~5 ms, so the digest is kept in the writable cache under a name made of
+    the files' paths, sizes, inodes and change times (a stat each; any write changes a change time)."""
+    return _sources_digest(str(include_dir().parent), str(knobs.cache_dir()))
+
+
+@functools.lru_cache(maxsize=4)
+def _sources_digest(templates: str, cache: str) -> str:
+    files = _source_files(templates)
+    stamp = hashlib.blake2b(digest_size=16)
+    for name, _, st in files:
+        stamp.update(f"{name}\0{st.st_size}\0{st.st_ino}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode())
+    memo = Path(cache) / index.INDEX_DIR / f"sources-{stamp.hexdigest()}"
+    try:
+        digest = memo.read_text()
+        if len(digest) == 64:
+            return digest
+    except (OSError, UnicodeDecodeError):
+        pass
+    h = hashlib.blake2b(digest_size=32)
+    for name, path, _ in files:
+        with open(path, "rb") as f:
+            data = f.read()
+        h.update(len(name).to_bytes(8, "little") + name.encode() + len(data).to_bytes(8, "little") + data)
+    index.write_atomic(memo, h.hexdigest())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class IndexedLookup:
+    """The lookup index's answer for (spec, op, options, arch): the family, the projected spec, the index key,
+    and the entry on a hit (None on a miss)."""
+
+    fam: KernelFamily
+    spec: object
+    arch: str
+    key: str
+    entry: Entry | None
+
+
+def lookup_indexed(spec: object, op: str, store: CacheStore, arch: str | None = None, device: int | None = None,
+                   options: dict | None = None) -> IndexedLookup:
+    """The entry the lookup index of any root records for (spec, op), without rendering (see the module doc)."""
+    fam = family(op, options)
+    projected = fam.project(spec)
+    arch = choose_arch(arch, device)
+    key = index.lookup_key(op, spec_to_dict(projected), fam.options, arch, __version__, sources_digest())
+    toolchain = nvcc_identity()
+    for root in (*store.extra_roots, store.root):
+        entry = index.lookup(root, arch, key, toolchain)
+        if entry is not None:
+            return IndexedLookup(fam, projected, arch, key, entry)
+    return IndexedLookup(fam, projected, arch, key, None)
 
 
 def render(spec: object, op: str, options: dict | None = None) -> str:
@@ -143,10 +224,21 @@ def ensure_compiled(spec: object, op: str, arch: str | None = None, store: Cache
         entry = flashgen.ensure_compiled(MergeSpec("bfloat16"), "merge_states", arch="sm_90a")
         entry.path    # <cache>/sm_90a/merge_states_bf16-<hash16>/, holding kernel.cubin
     """
-    return _ensure(prepare(spec, op, arch, options=options), store or default_store())
+    store = store or default_store()
+    hit = lookup_indexed(spec, op, store, arch, options=options)
+    if hit.entry is not None:
+        return hit.entry
+    return _ensure(prepare(spec, op, arch, options=options), store, hit.key)
 
 
-def _ensure(req: BuildRequest, store: CacheStore) -> Entry:
+def _ensure(req: BuildRequest, store: CacheStore, index_key: str | None = None) -> Entry:
+    entry = _ensure_unindexed(req, store)
+    if index_key is not None and entry.path.parent.parent == store.root:
+        index.record(store.root, req.arch, index_key, entry, nvcc_identity())
+    return entry
+
+
+def _ensure_unindexed(req: BuildRequest, store: CacheStore) -> Entry:
     if req.key is not None:
         entry = store.lookup(req.arch, req.uri, req.key)
     else:
@@ -253,12 +345,17 @@ def _load(spec: object, op: str, device: int | None, arch: str | None, options: 
 
     if device is None or device_arch(device) is None:
         _no_device(spec, op, arch, options)
-    req = prepare(spec, op, arch, device, options)
-    entry = _ensure(req, default_store())
+    store = default_store()
+    hit = lookup_indexed(spec, op, store, arch, device, options)
+    if hit.entry is not None:  # no render, no nvcc
+        entry, uri, entry_points, launch = hit.entry, hit.fam.uri(hit.spec), hit.fam.entry_points(hit.spec), \
+            hit.fam.launch(hit.spec)
+    else:
+        req = prepare(spec, op, arch, device, options)
+        entry, uri, entry_points, launch = _ensure(req, store, hit.key), req.uri, req.entry_points, req.launch
     module = Module(entry.cubin, device)
-    functions = {e.name: module.function(e.name, e.params.format, e.params.size) for e in req.entry_points}
-    if req.launch.smem_bytes:
+    functions = {e.name: module.function(e.name, e.params.format, e.params.size) for e in entry_points}
+    if launch.smem_bytes:
         for function in functions.values():
-            function.set_max_dynamic_shared_memory(req.launch.smem_bytes)
-    return Kernel(op, req.uri, req.arch, device, entry, functions, req.launch,
-                  {e.name: e.params for e in req.entry_points})
+            function.set_max_dynamic_shared_memory(launch.smem_bytes)
+    return Kernel(op, uri, hit.arch, device, entry, functions, launch, {e.name: e.params for e in entry_points})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shutil
 import subprocess
@@ -43,6 +44,19 @@ def _probe(path: str) -> Nvcc:
     if not match:
         raise ToolchainError(f"cannot read the version of nvcc at {path} from: {out.strip()!r}")
     return Nvcc(Path(path), match.group(1), out.strip())
+
+
+def nvcc_identity() -> str:
+    """The nvcc ``find_nvcc`` would run, as its path, size and modification time, without running it (a stat);
+    "" when there is none. A new toolkit changes it: the cache's lookup index keys hits by it."""
+    variable, home = knobs.cuda_home()
+    for path in [home / "bin" / "nvcc"] if home is not None else _candidates():
+        try:
+            stat = os.stat(path)
+        except OSError:
+            continue
+        return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+    return ""
 
 
 def find_nvcc() -> Nvcc:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import jinja2
-
+# jinja2 is imported where a template is rendered: loading a cached kernel never needs it
 
 
 class TemplateError(RuntimeError):
     """A template failed to render: the message names the template, the line and the spec uri."""
 
 
+@functools.lru_cache(maxsize=1)
 def templates_dir() -> Path:
     """The templates folder: ``flashgen/templates`` in a wheel, the checkout's ``templates/`` otherwise."""
     package = Path(__file__).resolve().parent.parent  # flashgen/
@@ -28,7 +28,9 @@ def include_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def environment() -> jinja2.Environment:
+def environment() -> "jinja2.Environment":  # noqa: F821
+    import jinja2
+
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir())),
         undefined=jinja2.StrictUndefined,
@@ -41,6 +43,8 @@ def environment() -> jinja2.Environment:
 
 def render_template(name: str, context: dict, uri: str) -> str:
     """Render ``templates/<name>`` with ``context``; any failure becomes a ``TemplateError``."""
+    import jinja2
+
     try:
         return environment().get_template(name).render(**context)
     except jinja2.TemplateSyntaxError as exc:

@@ -21,6 +21,7 @@ turns it off (tests compare the two paths with it):
 
 from __future__ import annotations
 
+import importlib
 import threading
 import warnings
 
@@ -42,6 +43,9 @@ class NativeBuildError(RuntimeError):
 
 
 _loader = None  # () -> (cache entry, module): flashgen.jit_native.ensure_built, registered at its import
+# imported by name at the first plan when nothing registered a loader (``import flashgen`` imports no module
+# eagerly), so that this package keeps no import of the cache or the toolchain
+_DEFAULT_LOADER_MODULE = "flashgen.jit_native"
 
 
 def set_loader(loader) -> None:
@@ -83,8 +87,10 @@ def planner():
         if _module is None and _failure is None:
             try:
                 if _loader is None:
-                    raise NativeBuildError("no loader is registered (flashgen.jit_native registers one when "
-                                           "flashgen is imported)")
+                    importlib.import_module(_DEFAULT_LOADER_MODULE)  # registers its loader
+                if _loader is None:
+                    raise NativeBuildError(f"no loader is registered ({_DEFAULT_LOADER_MODULE} registers one "
+                                           "when it is imported)")
                 _entry, _module = _loader()
                 _module.set_info_type(SplitKVInfo)
             except Exception as exc:  # noqa: BLE001 - whatever stops it, the Python paths plan the same

@@ -1,0 +1,138 @@
+"""Build plans and plan-from-config (CPU), and an AOT build of a small plan into --out that a fresh process
+finds, after the folder moved, with JIT disabled (nvcc, no GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compile_checks import seed_planner
+from flashgen import cli
+from flashgen.deploy import PlanError, read_plan, specs_from_config
+from flashgen.spec import MergeSpec, Paged, SlidingWindow
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = Path(__file__).parent / "configs"
+PLANS = sorted((REPO / "plans").glob("*.toml"))
+
+
+def _config(name: str) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
+def test_every_plan_parses_and_validates(path):
+    model, builds = read_plan(path)
+    assert model and builds
+    assert {"decode", "prefill", "prefill_sm90", "merge_states"} <= {op for op, _ in builds}
+
+
+def test_the_older_json_list_still_reads(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps([{"op": "merge_states", "spec": {"type": "MergeSpec", "dtype": "float32"}}]))
+    assert read_plan(path) == ("", [("merge_states", MergeSpec("float32"))])
+
+
+@pytest.mark.parametrize("text, match", [
+    ("model = 'm'\n[[kernel]]\nop = 'nope'\nspec = {}\n", "item 0: op 'nope'"),
+    ("model = 'm'\n[[kernel]]\nop = 'decode'\nspec = { head_dim = 96 }\n", "item 0: spec: head_dim"),
+    ("model = 'm'\n", "kernel"),
+    ("model = [", "not valid TOML"),
+])
+def test_bad_plans_name_the_item(tmp_path, text, match):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(PlanError, match=match):
+        read_plan(path)
+
+
+def test_llama3_8b_config():
+    facts, builds = specs_from_config(_config("Meta-Llama-3-8B"), (1, 16))
+    assert (facts["head_dim"], facts["num_key_value_heads"], facts["rope_theta"]) == (128, 8, 500000.0)
+    assert {s.kv_layout.page_size for op, s in builds if op == "decode"} == {1, 16}
+
+
+def test_mistral_windows_every_layer_and_gemma2_both():
+    _, mistral = specs_from_config(_config("Mistral-7B-v0.1"))
+    assert all(isinstance(s.mask, SlidingWindow) for op, s in mistral if op != "merge_states")
+    facts, gemma = specs_from_config(_config("gemma-2-9b"), dtype="bfloat16")
+    assert facts["head_dim"] == 256 and facts["attn_logit_softcapping"] == 50.0
+    kinds = {type(s.mask).__name__ for op, s in gemma if op == "prefill"}
+    assert kinds == {"Causal", "SlidingWindow"} and all(s.soft_cap == 50.0 for op, s in gemma if op == "decode")
+
+
+def test_qwen_gqa7_leaves_its_disabled_window_out():
+    facts, builds = specs_from_config(_config("Qwen2.5-7B"))
+    assert facts["num_attention_heads"] // facts["num_key_value_heads"] == 7 and facts["sliding_window"] is None
+    assert not any(isinstance(s.mask, SlidingWindow) for op, s in builds if op != "merge_states")
+
+
+@pytest.mark.parametrize("name, change, match", [
+    ("gemma-2-9b", {}, "torch_dtype: got 'float32'.*--dtype bfloat16"),
+    ("Phi-3-mini-4k", {}, "head_dim 96 \\(hidden_size / num_attention_heads\\)"),
+    ("DeepSeek-V2-Lite", {}, "kv_lora_rank"),
+    ("Meta-Llama-3-8B", {"num_key_value_heads": 5}, "num_key_value_heads: got 5"),
+    ("Meta-Llama-3-8B", {"num_attention_heads": None}, "num_attention_heads: got None"),
+    ("Meta-Llama-3-8B", {"hidden_size": 4095}, "hidden_size: 4095"),
+])
+def test_what_flashgen_cannot_serve_names_the_field(name, change, match):
+    config = {k: v for k, v in {**_config(name), **change}.items() if v is not None}
+    with pytest.raises(PlanError, match=match):
+        specs_from_config(config)
+
+
+def test_plan_from_config_command_writes_a_plan_that_reads_back(tmp_path, capsys):
+    out = tmp_path / "qwen.toml"
+    assert cli.main(["plan-from-config", str(CONFIGS / "Qwen2.5-7B.json"), "--page-size", "32", "--out", str(out)]) == 0
+    model, builds = read_plan(out)
+    assert model == "Qwen/Qwen2.5-7B" and (out.read_text().count("[[kernel]]") == len(builds) == 7)
+    assert {s.kv_layout for op, s in builds if op == "decode"} == {Paged(32)}
+    assert cli.main(["plan-from-config", str(CONFIGS / "Phi-3-mini-4k.json")]) == 2
+    assert "head_dim 96" in capsys.readouterr().err
+
+
+SMALL_PLAN = """model = "test"
+[[kernel]]
+op = "merge_states"
+spec = { type = "MergeSpec", dtype = "bfloat16" }
+[[kernel]]
+op = "decode"
+spec = { head_dim = 64, dtype = "bfloat16", kv_layout = { type = "Paged", page_size = 16 } }
+"""
+
+FIND_ALL = """
+import sys, flashgen
+from flashgen import jit
+from flashgen.deploy import read_plan
+from flashgen.api.backends import kernels_for
+_, items = read_plan(sys.argv[1])
+for op, spec in items:
+    entry = flashgen.ensure_compiled(spec, op, "sm_90a")
+    assert str(entry.path).startswith(sys.argv[2]), entry.path
+print("found", len(items), "compiles", jit.stats["compiles"])
+"""
+
+
+@pytest.mark.nvcc
+def test_aot_build_moved_then_found_with_jit_disabled(tmp_path, cache_dir, monkeypatch):
+    plan = tmp_path / "small.toml"
+    plan.write_text(SMALL_PLAN)
+    out = tmp_path / "aot"
+    seed_planner(out)  # the native planner the session loaded: not compiled again
+    assert cli.main(["build", "--plan", str(plan), "--arch", "sm_90a", "-j", "2", "--out", str(out)]) == 0
+    for manifest in out.rglob("manifest.json"):
+        assert str(tmp_path) not in manifest.read_text()  # nothing names where it was built
+    moved = tmp_path / "moved"
+    shutil.move(out, moved)
+    env = {**os.environ, "FLASHGEN_EXTRA_CACHE_DIRS": str(moved), "FLASHGEN_DISABLE_JIT": "1",
+           "FLASHGEN_CACHE_DIR": str(tmp_path / "empty"), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", FIND_ALL, str(plan), str(moved)], env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert "found 2 compiles 0" in done.stdout
