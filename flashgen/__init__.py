@@ -9,6 +9,7 @@ from ._version import __version__  # noqa: E402,F401
 from .api import BatchDecodeWrapper, merge_state, merge_state_in_place, merge_states  # noqa: E402
 from .api import BatchPrefillWrapper, CascadeWrapper, attention  # noqa: E402
 from .api import BlockSparseWrapper, VariableBlockSparseWrapper, select_pages  # noqa: E402
+from .api import append_kv  # noqa: E402
 from .plan import CascadeLevel, CascadePolicy  # noqa: E402
 from .cache import CacheError, CacheStore  # noqa: E402
 from .kernels import TemplateError  # noqa: E402
@@ -16,9 +17,11 @@ from .compile import CompileError, ToolchainError  # noqa: E402
 from .jit import Kernel, MissingKernelError, NoDeviceError, build, ensure_compiled, render  # noqa: E402
 from .spec import (  # noqa: E402
     ALiBi,
+    AppendSpec,
     AttentionSpec,
     Causal,
     CustomMask,
+    Llama31Scaling,
     MergeSpec,
     NoMask,
     Paged,
@@ -30,7 +33,7 @@ from .spec import (  # noqa: E402
 
 __all__ = [
     "BatchDecodeWrapper", "BatchPrefillWrapper", "BlockSparseWrapper", "VariableBlockSparseWrapper", "select_pages", "attention", "merge_state", "merge_state_in_place", "merge_states", "CacheError", "CacheStore", "TemplateError", "CompileError",
-    "CascadeWrapper", "CascadeLevel", "CascadePolicy",
+    "CascadeWrapper", "CascadeLevel", "CascadePolicy", "append_kv", "AppendSpec", "Llama31Scaling",
     "ToolchainError", "Kernel", "MissingKernelError", "NoDeviceError", "build", "ensure_compiled", "render", "ALiBi",
     "AttentionSpec", "Causal", "CustomMask", "MergeSpec", "NoMask", "Paged", "Ragged", "RoPE",
     "SlidingWindow", "SpecError",
