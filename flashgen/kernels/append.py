@@ -17,7 +17,7 @@ CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float8_e4m3fn": 
              "float8_e5m2": "__nv_fp8_e5m2"}
 INDEX_TYPES = {"int32": "int32_t", "int64": "int64_t"}
 ITEM_BYTES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-BLOCK_THREADS = 128
+CTA_THREADS = 128  # at most; a CTA holds whole rows
 
 
 def _flag(value: bool) -> str:
@@ -31,8 +31,13 @@ def threads_per_row(spec: AppendSpec) -> int:
 
 
 def rows_per_block(spec: AppendSpec) -> int:
-    """(token, kv head) rows a CTA writes: the grid is ``ceil(tokens * kv_heads / rows_per_block)``."""
-    return BLOCK_THREADS // threads_per_row(spec)
+    """(token, kv head) rows a CTA writes: the grid is ``ceil(tokens * kv_heads / rows_per_block)`` (d=128: 16
+    rows of 8 threads, or 32 of 4 for fp8; d=192 with fp8: 21 rows of 6 threads, 126 threads)."""
+    return CTA_THREADS // threads_per_row(spec)
+
+
+def block_threads(spec: AppendSpec) -> int:
+    return rows_per_block(spec) * threads_per_row(spec)
 
 
 class AppendFamily(KernelFamily):
@@ -49,15 +54,15 @@ class AppendFamily(KernelFamily):
             "DTypeIn": CPP_TYPES[spec.dtype], "DTypeKV": CPP_TYPES[spec.kv_dtype],
             "IdType": INDEX_TYPES[spec.index_dtype], "HEAD_DIM": spec.head_dim,
             "PAGE_SIZE": spec.kv_layout.page_size, "ELEMS": 16 // ITEM_BYTES[spec.kv_dtype],
-            "THREADS_PER_ROW": threads_per_row(spec), "BLOCK_THREADS": BLOCK_THREADS,
+            "THREADS_PER_ROW": threads_per_row(spec), "BLOCK_THREADS": block_threads(spec),
             "ROPE": _flag(spec.rope != "none"), "ROPE_COS_SIN": _flag(spec.rope == "cos_sin_cache"),
             "QUANTIZE": _flag(spec.quantized), "PER_HEAD_SCALE": _flag(spec.scales == "per_head"),
             "SLOT_MAPPING": _flag(spec.page_table == "slot_mapping"),
         }
 
     def launch(self, spec: AppendSpec) -> LaunchConfig:
-        """``BLOCK_THREADS`` threads, ``rows_per_block(spec)`` rows a CTA, no shared memory."""
-        return LaunchConfig(block=(BLOCK_THREADS, 1, 1))
+        """``rows_per_block(spec)`` rows a CTA (up to 128 threads), no shared memory."""
+        return LaunchConfig(block=(block_threads(spec), 1, 1))
 
     def entry_points(self, spec: AppendSpec) -> tuple[EntryPoint, ...]:
         t_in, t_kv, idx, i32 = "DTypeIn", "DTypeKV", "IdType", "const int32_t*"
