@@ -73,7 +73,7 @@ def peers(fi, s: dict, fp8: bool, rope: bool) -> list[tuple[str, object, bool]]:
     out = []
     if fi is None:
         return out
-    if not rope:
+    if not rope and not fp8:  # its append writes the input's dtype: no quantising peer without RoPE
         out.append(("flashinfer append_paged_kv_cache", lambda: fi.append_paged_kv_cache(
             s["k"], s["v"], s["batch_indices"], s["positions"], s["cache"], s["kv_indices"], s["kv_indptr"],
             s["kv_last_page_len"]), False))
