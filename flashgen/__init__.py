@@ -14,7 +14,7 @@ from ._version import __version__  # noqa: F401
 _EXPORTS = {
     **dict.fromkeys(("BatchDecodeWrapper", "BatchPrefillWrapper", "BlockSparseWrapper", "CascadeWrapper",
                      "VariableBlockSparseWrapper", "attention", "merge_state", "merge_state_in_place",
-                     "merge_states", "select_pages"), ".api"),
+                     "merge_states", "select_pages", "append_kv"), ".api"),
     **dict.fromkeys(("CascadeLevel", "CascadePolicy"), ".plan"),
     **dict.fromkeys(("PagedKVCache", "OutOfPages", "KVCacheError", "CacheStats", "PageTables", "Preemption",
                      "WriteCoords"), ".kvcache"),
@@ -22,8 +22,8 @@ _EXPORTS = {
     "TemplateError": ".kernels",
     **dict.fromkeys(("CompileError", "ToolchainError"), ".compile"),
     **dict.fromkeys(("Kernel", "MissingKernelError", "NoDeviceError", "build", "ensure_compiled", "render"), ".jit"),
-    **dict.fromkeys(("ALiBi", "AttentionSpec", "Causal", "CustomMask", "MergeSpec", "NoMask", "Paged", "Ragged",
-                     "RoPE", "SlidingWindow", "SpecError"), ".spec"),
+    **dict.fromkeys(("ALiBi", "AppendSpec", "AttentionSpec", "Causal", "CustomMask", "Llama31Scaling", "MergeSpec",
+                     "NoMask", "Paged", "Ragged", "RoPE", "SlidingWindow", "SpecError"), ".spec"),
 }
 
 __all__ = list(_EXPORTS)

@@ -2,10 +2,11 @@
 Imports ``spec`` only.
 
 Every family is registered here, by op name, and nowhere else: ``decode``, ``prefill`` (portable, mma.sync),
-``prefill_sm90`` (Hopper, wgmma + TMA), ``rope_gather`` (the Hopper prefill's RoPE pre-pass) and
-``merge_states``. Code above this package (``jit``, ``api``, ``cli``) uses only the names exported here.
+``prefill_sm90`` (Hopper, wgmma + TMA), ``rope_gather`` (the Hopper prefill's RoPE pre-pass),
+``merge_states`` and ``append`` (the KV-cache write). Code above this package (``jit``, ``api``, ``cli``) uses only the names exported here.
 """
 
+from .append import AppendFamily, rows_per_block
 from .decode import DecodeFamily
 from .family import EntryPoint, KernelFamily, LaunchConfig, family, launch_config, ops, register
 from .merge import MergeStatesFamily
@@ -15,12 +16,13 @@ from .prefill_sm90 import PrefillSM90Family, sm90_qo_tma
 from .render import TemplateError, include_dir, render_template, templates_dir
 from .rope_gather import RopeGatherFamily, ragged_twin
 
-for _family in (DecodeFamily(), PrefillFamily(), PrefillSM90Family(), RopeGatherFamily(), MergeStatesFamily()):
+for _family in (DecodeFamily(), PrefillFamily(), PrefillSM90Family(), RopeGatherFamily(), MergeStatesFamily(),
+                AppendFamily()):
     register(_family)
 del _family
 
 __all__ = [
     "EntryPoint", "KernelFamily", "LaunchConfig", "family", "launch_config", "ops", "register", "BoundParams",
     "Param", "ParamsLayout", "TemplateError", "include_dir", "render_template", "templates_dir", "sm90_qo_tma",
-    "ragged_twin",
+    "ragged_twin", "rows_per_block",
 ]

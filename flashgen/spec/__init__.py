@@ -1,6 +1,7 @@
 """Specs: frozen descriptions of the kernels to generate. Imports nothing else of flashgen."""
 
 from .attention import HEAD_DIMS, AttentionSpec, MergeSpec
+from .append import AppendSpec, Llama31Scaling
 from .serialize import spec_from_dict, spec_to_dict
 from .parts import (
     KV_DTYPES,
@@ -20,7 +21,7 @@ from .parts import (
 )
 
 __all__ = [
-    "HEAD_DIMS", "AttentionSpec", "MergeSpec", "KV_DTYPES", "MERGE_DTYPES", "Q_DTYPES", "ALiBi",
+    "HEAD_DIMS", "AttentionSpec", "AppendSpec", "Llama31Scaling", "MergeSpec", "KV_DTYPES", "MERGE_DTYPES", "Q_DTYPES", "ALiBi",
     "BlockSparse", "Causal", "CustomMask", "NoMask", "Paged", "Ragged", "RoPE", "SlidingWindow",
     "SpecError", "canonical_dtype", "spec_from_dict", "spec_to_dict",
 ]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from .append import AppendSpec
 from .attention import AttentionSpec, MergeSpec
 from .parts import KV_LAYOUTS, MASKS, POS_ENCODINGS, SpecError
 
 _PARTS = {cls.__name__: cls for cls in (*KV_LAYOUTS, *MASKS, *POS_ENCODINGS)}
-_SPECS = {cls.__name__: cls for cls in (AttentionSpec, MergeSpec)}
+_SPECS = {cls.__name__: cls for cls in (AttentionSpec, AppendSpec, MergeSpec)}
 
 
 def _part_to_dict(part: object) -> object:

@@ -124,7 +124,7 @@ def test_no_import_circles():
 def test_every_family_is_registered_by_the_kernels_package():
     from flashgen.kernels import ops
 
-    assert set(ops()) == {"decode", "prefill", "prefill_sm90", "rope_gather", "merge_states"}
+    assert set(ops()) == {"decode", "prefill", "prefill_sm90", "rope_gather", "merge_states", "append"}
     registering = [name for name, path in _modules().items()
                    if name.startswith("flashgen.") and "register(" in path.read_text()
                    and name not in ("flashgen.kernels", "flashgen.kernels.family")]

@@ -167,7 +167,7 @@ PLAN_ERRORS = {
     "no-spec": ('[{"op": "decode"}]', r"--plan \S+: item 0: got \{\"op\": \"decode\"\}, expected \{\"op\""),
     "spec-not-a-dict": ('[{"op": "decode", "spec": "d128"}]', r"item 0: got .*expected \{\"op\": \.\.\., \"spec\""),
     "no-op": ('[{"spec": {"head_dim": 128}}]', r"item 0: got .*expected \{\"op\""),
-    "unknown-op": ('[{"op": "decodes", "spec": {"head_dim": 128}}]', r"item 0: op 'decodes', expected one of decode"),
+    "unknown-op": ('[{"op": "decodes", "spec": {"head_dim": 128}}]', r"item 0: op 'decodes', expected one of append, decode"),
     "bad-spec": ('[{"op": "decode", "spec": {"head_dim": 100}}]', r"item 0: spec: head_dim: got 100, expected"),
     "second-item": ('[{"op": "merge_states", "spec": {"type": "MergeSpec"}}, 7]', r"item 1: got 7, expected"),
 }

@@ -3,6 +3,7 @@
 // Kernels work in base 2: the transformed logit is multiplied by log2(e) before exp2.
 #pragma once
 #include <cmath>
+#include <flashgen/common/rope.cuh>  // rope_rotate
 
 namespace flashgen {
 
@@ -28,18 +29,6 @@ __device__ __forceinline__ float alibi_slope(int head, int num_heads) {
   const int n = 1 << (31 - __clz(num_heads));  // largest power of two <= num_heads
   if (head < n) return exp2f(-8.f * float(head + 1) / float(n));
   return exp2f(-8.f * float(2 * (head - n) + 1) / float(2 * n));
-}
-
-// Llama RoPE (non-interleaved halves): rotates the pair (x[i], x[i + dim/2]) by pos * theta^(-2i/dim).
-// `rope_rcp_scale` = 1 / scale, `rope_log2_theta` = log2(theta).
-__device__ __forceinline__ void rope_rotate(float& lo, float& hi, float pos, int i, int dim, float rope_rcp_scale,
-                                            float rope_log2_theta) {
-  const float inv_freq = exp2f(-2.f * float(i) / float(dim) * rope_log2_theta);
-  float s, c;
-  sincosf(pos * rope_rcp_scale * inv_freq, &s, &c);
-  const float x1 = lo, x2 = hi;
-  lo = x1 * c - x2 * s;
-  hi = x2 * c + x1 * s;
 }
 
 template <bool ALIBI, bool SOFT_CAP>

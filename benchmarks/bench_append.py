@@ -1,0 +1,113 @@
+"""KV-cache write benchmark: flashgen.append_kv against FlashInfer's append_paged_kv_cache (and its fused RoPE +
+fp8 quantise + append, rope_quantize_fp8_append_paged_kv_cache, where RoPE and fp8 are both on) in one run.
+
+8 kv heads, head_dim 128, page 16 (NHD, shuffled pages), bf16 new K/V into a bf16 or fp8 e4m3 cache, with and
+without RoPE on K: a decode step of 64 and of 256 requests (one token each, at position 1000) and a 4096-token
+prefill chunk of one request. Every timed call follows an L2 flush; the median of --reps calls is reported, in
+µs, GB/s of K/V bytes read and written, and % of 4.3 TB/s (the H200's copy rate; docs/performance.md). The
+fused FlashInfer op also rotates and quantises q: its row carries q's bytes too. Prints a table; writes nothing.
+
+    python3 benchmarks/bench_append.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import flashgen  # noqa: E402
+from timing import timed  # noqa: E402
+from flashgen.testing import cos_sin_table  # noqa: E402
+
+HKV, HQ, D, PAGE = 8, 32, 128, 16
+COPY_RATE = 4.3e12  # bytes/s, read + write
+SHAPES = [("decode B=64", [1] * 64), ("decode B=256", [1] * 256), ("prefill 4096", [4096])]
+
+
+def flashinfer():
+    try:
+        import flashinfer as fi  # noqa: PLC0415
+        return fi
+    except ImportError:
+        return None
+
+
+def setup(new_lens: list[int], fp8: bool, gen: torch.Generator) -> dict:
+    cached = 1000 if len(new_lens) > 1 else 0
+    pages_per = [-(-(cached + n) // PAGE) for n in new_lens]
+    total = sum(pages_per)
+    indptr = torch.tensor([0] + pages_per, dtype=torch.int32).cumsum(0).to(torch.int32)
+    indices = torch.randperm(total, generator=gen).to(torch.int32)
+    batch = torch.cat([torch.full((n,), b, dtype=torch.int32) for b, n in enumerate(new_lens)])
+    pos = torch.cat([torch.arange(cached, cached + n, dtype=torch.int32) for n in new_lens])
+    last = torch.tensor([(cached + n - 1) % PAGE + 1 for n in new_lens], dtype=torch.int32)
+    tokens = int(batch.numel())
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    return dict(
+        k=torch.randn(tokens, HKV, D, generator=gen).bfloat16().cuda(),
+        v=torch.randn(tokens, HKV, D, generator=gen).bfloat16().cuda(),
+        q=torch.randn(tokens, HQ, D, generator=gen).bfloat16().cuda(),
+        cache=(torch.zeros(total, PAGE, HKV, D, dtype=dtype, device="cuda"),
+               torch.zeros(total, PAGE, HKV, D, dtype=dtype, device="cuda")),
+        kv_indptr=indptr.cuda(), kv_indices=indices.cuda(), kv_last_page_len=last.cuda(), batch_indices=batch.cuda(),
+        positions=pos.cuda(), tokens=tokens,
+        cos_sin=cos_sin_table(cached + max(new_lens) + 1, D).cuda(),
+    )
+
+
+def moved_bytes(s: dict, fp8: bool, with_q: bool = False) -> int:
+    rows = s["tokens"] * HKV * D
+    total = rows * 2 * 2 + rows * 2 * (1 if fp8 else 2) + s["tokens"] * 8  # K/V read, written, indices
+    if with_q:
+        total += s["tokens"] * HQ * D * (2 + (1 if fp8 else 2))
+    return total
+
+
+def peers(fi, s: dict, fp8: bool, rope: bool) -> list[tuple[str, object, bool]]:
+    out = []
+    if fi is None:
+        return out
+    if not rope and not fp8:  # its append writes the input's dtype: no quantising peer without RoPE
+        out.append(("flashinfer append_paged_kv_cache", lambda: fi.append_paged_kv_cache(
+            s["k"], s["v"], s["batch_indices"], s["positions"], s["cache"], s["kv_indices"], s["kv_indptr"],
+            s["kv_last_page_len"]), False))
+    if rope and fp8 and hasattr(fi, "rope_quantize_fp8_append_paged_kv_cache"):
+        out.append(("flashinfer rope_quantize_fp8_append (k, v, q)", lambda: fi.rope_quantize_fp8_append_paged_kv_cache(
+            s["q"], s["k"], None, None, s["v"], s["cos_sin"], s["positions"], s["cache"], s["kv_indices"],
+            s["kv_indptr"], s["batch_indices"], s["positions"], page_size=PAGE), True))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=200)
+    args = parser.parse_args()
+    fi = flashinfer()
+    gen = torch.Generator().manual_seed(0)
+    print(f"{'shape':<14} {'cache':<6} {'rope':<5} {'kernel':<46} {'µs':>8} {'GB/s':>8} {'% 4.3 TB/s':>10}")
+    for label, lens in SHAPES:
+        for fp8 in (False, True):
+            for rope in (False, True):
+                s = setup(lens, fp8, gen)
+                extra = dict(cos_sin_cache=s["cos_sin"]) if rope else {}
+                if fp8:
+                    extra.update(k_scale=1.0, v_scale=1.0)
+                ours = ("flashgen append_kv", lambda: flashgen.append_kv(
+                    s["k"], s["v"], s["cache"], kv_indptr=s["kv_indptr"], kv_indices=s["kv_indices"],
+                    batch_indices=s["batch_indices"], positions=s["positions"], **extra), False)
+                for name, fn, with_q in [ours, *peers(fi, s, fp8, rope)]:
+                    fn()
+                    us = timed(fn, args.reps)
+                    rate = moved_bytes(s, fp8, with_q) / (us * 1e-6)
+                    print(f"{label:<14} {'fp8' if fp8 else 'bf16':<6} {'yes' if rope else 'no':<5} {name:<46} "
+                          f"{us:8.2f} {rate / 1e9:8.0f} {100 * rate / COPY_RATE:9.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+// Rotary position embedding math (Llama halves: the pair (x[i], x[i + dim/2]) turns by pos * f_i), shared by the
+// attention kernels (q and K rotated on the fly) and the KV-cache write (K rotated on the way into its page).
+//   f_i = theta^(-2i/dim)                     (rope_inv_freq; `rope_log2_theta` = log2(theta))
+//   Llama-3.1: f_i -> (1 - s) f_i / factor + s f_i, s = clamp(f_i a + b, 0, 1)   (rope_llama31; factor 1, a 0,
+//   b 1 give f_i back exactly, so one code path serves plain RoPE too)
+//   angle = pos / scale * f_i                 (`rope_rcp_scale` = 1 / scale)
+#pragma once
+#include <cmath>
+
+namespace flashgen {
+
+__device__ __forceinline__ float rope_inv_freq(int i, int dim, float rope_log2_theta) {
+  return exp2f(-2.f * float(i) / float(dim) * rope_log2_theta);
+}
+
+__device__ __forceinline__ float rope_llama31(float inv_freq, float rcp_factor, float smooth_a, float smooth_b) {
+  const float s = fminf(fmaxf(inv_freq * smooth_a + smooth_b, 0.f), 1.f);
+  return (1.f - s) * inv_freq * rcp_factor + s * inv_freq;
+}
+
+// (lo, hi) turned by the angle whose cosine and sine are c and s
+__device__ __forceinline__ void rope_pair(float& lo, float& hi, float c, float s) {
+  const float x1 = lo, x2 = hi;
+  lo = x1 * c - x2 * s;
+  hi = x2 * c + x1 * s;
+}
+
+// rotates the pair (x[i], x[i + dim/2]) by pos * theta^(-2i/dim)
+__device__ __forceinline__ void rope_rotate(float& lo, float& hi, float pos, int i, int dim, float rope_rcp_scale,
+                                            float rope_log2_theta) {
+  const float inv_freq = rope_inv_freq(i, dim, rope_log2_theta);
+  float s, c;
+  sincosf(pos * rope_rcp_scale * inv_freq, &s, &c);
+  rope_pair(lo, hi, c, s);
+}
+
+}  // namespace flashgen
