@@ -83,7 +83,6 @@ class TinyLlama:
     weights on every machine), then moved to ``device`` in ``dtype``.
 
     >>> model = TinyLlama(ModelConfig(num_layers=1, hidden=32, intermediate=64, vocab=50))
-    >>> kv = {}
     >>> def attend(layer, q, k, v):  # one request, causal over its own tokens
     ...     return dense_attention(q, k, v, q_start=0)
     >>> model.forward(torch.tensor([1, 2, 3]), torch.arange(3), attend).shape
