@@ -14,7 +14,8 @@ class Summary:
     ``mean_decode_step``: mean time of steps that ran only decode rows (None if there were none);
     ``page_utilisation``: mean over steps of pages in use / pool; ``peak_pages``: most pages in use after a
     step; ``waste_fraction``: mean over steps of waste tokens / (pages in use x page size);
-    ``max_waste_per_seq``: most waste tokens per live request after a step (below page_size by construction)."""
+    ``max_waste_per_seq``: most waste tokens per live request after a step (below page_size by construction);
+    ``p50/p99_token_latency``: time between a request's consecutive output tokens (time to first token apart)."""
 
     steps: int
     seconds: float
@@ -50,7 +51,7 @@ def summarize(engine) -> Summary:
     in_use = np.array([r.pages_in_use for r in rec] or [0])
     waste = np.array([r.waste_tokens for r in rec] or [0])
     live = np.array([r.live_seqs for r in rec] or [0])
-    gaps = [b - a for r in engine.finished for a, b in zip([0.0] + r.token_times[:-1], r.token_times)][1:]
+    gaps = [b - a for r in engine.finished for a, b in zip(r.token_times, r.token_times[1:])]  # after the first
     return Summary(
         steps=len(rec), seconds=seconds, output_tokens=out, processed_tokens=processed,
         tokens_per_s=out / seconds if seconds else 0.0, mean_step=seconds / len(rec) if rec else 0.0,
