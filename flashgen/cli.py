@@ -248,6 +248,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .compile import device_arch
 
+    if args.serve:
+        from .serve.demo import run_demo
+
+        return run_demo(args)
     cmd_info(argparse.Namespace())
     target = args.arch or knobs.cuda_arch() or device_arch() or "sm_90a"
     print(f"\n== building the default kernels for {target}")
@@ -314,6 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     cache.set_defaults(func=cmd_cache)
     demo = sub.add_parser("demo", help="the main job: info, build the default kernels, and on a GPU run and check them")
     demo.add_argument("--arch", help="target arch when no GPU is visible (default sm_90a)")
+    demo.add_argument("--serve", action="store_true", help="run the continuous-batching serving loop instead "
+                      "(a random-weight Llama-style model over PagedKVCache; tiny and on the CPU without a GPU)")
+    from .serve.flags import add_arguments
+
+    add_arguments(demo.add_argument_group("--serve options"))
     demo.set_defaults(func=cmd_demo)
     args = parser.parse_args(argv)
     try:

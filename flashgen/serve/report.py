@@ -1,0 +1,121 @@
+"""The numbers of a run (``summarize``), its closing table (``format_summary``) and the progress line."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A run's numbers. Times in seconds; ``attention_share``: attention calls' time over step time;
+    ``mean_decode_step``: mean time of steps that ran only decode rows (None if there were none);
+    ``page_utilisation``: mean over steps of pages in use / pool; ``peak_pages``: most pages in use after a
+    step; ``waste_fraction``: mean over steps of waste tokens / (pages in use x page size);
+    ``max_waste_per_seq``: most waste tokens per live request after a step (below page_size by construction);
+    ``p50/p99_token_latency``: time between a request's consecutive output tokens (time to first token apart)."""
+
+    steps: int
+    seconds: float
+    output_tokens: int
+    processed_tokens: int
+    tokens_per_s: float
+    mean_step: float
+    mean_decode_step: float | None
+    attention_share: float
+    mean_batch: float
+    peak_batch: int
+    num_pages: int
+    page_size: int
+    peak_pages: int
+    page_utilisation: float
+    waste_fraction: float
+    max_waste_per_seq: float
+    preemptions: int
+    delayed_admissions: int
+    prefix_hit_tokens: int
+    p50_token_latency: float
+    p99_token_latency: float
+
+
+def summarize(engine) -> Summary:
+    rec = engine.records
+    ps, pool = engine.config.page_size, engine.config.num_pages
+    seconds = sum(r.seconds for r in rec)
+    out = sum(len(r.output) for r in engine.finished) + sum(len(r.output) for r in engine.running)
+    processed = sum(r.decode_rows + r.prefill_tokens for r in rec)
+    decode_only = [r.seconds for r in rec if r.prefill_tokens == 0 and r.decode_rows]
+    batch = [r.decode_rows + (r.prefill_tokens > 0) for r in rec]
+    in_use = np.array([r.pages_in_use for r in rec] or [0])
+    waste = np.array([r.waste_tokens for r in rec] or [0])
+    live = np.array([r.live_seqs for r in rec] or [0])
+    gaps = [b - a for r in engine.finished for a, b in zip(r.token_times, r.token_times[1:])]  # after the first
+    return Summary(
+        steps=len(rec), seconds=seconds, output_tokens=out, processed_tokens=processed,
+        tokens_per_s=out / seconds if seconds else 0.0, mean_step=seconds / len(rec) if rec else 0.0,
+        mean_decode_step=float(np.mean(decode_only)) if decode_only else None,
+        attention_share=sum(r.attention_seconds for r in rec) / seconds if seconds else 0.0,
+        mean_batch=float(np.mean([r.live_seqs for r in rec])) if rec else 0.0,
+        peak_batch=int(live.max()), num_pages=pool, page_size=ps, peak_pages=int(in_use.max()),
+        page_utilisation=float(np.mean(in_use) / pool),
+        waste_fraction=float(np.mean(np.where(in_use > 0, waste / np.maximum(in_use * ps, 1), 0.0))),
+        max_waste_per_seq=float(np.max(np.where(live > 0, waste / np.maximum(live, 1), 0.0))),
+        preemptions=engine.preemptions, delayed_admissions=engine.delayed,
+        prefix_hit_tokens=engine.prefix_hit_tokens,
+        p50_token_latency=float(np.percentile(gaps, 50)) if gaps else 0.0,
+        p99_token_latency=float(np.percentile(gaps, 99)) if gaps else 0.0)
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.2f} ms"
+
+
+def format_summary(s: Summary, kernels: str) -> str:
+    """The closing table, one fact a line."""
+    lines = [
+        f"steps               {s.steps} in {s.seconds:.2f} s",
+        f"tokens              {s.output_tokens} generated, {s.processed_tokens} through the model "
+        f"({s.tokens_per_s:.1f} generated tokens/s)",
+        f"step time           mean {_ms(s.mean_step)}; decode-only steps {_ms(s.mean_decode_step)}",
+        f"attention share     {s.attention_share:.0%} of step time (timed around the attention calls)",
+        f"batch               mean {s.mean_batch:.1f} requests, peak {s.peak_batch}",
+        f"pages               peak {s.peak_pages} of {s.num_pages} (page size {s.page_size}), mean utilisation "
+        f"{s.page_utilisation:.0%}, tail waste {s.waste_fraction:.1%} of held slots "
+        f"(at most {s.max_waste_per_seq:.1f} tokens a request)",
+        f"scheduler           {s.preemptions} preemption(s) (recompute), {s.delayed_admissions} delayed "
+        f"admission(s), {s.prefix_hit_tokens} prompt tokens from the prefix cache",
+        f"per-token latency   p50 {_ms(s.p50_token_latency)}, p99 {_ms(s.p99_token_latency)}",
+        f"kernels             {kernels}",
+    ]
+    return "\n".join(lines)
+
+
+class Progress:
+    """A progress bar (tqdm, when importable) or a line every ``every`` steps, on stderr."""
+
+    def __init__(self, total_requests: int, every: int = 10):
+        self.every, self.total = every, total_requests
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self._bar = None
+        else:
+            self._bar = tqdm(total=total_requests, unit="req", file=sys.stderr)
+
+    def __call__(self, engine) -> None:
+        rec = engine.records[-1] if engine.records else None
+        if self._bar is not None:
+            self._bar.n = len(engine.finished)
+            self._bar.set_postfix(batch=len(engine.running), pages=rec.pages_in_use if rec else 0, refresh=False)
+            self._bar.refresh()
+            return
+        if rec is not None and len(engine.records) % self.every == 0:
+            print(f"step {len(engine.records):5d}  done {len(engine.finished)}/{self.total}  batch "
+                  f"{len(engine.running):3d}  waiting {len(engine.waiting):3d}  pages {rec.pages_in_use}/"
+                  f"{engine.config.num_pages}  step {rec.seconds * 1e3:.1f} ms", file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
