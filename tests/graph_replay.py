@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from flashgen.plan import csr_to_block_table
+from flashgen.testing.check import assert_matches_reference
 
 # batches re-planned under one captured graph: empty requests, a single token, the first plan's batch again, the
 # full batch size, lengths past a tile (each an argument tuple of the test's load())
@@ -59,3 +60,13 @@ def fresh_page_ids(table, form, page_size, held):
     ids = block_table.cuda()
     held.append(ids)
     return {"block_table": ids, "seq_lens": seq_lens}, {"block_table": block_table, "seq_lens": seq_lens}
+
+
+def reference_check(spec):
+    """The ``check`` of ``replay_after_replanning`` for a ``load`` that returns ``(q, kv, page-table keywords,
+    qo_indptr)``: the replayed rows of out and lse against the fp64 reference."""
+    def check(loaded, out, lse):
+        q, kv, table, qo_indptr = loaded
+        n = q.shape[0]
+        assert_matches_reference(spec, q, kv, out[:n], lse[:n], qo_indptr=qo_indptr, **table)
+    return check

@@ -42,8 +42,7 @@ class DeviceBuffer:
     def get(self, numel: int, what: str, hint: str = "raise max_batch_size") -> torch.Tensor:
         """At least ``numel`` elements; ``what`` and ``hint`` (how to make room) name the buffer in the error a
         fixed buffer raises when a later plan needs more than the first plan sized."""
-        if self.numel < numel or self.tensor is None:
-            self._grow(numel, what, hint)
+        self.address_of(numel, what, hint)
         return self.tensor
 
     def address_of(self, numel: int, what: str, hint: str = "raise max_batch_size") -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .policy import POLICIES, OutOfPages, Preemption, plan_victims
+from .policy import POLICIES, Preemption, plan_victims
 from .pool import KV_FORMS, LAYOUTS, PagePool
 from .prefix import PrefixCache, hash_chain
 from .tables import PageTables, WriteCoords, build_tables, build_write_coords
@@ -233,12 +233,7 @@ class PagedKVCache:
         """Start sequence ``seq_id``, empty or, with ``tokens`` (its prompt's ids), with the leading full pages
         the prefix cache holds for them (by reference). Returns how many leading tokens are cached (a multiple
         of page_size, at most ``len(tokens) - 1``: one token is left to compute); append the rest's K/V."""
-        try:
-            hash(seq_id)
-        except TypeError:
-            raise KVCacheError(f"seq_id: {seq_id!r} is not hashable") from None
-        if seq_id in self._seqs:
-            raise KVCacheError(f"seq_id: sequence {seq_id!r} is already in the cache (free it first)")
+        self._check_new("seq_id", seq_id, " (free it first)")
         ids = [] if tokens is None else _token_list("tokens", tokens)
         pages, keys = [], []
         if self._prefix is not None and ids:
@@ -277,16 +272,20 @@ class PagedKVCache:
         slots = self._grow(seq_id, seq, n, ids)
         self._pool.write_tokens(torch.from_numpy(slots).to(self.device), k, v)
 
+    def _check_new(self, name: str, seq_id: object, hint: str = "") -> None:
+        """``KVCacheError`` naming ``name`` unless ``seq_id`` is hashable and not yet in the cache."""
+        try:
+            hash(seq_id)
+        except TypeError:
+            raise KVCacheError(f"{name}: {seq_id!r} is not hashable") from None
+        if seq_id in self._seqs:
+            raise KVCacheError(f"{name}: sequence {seq_id!r} is already in the cache{hint}")
+
     def fork(self, parent: object, child: object) -> None:
         """Start ``child`` as a copy of live ``parent``: every page shared (refcount + 1, no bytes copied); the
         shared partial last page is copied on the first write of either (copy-on-write)."""
         seq = self._seq(parent, "parent")
-        try:
-            hash(child)
-        except TypeError:
-            raise KVCacheError(f"child: {child!r} is not hashable") from None
-        if child in self._seqs:
-            raise KVCacheError(f"child: sequence {child!r} is already in the cache")
+        self._check_new("child", child)
         for page in seq.pages:
             self._retain(page)
         self._seqs[child] = _Seq(list(seq.pages), seq.length, self._next_order(), list(seq.tokens), list(seq.keys))

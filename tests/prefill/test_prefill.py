@@ -22,7 +22,7 @@ from flashgen.plan import PlanError, csr_to_block_table, plan_prefill
 from flashgen.testing.check import assert_matches_reference, check_attention
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import pack_custom_mask
-from graph_replay import REPLAN_BATCHES, fill_pools, fresh_page_ids, replay_after_replanning
+from graph_replay import REPLAN_BATCHES, fill_pools, fresh_page_ids, reference_check, replay_after_replanning
 
 pytestmark = pytest.mark.cuda
 
@@ -194,10 +194,7 @@ def test_cuda_graph_replay_after_replanning():
                      kv_indices=indices_buf, kv_last_page_len=table["kv_last_page_len"])
         return q, kv, table, qo_indptr
 
-    def check_replay(loaded, out, lse):
-        q, kv, table, qo_indptr = loaded
-        n = q.shape[0]
-        assert_matches_reference(spec, q, kv, out[:n], lse[:n], qo_indptr=qo_indptr, **table)
+    check_replay = reference_check(spec)
 
     replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check_replay,
                             ([100, 3], [2000, 50]), REPLAN_BATCHES[:4])
@@ -222,10 +219,7 @@ def test_cuda_graph_replay_with_fresh_device_page_ids(form):
         wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=heads * group, num_kv_heads=heads, **pages)
         return q, kv, ref_pages, qo_indptr
 
-    def check_replay(loaded, out, lse):
-        q, kv, ref_pages, qo_indptr = loaded
-        n = q.shape[0]
-        assert_matches_reference(spec, q, kv, out[:n], lse[:n], qo_indptr=qo_indptr, **ref_pages)
+    check_replay = reference_check(spec)
 
     replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check_replay,
                             ([100, 3], [2000, 50]), REPLAN_BATCHES[:4])

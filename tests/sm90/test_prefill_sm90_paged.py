@@ -12,9 +12,9 @@ import torch
 
 import flashgen
 from flashgen import AttentionSpec, Causal, NoMask, Paged
-from flashgen.testing.check import assert_matches_reference, check_attention
+from flashgen.testing.check import check_attention
 from flashgen.testing.layouts import random_batch
-from graph_replay import REPLAN_BATCHES, fill_pools, fresh_page_ids, replay_after_replanning
+from graph_replay import REPLAN_BATCHES, fill_pools, fresh_page_ids, reference_check, replay_after_replanning
 
 pytestmark = [pytest.mark.cuda, pytest.mark.hopper]
 
@@ -234,10 +234,7 @@ def test_gathered_cuda_graph_replay_after_replanning(page_size):
                        kv_indptr=table["kv_indptr"].numpy(), kv_indices=table["kv_indices"],
                        kv_last_page_len=table["kv_last_page_len"].numpy(), num_qo_heads=heads * group,
                        num_kv_heads=heads)
-    def check(loaded, out, lse):
-        q, kv, table, qo_indptr = loaded
-        n = q.shape[0]
-        assert_matches_reference(spec, q, kv, out[:n], lse[:n], qo_indptr=qo_indptr, **table)
+    check = reference_check(spec)
 
     replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check,
                             (*REPLAN_BATCHES[0], 0), [(*b, seed) for seed, b in enumerate(REPLAN_BATCHES, start=1)])
@@ -266,10 +263,7 @@ def test_cuda_graph_replay_with_fresh_device_page_ids(form):
         wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=heads * group, num_kv_heads=heads, **pages)
         return q, kv, ref_pages, qo_indptr
 
-    def check(loaded, out, lse):
-        q, kv, ref_pages, qo_indptr = loaded
-        n = q.shape[0]
-        assert_matches_reference(spec, q, kv, out[:n], lse[:n], qo_indptr=qo_indptr, **ref_pages)
+    check = reference_check(spec)
 
     replay_after_replanning(lambda: wrapper.run(pool_q, pool_kv, return_lse=True), load, check,
                             (*REPLAN_BATCHES[0], 0), [(*b, seed) for seed, b in enumerate(REPLAN_BATCHES, start=1)])

@@ -125,21 +125,9 @@ def plan_prefill(qo_indptr, kv_lens, host_buffer, num_qo_heads, num_kv_heads, ti
     module = _active if _active is not _UNLOADED else planner() and _active
     if module is None:
         return None
-    if host_buffer is None:  # a buffer of its own, of the plan's size: asked for first
-        numel = module.prefill(qo_indptr, kv_lens, None, num_qo_heads, num_kv_heads, tile_rows, kv_granularity,
-                               num_sms, item_overhead, enable_split, balance_tail, split_min_waves, max_batch_size,
-                               max_total_q, capacity)
-        host = None if numel is None else _new_host_buffer(numel)
-        flat = None if host is None else host.numpy()
-    else:
-        cached = host_views(host_buffer)
-        flat = None if cached is None else cached[1]  # (not a 1-D int32 CPU tensor: the Python path raises)
-    if flat is None:
-        return None
-    info = module.prefill(qo_indptr, kv_lens, flat, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms,
-                          item_overhead, enable_split, balance_tail, split_min_waves, max_batch_size, max_total_q,
-                          capacity)
-    return _finish(info, host_buffer, host if host_buffer is None else cached)
+    return _plan(module.prefill, (qo_indptr, kv_lens), host_buffer,
+                 (num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead, enable_split,
+                  balance_tail, split_min_waves, max_batch_size, max_total_q, capacity))
 
 
 def plan_decode(kv_lens, host_buffer, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead,
@@ -149,19 +137,24 @@ def plan_decode(kv_lens, host_buffer, num_qo_heads, num_kv_heads, tile_rows, kv_
     module = _active if _active is not _UNLOADED else planner() and _active
     if module is None:
         return None
+    return _plan(module.decode, (kv_lens,), host_buffer,
+                 (num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead, enable_split,
+                  max_batch_size, max_total_q, capacity))
+
+
+def _plan(call, batch: tuple, host_buffer, options: tuple) -> Plan | None:
+    # call(*batch, flat, *options): the module's prefill or decode. Without a host_buffer the plan gets a buffer of
+    # its own, of the size a first call (flat None) asks for.
     if host_buffer is None:
-        numel = module.decode(kv_lens, None, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms,
-                              item_overhead, enable_split, max_batch_size, max_total_q, capacity)
+        numel = call(*batch, None, *options)
         host = None if numel is None else _new_host_buffer(numel)
         flat = None if host is None else host.numpy()
     else:
-        cached = host_views(host_buffer)
-        flat = None if cached is None else cached[1]
+        host = host_views(host_buffer)
+        flat = None if host is None else host[1]  # (not a 1-D int32 CPU tensor: the Python path raises)
     if flat is None:
         return None
-    info = module.decode(kv_lens, flat, num_qo_heads, num_kv_heads, tile_rows, kv_granularity, num_sms, item_overhead,
-                         enable_split, max_batch_size, max_total_q, capacity)
-    return _finish(info, host_buffer, host if host_buffer is None else cached)
+    return _finish(call(*batch, flat, *options), host_buffer, host)
 
 
 def _finish(info, host_buffer, host) -> Plan | None:
