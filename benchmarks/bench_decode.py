@@ -1,7 +1,8 @@
 """Batch decode benchmark: flashgen against torch SDPA (flash, cuDNN), FlexAttention and FlashInfer, in one run.
 
-bf16, 32 q heads / 8 kv heads, head_dim 128. For each (batch, kv_len) and page size the KV cache is a pool
-of pages in random order (paged layouts), the page table CSR. Every timed call follows an L2 flush; the
+bf16 q, 32 q heads / 8 kv heads, head_dim 128, K/V in bf16 or (--kv-dtypes) fp8 e4m3 (flashgen and FlashInfer
+only: the other peers take no fp8 cache). For each (batch, kv_len) and page size the KV cache is a pool of pages
+in random order (paged layouts), the page table CSR. Every timed call follows an L2 flush; the
 median of --reps calls is reported, with GB/s of K+V read and % of the device copy rate measured in the
 same run. Output: JSON, a markdown table (same stem) and a PNG plot (bandwidth vs page size).
 
@@ -27,6 +28,7 @@ from flashgen import AttentionSpec, Paged  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 BYTES_PER_TOKEN = 2 * HKV * D * 2  # K + V, bf16
+KV_DTYPES = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
 
 
 
@@ -40,10 +42,18 @@ def paged_table(batch: int, kv_len: int, page_size: int, gen: torch.Generator):
     return total, indptr, indices, last
 
 
-def bench_flashgen(q, pool, batch, kv_len, page_size, gen, reps):
-    spec = AttentionSpec(D, kv_layout=Paged(page_size))
+def kv_pages(pool, total, page_size, kv_dtype):
+    """``total`` pages of K/V in ``kv_dtype`` over the pool's first bytes (fp8: random bytes, the time does not
+    depend on the values)."""
+    dtype = KV_DTYPES[kv_dtype]
+    n = total * page_size * 2 * HKV * D
+    return pool.view(torch.uint8)[: n * dtype.itemsize].view(dtype).view(total, 2, page_size, HKV, D)
+
+
+def bench_flashgen(q, pool, batch, kv_len, page_size, gen, reps, kv_dtype="bf16"):
+    spec = AttentionSpec(D, kv_layout=Paged(page_size), kv_dtype=str(KV_DTYPES[kv_dtype]).split(".")[1])
     total, indptr, indices, last = paged_table(batch, kv_len, page_size, gen)
-    cache = pool[: total * page_size * BYTES_PER_TOKEN // 2].view(total, 2, page_size, HKV, D)
+    cache = kv_pages(pool, total, page_size, kv_dtype)
     wrapper = flashgen.BatchDecodeWrapper(spec)
     indices = indices.cuda()
     # the first plan allocates the wrapper's buffers: report the steady state (median of the next 20)
@@ -57,14 +67,15 @@ def bench_flashgen(q, pool, batch, kv_len, page_size, gen, reps):
     return us, {"plan_us": median(plan_times[1:]), "run_host_us": host_us}
 
 
-def bench_flashinfer(q, pool, batch, kv_len, page_size, gen, reps, use_tensor_cores):
+def bench_flashinfer(q, pool, batch, kv_len, page_size, gen, reps, use_tensor_cores, kv_dtype="bf16"):
     import flashinfer
 
     total, indptr, indices, last = paged_table(batch, kv_len, page_size, gen)
-    cache = pool[: total * page_size * BYTES_PER_TOKEN // 2].view(total, 2, page_size, HKV, D)
+    cache = kv_pages(pool, total, page_size, kv_dtype)
     workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=use_tensor_cores)
-    wrapper.plan(indptr.cuda(), indices.cuda(), last.cuda(), HQ, HKV, D, page_size, q_data_type=torch.bfloat16)
+    wrapper.plan(indptr.cuda(), indices.cuda(), last.cuda(), HQ, HKV, D, page_size, q_data_type=torch.bfloat16,
+                 kv_data_type=KV_DTYPES[kv_dtype])
     return timed(lambda: wrapper.run(q, cache), reps)
 
 
@@ -116,12 +127,18 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--kv-lens", default="1024,4096,16384,65536")
     parser.add_argument("--peers", default="sdpa,flex,flashinfer")
+    parser.add_argument("--kv-dtypes", default="bf16", help="K/V dtypes, comma-separated: bf16, e4m3")
+    parser.add_argument("--flashinfer-modes", default="tc,cc", help="FlashInfer decodes: tc (tensor cores), cc")
     parser.add_argument("--flush", choices=("write", "read", "none"), default="write",
                         help="how L2 is emptied before each timed call (timing.FLUSH): write (the anchors' way, "
                         "leaves L2 dirty), read (leaves it clean) or none")
     parser.add_argument("--commit", default="", help="the commit measured (the device copy has no .git)")
     args = parser.parse_args()
     page_sizes = [int(p) for p in args.page_sizes.split(",")]
+    kv_dtypes = args.kv_dtypes.split(",")
+    for kv_dtype in kv_dtypes:
+        if kv_dtype not in KV_DTYPES:
+            parser.error(f"--kv-dtypes: {kv_dtype!r} is not one of {sorted(KV_DTYPES)}")
     peers = set(args.peers.split(",")) if args.peers else set()
     gen = torch.Generator().manual_seed(0)
     timing.FLUSH = args.flush
@@ -139,27 +156,30 @@ def main() -> None:
     rows = []
     for batch, kv_len in grid:
         q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-        gbytes = batch * kv_len * BYTES_PER_TOKEN / 1e9
 
-        def record(peer, page_size, us, **extra):
+        def record(peer, page_size, us, kv_dtype="bf16", **extra):
+            gbytes = batch * kv_len * BYTES_PER_TOKEN * KV_DTYPES[kv_dtype].itemsize / 2 / 1e9
             gbps = gbytes / us * 1e6
-            rows.append({"peer": peer, "batch": batch, "kv_len": kv_len, "page_size": page_size, "us": us,
-                         "GBps": gbps, "pct_copy": 100 * gbps / copy_gbps, **extra})
-            print(f"B={batch:4} L={kv_len:6} page={page_size!s:5} {peer:14} {us:9.1f} us "
+            name = peer if kv_dtype == "bf16" else f"{peer}-{kv_dtype}"
+            rows.append({"peer": name, "batch": batch, "kv_len": kv_len, "page_size": page_size, "us": us,
+                         "GBps": gbps, "pct_copy": 100 * gbps / copy_gbps, "kv_dtype": kv_dtype, **extra})
+            print(f"B={batch:4} L={kv_len:6} page={page_size!s:5} {name:19} {us:9.1f} us "
                   f"{gbps:7.0f} GB/s {100 * gbps / copy_gbps:6.1f} %", flush=True)
 
-        for page_size in page_sizes:
-            us, extra = bench_flashgen(q, pool, batch, kv_len, page_size, gen, args.reps)
-            record("flashgen", page_size, us, **extra)
-            if "flashinfer" in peers:
-                for tc in (True, False):
-                    try:
-                        us = bench_flashinfer(q, pool, batch, kv_len, page_size, gen, args.reps, tc)
-                        record("flashinfer-tc" if tc else "flashinfer-cc", page_size, us)
-                    except Exception as exc:  # noqa: BLE001
-                        print(f"flashinfer failed: {exc!r}")
-                        peers.discard("flashinfer")
-                        break
+        for kv_dtype in kv_dtypes:
+            for page_size in page_sizes:
+                us, extra = bench_flashgen(q, pool, batch, kv_len, page_size, gen, args.reps, kv_dtype)
+                record("flashgen", page_size, us, kv_dtype, **extra)
+                if "flashinfer" in peers:
+                    for tc in [mode == "tc" for mode in args.flashinfer_modes.split(",")]:
+                        try:
+                            us = bench_flashinfer(q, pool, batch, kv_len, page_size, gen, args.reps, tc, kv_dtype)
+                            record("flashinfer-tc" if tc else "flashinfer-cc", page_size, us, kv_dtype)
+                        except Exception as exc:  # noqa: BLE001
+                            print(f"flashinfer failed ({kv_dtype}): {exc!r}")
+                            if kv_dtype == "bf16":
+                                peers.discard("flashinfer")
+                            break
         if "sdpa" in peers:
             for backend in ("flash", "cudnn"):
                 record(f"sdpa-{backend}", "contig", bench_sdpa(q, pool, batch, kv_len, backend, args.reps))
@@ -180,8 +200,8 @@ def markdown(result: dict) -> str:
     rows = result["rows"]
     peers = sorted({(r["peer"], str(r["page_size"])) for r in rows}, key=lambda x: (x[0] != "flashgen", x))
     lines = [f"# Decode, {result['device']}, {result['date']}, commit {result['commit']}",
-             f"bf16, {HQ} q / {HKV} kv heads, d={D}; copy rate {result['copy_GBps']:.0f} GB/s; "
-             "cells: % of copy rate (µs)", "",
+             f"bf16 q, {HQ} q / {HKV} kv heads, d={D}; copy rate {result['copy_GBps']:.0f} GB/s; "
+             "cells: % of copy rate on the row's own K/V bytes (µs); -e4m3: an fp8 cache", "",
              "| B | L | " + " | ".join(f"{p} p{s}" for p, s in peers) + " |",
              "|---|---|" + "---|" * len(peers)]
     for batch, kv_len in sorted({(r["batch"], r["kv_len"]) for r in rows}):

@@ -21,9 +21,8 @@ def _flag(value: bool) -> str:
 
 def decode_smem_bytes(head_dim: int, head_dim_vo: int, stages: int, kv_bytes: int = 2) -> int:
     """Shared memory of one CTA (decode/tiles.cuh Layout): the 16-bit Q tile, ``stages`` K/V tiles of ``kv_bytes``
-    elements, two rings of row offsets, and for fp8 K/V one tile widened to 16 bits."""
-    widened = TILE_KV * (head_dim + head_dim_vo) * 2 if kv_bytes == 1 else 0
-    return 16 * head_dim * 2 + stages * TILE_KV * (head_dim + head_dim_vo) * kv_bytes + 2 * TILE_KV * 8 + widened
+    elements (fp8 tiles stay fp8: they are converted in registers) and two rings of row offsets."""
+    return 16 * head_dim * 2 + stages * TILE_KV * (head_dim + head_dim_vo) * kv_bytes + 2 * TILE_KV * 8
 
 
 def decode_stages(head_dim: int, head_dim_vo: int, kv_bytes: int = 2) -> int:

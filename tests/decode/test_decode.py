@@ -95,11 +95,19 @@ def test_head_dims_and_large_groups(head_dim, group):
     run_and_check(spec, q, kv, table, 1)
 
 
-@pytest.mark.parametrize("kv_dtype,dtype,page_size", [("float8_e4m3fn", "bfloat16", 16), ("float8_e5m2", "float16", 1),
-                                                     ("float8_e4m3fn", "float16", 5)])
-def test_fp8_kv_with_scales(kv_dtype, dtype, page_size):
-    spec = AttentionSpec(128, dtype=dtype, kv_dtype=kv_dtype, kv_layout=Paged(page_size))
-    q, kv16, table = make_batch(spec.replace(kv_dtype=dtype), MIXED, 2, 4)
+@pytest.mark.parametrize("kv_dtype,dtype,page_size,head_dim,extra,kv_lens", [
+    ("float8_e4m3fn", "bfloat16", 16, 128, {}, MIXED),
+    ("float8_e5m2", "float16", 1, 128, {}, MIXED),
+    ("float8_e4m3fn", "float16", 5, 128, {}, MIXED),
+    ("float8_e4m3fn", "bfloat16", 16, 128, {"pos_encoding": RoPE(500000.0, 8.0)}, MIXED),
+    ("float8_e5m2", "float16", 1, 128, {"pos_encoding": RoPE()}, [3, 700]),
+    ("float8_e4m3fn", "bfloat16", 16, 256, {"pos_encoding": RoPE()}, [900, 1, 64]),
+    ("float8_e5m2", "bfloat16", 16, 256, {"pos_encoding": ALiBi(), "soft_cap": 20.0}, [900, 1, 64]),
+    ("float8_e4m3fn", "bfloat16", 16, 128, {"mask": SlidingWindow(300)}, [16000, 3, 900]),  # split requests
+])
+def test_fp8_kv_with_scales(kv_dtype, dtype, page_size, head_dim, extra, kv_lens):
+    spec = AttentionSpec(head_dim, dtype=dtype, kv_dtype=kv_dtype, kv_layout=Paged(page_size), **extra)
+    q, kv16, table = make_batch(spec.replace(kv_dtype=dtype), kv_lens, 2, 4)
     fp8 = getattr(torch, kv_dtype)
     k_scale, v_scale = 0.37, 1.9
     kv8 = tuple((x.float() / scale).to(fp8) for x, scale in zip(kv16, (k_scale, v_scale)))  # NaN spares stay NaN

@@ -6,24 +6,16 @@
 
 namespace flashgen {
 
-// 16 fp8 values (one 16-byte chunk) -> 16 values of T (__half or __nv_bfloat16) in two 16-byte chunks
+// two fp8 values (the low 16 bits of `pair`: low byte first) -> a packed pair of T (__half or __nv_bfloat16)
 template <typename T, typename FP8>
-__device__ __forceinline__ void fp8x16_widen(const uint4& in, uint4& lo, uint4& hi) {
+__device__ __forceinline__ uint32_t fp8x2_to(uint32_t pair) {
   constexpr __nv_fp8_interpretation_t kind = std::is_same_v<FP8, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
-  const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&in);
-  uint32_t* out_lo = reinterpret_cast<uint32_t*>(&lo);
-  uint32_t* out_hi = reinterpret_cast<uint32_t*>(&hi);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(pairs[i], kind);
-    uint32_t packed;
-    if constexpr (std::is_same_v<T, __half>) {
-      packed = *reinterpret_cast<uint32_t*>(&raw);
-    } else {
-      const float2 f = __half22float2(*reinterpret_cast<__half2*>(&raw));
-      packed = pack2<T>(f.x, f.y);
-    }
-    (i < 4 ? out_lo[i] : out_hi[i - 4]) = packed;
+  __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair & 0xffffu), kind);
+  if constexpr (std::is_same_v<T, __half>) {
+    return *reinterpret_cast<uint32_t*>(&raw);
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<__half2*>(&raw));
+    return pack2<T>(f.x, f.y);
   }
 }
 

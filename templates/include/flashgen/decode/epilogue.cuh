@@ -113,9 +113,17 @@ __device__ __forceinline__ void write_states(const Params& p, uint8_t* smem, con
       ml_part[(warp * 16 + r) * 2] = m[h];
       ml_part[(warp * 16 + r) * 2 + 1] = l[h];
     }
+    if constexpr (L::FP8) {  // o[2c] holds chunk c's even columns, o[2c + 1] its odd ones: 4 t4 .. 4 t4 + 3
 #pragma unroll
-    for (int j = 0; j < DV / 8; ++j) {
-      *reinterpret_cast<float2*>(o_part + (warp * 16 + r) * DV + 8 * j + 2 * t4) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+      for (int c = 0; c < DV / 16; ++c) {
+        *reinterpret_cast<float4*>(o_part + (warp * 16 + r) * DV + 16 * c + 4 * t4) =
+            make_float4(o[2 * c][2 * h], o[2 * c + 1][2 * h], o[2 * c][2 * h + 1], o[2 * c + 1][2 * h + 1]);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < DV / 8; ++j) {
+        *reinterpret_cast<float2*>(o_part + (warp * 16 + r) * DV + 8 * j + 2 * t4) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+      }
     }
   }
   __syncthreads();

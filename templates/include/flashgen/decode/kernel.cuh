@@ -8,8 +8,9 @@
 // K/V tiles flow through a STAGES-deep cp.async pipeline into swizzled shared memory. Page ids are loaded
 // into registers two tiles ahead of their copy, so small pages never stall the copy engine.
 //
-// fp8 K/V (e4m3, e5m2) are copied as fp8 and widened per tile in shared memory to q's dtype; the
-// per-tensor scales are folded in on the host (k_scale into sm_scale) and at the output (v_scale).
+// fp8 K/V (e4m3, e5m2) stay fp8 in shared memory and are converted to q's dtype in registers after ldmatrix
+// (decode/tiles.cuh: fp8 fragments); the per-tensor scales are folded in on the host (k_scale into sm_scale) and
+// at the output (v_scale).
 //
 // Config (rendered by codegen): DTypeQ, DTypeKV, DTypeO, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS,
 // STAGES, SMEM_BYTES, PAGED, ROPE, ALIBI, SOFT_CAP, WINDOW.
@@ -61,7 +62,7 @@ __device__ __forceinline__ void run(const Params& p) {
   using DTypeQ = typename C::DTypeQ;
   using DTypeKV = typename C::DTypeKV;
   using DTypeO = typename C::DTypeO;
-  using DTypeMMA = DTypeQ;  // the mma operand type: K/V as stored, or widened from fp8
+  using DTypeMMA = DTypeQ;  // the mma operand type: K/V as stored, or converted from fp8
   constexpr int D = C::HEAD_DIM, DV = C::HEAD_DIM_VO, TILE = L::TILE, S = C::STAGES;
 
   // The host picks the grid. More CTAs than one wave: a 1-D grid, kv head fastest, so the kv heads of one item
@@ -94,8 +95,6 @@ __device__ __forceinline__ void run(const Params& p) {
   DTypeKV* k_smem = reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET);
   DTypeKV* v_smem = reinterpret_cast<DTypeKV*>(smem + L::V_OFFSET);
   int64_t* row_offsets = reinterpret_cast<int64_t*>(smem + L::ROW_OFFSETS);  // [2][TILE]
-  DTypeMMA* k_conv = reinterpret_cast<DTypeMMA*>(smem + L::CONV_OFFSET);  // fp8 only: the widened tile
-  DTypeMMA* v_conv = k_conv + TILE * D;
 
   const int q_head0 = kv_head * p.group_size + row0;
 
@@ -186,24 +185,59 @@ __device__ __forceinline__ void run(const Params& p) {
     store_offset(tile + S, next_page);
     next_page = page_of(tile + S + 1);
 
-    const DTypeMMA* ks;
-    const DTypeMMA* vs;
-    if constexpr (L::FP8) {  // widen the fp8 tile into the 16-bit tile the mma reads
-      widen_tile<L::TILE, L::K_CHUNKS, L::THREADS>(k_smem + (tile % S) * TILE * D, k_conv);
-      widen_tile<L::TILE, L::V_CHUNKS, L::THREADS>(v_smem + (tile % S) * TILE * DV, v_conv);
-      __syncthreads();
-      ks = k_conv;
-      vs = v_conv;
-    } else {
-      ks = k_smem + (tile % S) * TILE * D;
-      vs = v_smem + (tile % S) * TILE * DV;
-    }
+    const DTypeKV* ks = k_smem + (tile % S) * TILE * D;
+    const DTypeKV* vs = v_smem + (tile % S) * TILE * DV;
     const int n0 = warp * 16;  // this warp's 16 rows of the tile
 
     // S = Q K^T for 16 q rows x 16 kv rows
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     const int mat = lane / 8, mrow = lane % 8;
-    if constexpr (C::ROPE) {
+    if constexpr (L::FP8 && C::ROPE) {
+      // x4: n-tiles 0 and 1 of k-step j (regs 0, 1) and of its rotation partner j + D/32 (regs 2, 3)
+      const float pos[2] = {float(kv_start + tile * TILE + n0 + g), float(kv_start + tile * TILE + n0 + 8 + g)};
+#pragma unroll
+      for (int j = 0; j < D / 32; ++j) {
+        uint32_t qa[4], qb[4], kr[4];
+        q_frag(j, qa);
+        q_frag(j + D / 32, qb);
+        ldmatrix_x4(kr, ks + copy_index<DTypeKV>(n0 + 8 * (mat % 2) + mrow, j + (mat / 2) * (D / 32), L::K_CHUNKS));
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          uint32_t lo[2], hi[2];
+          fp8_k_frag<DTypeMMA, DTypeKV>(kr[nt], lo[0], lo[1]);
+          fp8_k_frag<DTypeMMA, DTypeKV>(kr[2 + nt], hi[0], hi[1]);
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {  // lo[b]: head-dim columns d, d + 1 with d = 16j + 4 t4 + 2b
+            float2 x = unpack2<DTypeMMA>(lo[b]), y = unpack2<DTypeMMA>(hi[b]);
+            const int d = 16 * j + 4 * t4 + 2 * b;
+            rope_rotate(x.x, y.x, pos[nt], d, D, p.rope_rcp_scale, p.rope_log2_theta);
+            rope_rotate(x.y, y.y, pos[nt], d + 1, D, p.rope_rcp_scale, p.rope_log2_theta);
+            lo[b] = pack2<DTypeMMA>(x.x, x.y);
+            hi[b] = pack2<DTypeMMA>(y.x, y.y);
+          }
+          mma_16816<DTypeMMA>(s[nt], qa, lo[0], lo[1]);
+          mma_16816<DTypeMMA>(s[nt], qb, hi[0], hi[1]);
+        }
+      }
+    } else if constexpr (L::FP8) {
+      // x4: n-tiles 0 and 1 (regs 0, 1; 2, 3) of k-steps j and j + 1
+#pragma unroll
+      for (int j = 0; j < D / 16; j += 2) {
+        uint32_t kr[4];
+        ldmatrix_x4(kr, ks + copy_index<DTypeKV>(n0 + 8 * (mat % 2) + mrow, j + mat / 2, L::K_CHUNKS));
+#pragma unroll
+        for (int step = 0; step < 2; ++step) {
+          uint32_t qa[4];
+          q_frag(j + step, qa);
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            uint32_t b0, b1;
+            fp8_k_frag<DTypeMMA, DTypeKV>(kr[2 * step + nt], b0, b1);
+            mma_16816<DTypeMMA>(s[nt], qa, b0, b1);
+          }
+        }
+      }
+    } else if constexpr (C::ROPE) {
       const int kv_row_lo = n0 + g, kv_row_hi = n0 + 8 + g;
       const float pos_lo = float(kv_start + tile * TILE + kv_row_lo), pos_hi = float(kv_start + tile * TILE + kv_row_hi);
 #pragma unroll
@@ -211,8 +245,8 @@ __device__ __forceinline__ void run(const Params& p) {
         uint32_t qa[4], qb[4], ka[4], kb[4];
         q_frag(j, qa);
         q_frag(j + D / 32, qb);
-        ldmatrix_x4(ka, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * j + (mat % 2), L::KC_CHUNKS));
-        ldmatrix_x4(kb, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * (j + D / 32) + (mat % 2), L::KC_CHUNKS));
+        ldmatrix_x4(ka, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * j + (mat % 2), L::K_CHUNKS));
+        ldmatrix_x4(kb, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * (j + D / 32) + (mat % 2), L::K_CHUNKS));
 #pragma unroll
         for (int r = 0; r < 4; ++r) {  // reg r: n-tile r / 2 (row g or 8 + g), d = 16j + 2t4 + 8 (r % 2) + {0, 1}
           float2 lo = unpack2<DTypeMMA>(ka[r]), hi = unpack2<DTypeMMA>(kb[r]);
@@ -233,7 +267,7 @@ __device__ __forceinline__ void run(const Params& p) {
       for (int j = 0; j < D / 16; ++j) {
         uint32_t qa[4], kf[4];
         q_frag(j, qa);
-        ldmatrix_x4(kf, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * j + (mat % 2), L::KC_CHUNKS));
+        ldmatrix_x4(kf, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * j + (mat % 2), L::K_CHUNKS));
         mma_16816<DTypeMMA>(s[0], qa, kf[0], kf[1]);
         mma_16816<DTypeMMA>(s[1], qa, kf[2], kf[3]);
       }
@@ -255,12 +289,29 @@ __device__ __forceinline__ void run(const Params& p) {
     // O += P V: P from the S accumulators (C layout -> A layout), V fragments by ldmatrix.trans
     uint32_t pa[4] = {pack2<DTypeMMA>(s[0][0], s[0][1]), pack2<DTypeMMA>(s[0][2], s[0][3]),
                       pack2<DTypeMMA>(s[1][0], s[1][1]), pack2<DTypeMMA>(s[1][2], s[1][3])};
+    if constexpr (L::FP8) {
+      // x4.trans: keys 0-7 and 8-15 (regs 0, 1; 2, 3) of 16-byte column chunks c and c + 1; o[2c] takes a chunk's
+      // even columns, o[2c + 1] its odd ones
 #pragma unroll
-    for (int c = 0; c < DV / 16; ++c) {
-      uint32_t vf[4];
-      ldmatrix_x4_trans(vf, vs + tile_index(n0 + 8 * (mat % 2) + mrow, 2 * c + mat / 2, L::VC_CHUNKS));
-      mma_16816<DTypeMMA>(o[2 * c], pa, vf[0], vf[1]);
-      mma_16816<DTypeMMA>(o[2 * c + 1], pa, vf[2], vf[3]);
+      for (int c = 0; c < DV / 16; c += 2) {
+        uint32_t vr[4];
+        ldmatrix_x4_trans(vr, vs + copy_index<DTypeKV>(n0 + 8 * (mat % 2) + mrow, c + mat / 2, L::V_CHUNKS));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint32_t even[2], odd[2];
+          fp8_v_frags<DTypeMMA, DTypeKV>(vr[2 * h], vr[2 * h + 1], even, odd);
+          mma_16816<DTypeMMA>(o[2 * (c + h)], pa, even[0], even[1]);
+          mma_16816<DTypeMMA>(o[2 * (c + h) + 1], pa, odd[0], odd[1]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < DV / 16; ++c) {
+        uint32_t vf[4];
+        ldmatrix_x4_trans(vf, vs + tile_index(n0 + 8 * (mat % 2) + mrow, 2 * c + mat / 2, L::V_CHUNKS));
+        mma_16816<DTypeMMA>(o[2 * c], pa, vf[0], vf[1]);
+        mma_16816<DTypeMMA>(o[2 * c + 1], pa, vf[2], vf[3]);
+      }
     }
   }
   cp_async_wait<0>();

@@ -1,6 +1,6 @@
-// Decode data layout and movement: the CTA's shared memory (Q tile, STAGES-deep K/V rings, the row-offset ring,
-// fp8's widened tile), swizzled tile indexing, the cp.async tile copy, fp8 widening and the Q tile load (RoPE on
-// the way).
+// Decode data layout and movement: the CTA's shared memory (Q tile, STAGES-deep K/V rings, the row-offset ring),
+// swizzled tile indexing, the cp.async tile copy, the Q tile load (RoPE on the way) and fp8 K/V fragments
+// converted in registers.
 //
 // Config: DTypeQ, DTypeKV, HEAD_DIM, HEAD_DIM_VO, NUM_WARPS, STAGES, SMEM_BYTES, ROPE.
 #pragma once
@@ -15,14 +15,12 @@ template <class C>
 struct Layout {
   using DTypeQ = typename C::DTypeQ;
   using DTypeKV = typename C::DTypeKV;
-  // fp8 K/V: tiles arrive as fp8 (half the bytes) and are widened in shared memory to q's dtype
+  // fp8 K/V: tiles stay fp8 in shared memory (half the bytes); fragments are converted in registers
   static constexpr bool FP8 = sizeof(DTypeKV) == 1;
   static constexpr int TILE = C::NUM_WARPS * 16;
   static constexpr int THREADS = C::NUM_WARPS * 32;
   static constexpr int K_CHUNKS = C::HEAD_DIM * int(sizeof(DTypeKV)) / 16;  // 16-byte chunks per row
   static constexpr int V_CHUNKS = C::HEAD_DIM_VO * int(sizeof(DTypeKV)) / 16;
-  static constexpr int KC_CHUNKS = C::HEAD_DIM * 2 / 16;  // chunks of a row in the mma (16-bit) layout
-  static constexpr int VC_CHUNKS = C::HEAD_DIM_VO * 2 / 16;
   static constexpr int Q_CHUNKS = C::HEAD_DIM * int(sizeof(DTypeQ)) / 16;
   static constexpr int Q_BYTES = 16 * C::HEAD_DIM * int(sizeof(DTypeQ));
   static constexpr int K_STAGE = TILE * C::HEAD_DIM * int(sizeof(DTypeKV));
@@ -31,10 +29,8 @@ struct Layout {
   static constexpr int K_OFFSET = Q_BYTES;
   static constexpr int V_OFFSET = K_OFFSET + C::STAGES * K_STAGE;
   static constexpr int ROW_OFFSETS = V_OFFSET + C::STAGES * V_STAGE;
-  static constexpr int CONV_OFFSET = ROW_OFFSETS + OFFSETS_BYTES;
-  static constexpr int CONV_BYTES = FP8 ? TILE * (C::HEAD_DIM + C::HEAD_DIM_VO) * 2 : 0;
-  static constexpr int TOTAL = CONV_OFFSET + CONV_BYTES;
-  // epilogue, over everything after Q (stages, offsets, widened tile): per warp o [16][HEAD_DIM_VO] fp32
+  static constexpr int TOTAL = ROW_OFFSETS + OFFSETS_BYTES;
+  // epilogue, over everything after Q (stages, offsets): per warp o [16][HEAD_DIM_VO] fp32
   // and (m, l) [16][2]
   static constexpr int EPILOGUE = C::NUM_WARPS * 16 * (C::HEAD_DIM_VO + 2) * 4;
   // the split merge's staging (merge_partials), over the same buffers: per warp MERGE_BATCH chunks x
@@ -83,16 +79,41 @@ __device__ __forceinline__ void store_row(T* dst, const float (&x)[N]) {
   *reinterpret_cast<uint4*>(dst) = packed;
 }
 
-// fp8 tile [TILE][CHUNKS x 16 bytes] (swizzled copy layout) -> 16-bit tile of T (swizzled mma layout)
-template <int TILE, int CHUNKS, int THREADS, typename FP8, typename T>
-__device__ __forceinline__ void widen_tile(const FP8* src, T* dst) {
-  for (int job = threadIdx.x; job < TILE * CHUNKS; job += THREADS) {
-    const int r = job / CHUNKS, c = job % CHUNKS;
-    uint4 lo, hi;
-    fp8x16_widen<T, FP8>(*reinterpret_cast<const uint4*>(src + copy_index<FP8>(r, c, CHUNKS)), lo, hi);
-    *reinterpret_cast<uint4*>(dst + tile_index(r, 2 * c, 2 * CHUNKS)) = lo;
-    *reinterpret_cast<uint4*>(dst + tile_index(r, 2 * c + 1, 2 * CHUNKS)) = hi;
-  }
+// ---- fp8 K/V fragments, converted in registers
+// ldmatrix treats an fp8 row's 16-byte chunk as 8 16-bit columns, so lane (g, t4) receives bytes 4 t4 .. 4 t4 + 3
+// of row g of each 8 x 16-byte matrix: four consecutive head-dim columns of one key. The mma's B fragment wants
+// columns (2 t4, 2 t4 + 1) and (2 t4 + 8, 2 t4 + 9) of a 16-column k-step; a dot product does not care about the
+// order of its terms, so K's columns 4 t4 + {0, 1, 2, 3} take those slots and Q is stored with its columns in the
+// same order (stage_q), which leaves S unchanged. For V, ldmatrix.trans hands lane (g, t4) the 16-bit words at
+// rows (keys) 2 t4 and 2 t4 + 1 of column-pair g: columns 2g and 2g + 1 of two consecutive keys, the B fragment
+// of two n-tiles (the even and the odd columns of the chunk); the epilogue puts the columns back (write_states).
+
+// the mma slot of column k (even) of a 16-column k-step, k and k + 1 moving together
+__device__ __forceinline__ int fp8_k_slot(int k) {
+  const int base = k & ~15, quad = (k & 15) / 4, half = (k & 3) / 2;
+  return base + 2 * quad + 8 * half;
+}
+template <typename T>
+__device__ __forceinline__ uint32_t& q_smem_pair(T* q_smem, int row, int col, int chunks) {
+  return *reinterpret_cast<uint32_t*>(q_smem + tile_index(row, col / 8, chunks) + col % 8);
+}
+
+// K: the B fragments (b0, b1) of one n-tile and k-step from one ldmatrix register of an fp8 K tile
+template <typename T, typename FP8>
+__device__ __forceinline__ void fp8_k_frag(uint32_t word, uint32_t& b0, uint32_t& b1) {
+  b0 = fp8x2_to<T, FP8>(word);
+  b1 = fp8x2_to<T, FP8>(word >> 16);
+}
+
+// V: from the ldmatrix.trans registers of keys 0-7 (lo) and 8-15 (hi) of one 16-byte column chunk, the B
+// fragments of the chunk's even columns (n-tile 2c) and odd columns (n-tile 2c + 1)
+template <typename T, typename FP8>
+__device__ __forceinline__ void fp8_v_frags(uint32_t lo, uint32_t hi, uint32_t (&even)[2], uint32_t (&odd)[2]) {
+  const uint32_t lo_p = __byte_perm(lo, 0, 0x3120), hi_p = __byte_perm(hi, 0, 0x3120);  // (even keys 0, 1 | odd)
+  even[0] = fp8x2_to<T, FP8>(lo_p);
+  odd[0] = fp8x2_to<T, FP8>(lo_p >> 16);
+  even[1] = fp8x2_to<T, FP8>(hi_p);
+  odd[1] = fp8x2_to<T, FP8>(hi_p >> 16);
 }
 
 // Q: 16 rows (padded with zeros) into shared memory, RoPE applied on the way
@@ -133,8 +154,17 @@ __device__ __forceinline__ void stage_q(const Params& p, typename C::DTypeQ* q_s
       aw[i] = pack2<DTypeQ>(lo[2 * i], lo[2 * i + 1]);
       bw[i] = pack2<DTypeQ>(hi[2 * i], hi[2 * i + 1]);
     }
-    *reinterpret_cast<uint4*>(q_smem + tile_index(r, c, L::Q_CHUNKS)) = a;
-    *reinterpret_cast<uint4*>(q_smem + tile_index(r, c + L::Q_CHUNKS / 2, L::Q_CHUNKS)) = b;
+    if constexpr (L::FP8) {  // columns in fp8 fragment order (fp8_k_slot), one pair a store
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int slot = fp8_k_slot(c * 8 + 2 * i);
+        q_smem_pair(q_smem, r, slot, L::Q_CHUNKS) = aw[i];
+        q_smem_pair(q_smem, r, slot + D / 2, L::Q_CHUNKS) = bw[i];
+      }
+    } else {
+      *reinterpret_cast<uint4*>(q_smem + tile_index(r, c, L::Q_CHUNKS)) = a;
+      *reinterpret_cast<uint4*>(q_smem + tile_index(r, c + L::Q_CHUNKS / 2, L::Q_CHUNKS)) = b;
+    }
   }
 }
 
