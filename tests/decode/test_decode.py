@@ -120,6 +120,41 @@ def test_fp8_kv_with_scales(kv_dtype, dtype, page_size, head_dim, extra, kv_lens
                     kv_dtype=fp8, qo_indptr=decode_indptr(q), **table)
 
 
+def fp8_codes(like: torch.Tensor, fp8: torch.dtype, subnormal_only: bool, gen: torch.Generator) -> torch.Tensor:
+    """Random fp8 codes shaped like ``like``: every finite code (or only the subnormals and zeros), NaN where
+    ``like`` is NaN (the slots no request owns)."""
+    codes = torch.randint(0, 256, like.shape, generator=gen, dtype=torch.int32)
+    exp_mask = 0x78 if fp8 == torch.float8_e4m3fn else 0x7C
+    if subnormal_only:
+        codes &= ~exp_mask
+    special = (codes & 0x7F) == 0x7F if fp8 == torch.float8_e4m3fn else (codes & exp_mask) == exp_mask
+    codes = torch.where(special, codes & 0x80, codes)  # NaN / inf codes -> signed zeros
+    out = codes.to(torch.uint8).view(fp8)
+    return torch.where(torch.isnan(like), torch.full_like(out, float("nan")), out)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("subnormal_only", [False, True])
+def test_fp8_every_code(kv_dtype, dtype, subnormal_only):
+    """Every finite fp8 code converts exactly, subnormals included: K and V drawn from all finite codes (or only the
+    subnormals, scaled up to order ten, so that a flushed subnormal fails loudly)."""
+    spec = AttentionSpec(128, dtype=dtype, kv_dtype=kv_dtype, kv_layout=Paged(16))
+    q, kv16, table = make_batch(spec.replace(kv_dtype=dtype), [300, 17, 1], 2, 4)
+    fp8 = getattr(torch, kv_dtype)
+    gen = torch.Generator().manual_seed(int(np.random.randint(1 << 30)))
+    kv8 = tuple(fp8_codes(x, fp8, subnormal_only, gen) for x in kv16)
+    top_k, top_v = (x.float().nan_to_num().abs().max().item() for x in kv8)
+    k_scale, v_scale = 4.0 / top_k, 10.0 / top_v  # keys up to 4 (logits of order one), values up to 10
+    wrapper = flashgen.BatchDecodeWrapper(spec)
+    wrapper.plan(num_qo_heads=8, num_kv_heads=2, k_scale=k_scale, v_scale=v_scale,
+                 **dict(table, kv_indices=table["kv_indices"].cuda()))
+    q_gpu, kv8_gpu = q.cuda(), to_cuda(kv8)
+    kv_ref = (kv8[0].double() * k_scale, kv8[1].double() * v_scale)
+    check_attention(lambda out: wrapper.run(q_gpu, kv8_gpu, out=out, return_lse=True), spec, q, kv_ref,
+                    kv_dtype=fp8, qo_indptr=decode_indptr(q), **table)
+
+
 def test_ragged():
     spec = AttentionSpec(128, kv_layout=Ragged())
     q, kv, table = make_batch(spec, MIXED, 2, 4)

@@ -1,21 +1,45 @@
-// fp8 (e4m3, e5m2) to 16-bit conversion, and fp32 to fp8 (the KV-cache write's quantisation). Every fp8 value is exact in fp16 and in bf16, so widening loses
-// nothing; the hardware converts pairs to fp16 (cvt.f16x2.e4m3x2 / e5m2x2 on sm_89+).
+// fp8 (e4m3, e5m2) to 16-bit conversion, and fp32 to fp8 (the KV-cache write's quantisation).
+//
+// Every fp8 value is exact in fp16 and in bf16. The conversion moves the bits instead of using cvt (which goes
+// through fp16 and, for bf16, fp32: the conversion pipe, 16 results a clock an SM, would bound an fp8 decode well
+// below the copy rate): a byte's sign, exponent and mantissa land in the 16-bit type's fields with the exponent
+// right-aligned in its field, and one packed multiply by 2^(bias16 - bias8) re-biases the exponent, subnormals
+// included (bf16 and fp16 arithmetic keep subnormals). e5m2 to fp16 is the top byte as it stands (infinities and
+// NaN included); otherwise an fp8 NaN or infinity comes out as a finite value of its bit pattern.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <flashgen/common/mma.cuh>
 
 namespace flashgen {
 
-// two fp8 values (the low 16 bits of `pair`: low byte first) -> a packed pair of T (__half or __nv_bfloat16)
-template <typename T, typename FP8>
-__device__ __forceinline__ uint32_t fp8x2_to(uint32_t pair) {
-  constexpr __nv_fp8_interpretation_t kind = std::is_same_v<FP8, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
-  __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair & 0xffffu), kind);
-  if constexpr (std::is_same_v<T, __half>) {
-    return *reinterpret_cast<uint32_t*>(&raw);
+template <typename T> struct Bits16;
+template <> struct Bits16<__half> { static constexpr int EXP = 5, BIAS = 15; };
+template <> struct Bits16<__nv_bfloat16> { static constexpr int EXP = 8, BIAS = 127; };
+template <typename FP8> struct Bits8;
+template <> struct Bits8<__nv_fp8_e4m3> { static constexpr int EXP = 4, BIAS = 7; };
+template <> struct Bits8<__nv_fp8_e5m2> { static constexpr int EXP = 5, BIAS = 15; };
+
+// bytes I and J of w (fp8) -> a packed pair of T: byte I in the low half, byte J in the high half
+template <typename T, typename FP8, int I, int J>
+__device__ __forceinline__ uint32_t fp8_pair(uint32_t w) {
+  constexpr int SHIFT = Bits16<T>::EXP - Bits8<FP8>::EXP;
+  constexpr int SCALE_EXP = Bits16<T>::BIAS - Bits8<FP8>::BIAS;
+  const uint32_t h = __byte_perm(w, 0u, 0x0404u | (I << 4) | (J << 12));  // byte I -> bits 8-15, J -> 24-31
+  if constexpr (SCALE_EXP == 0) {
+    return h;
   } else {
-    const float2 f = __half22float2(*reinterpret_cast<__half2*>(&raw));
-    return pack2<T>(f.x, f.y);
+    const uint32_t r = (h & 0x80008000u) | ((h & 0x7F007F00u) >> SHIFT);
+    constexpr uint32_t scale = uint32_t(Bits16<T>::BIAS + SCALE_EXP) << (15 - Bits16<T>::EXP);  // 2^SCALE_EXP
+    if constexpr (std::is_same_v<T, __half>) {
+      const __half2 y = __hmul2(*reinterpret_cast<const __half2*>(&r), __half2(__half_raw{uint16_t(scale)}, __half_raw{uint16_t(scale)}));
+      return *reinterpret_cast<const uint32_t*>(&y);
+    } else {
+      const __nv_bfloat162 y = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&r),
+                                       __nv_bfloat162(__nv_bfloat16_raw{uint16_t(scale)}, __nv_bfloat16_raw{uint16_t(scale)}));
+      return *reinterpret_cast<const uint32_t*>(&y);
+    }
   }
 }
 

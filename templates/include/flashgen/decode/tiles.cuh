@@ -101,19 +101,19 @@ __device__ __forceinline__ uint32_t& q_smem_pair(T* q_smem, int row, int col, in
 // K: the B fragments (b0, b1) of one n-tile and k-step from one ldmatrix register of an fp8 K tile
 template <typename T, typename FP8>
 __device__ __forceinline__ void fp8_k_frag(uint32_t word, uint32_t& b0, uint32_t& b1) {
-  b0 = fp8x2_to<T, FP8>(word);
-  b1 = fp8x2_to<T, FP8>(word >> 16);
+  b0 = fp8_pair<T, FP8, 0, 1>(word);
+  b1 = fp8_pair<T, FP8, 2, 3>(word);
 }
 
 // V: from the ldmatrix.trans registers of keys 0-7 (lo) and 8-15 (hi) of one 16-byte column chunk, the B
-// fragments of the chunk's even columns (n-tile 2c) and odd columns (n-tile 2c + 1)
+// fragments of the chunk's even columns (n-tile 2c: bytes 0 and 2, keys 2 t4 and 2 t4 + 1) and odd columns
+// (n-tile 2c + 1: bytes 1 and 3)
 template <typename T, typename FP8>
 __device__ __forceinline__ void fp8_v_frags(uint32_t lo, uint32_t hi, uint32_t (&even)[2], uint32_t (&odd)[2]) {
-  const uint32_t lo_p = __byte_perm(lo, 0, 0x3120), hi_p = __byte_perm(hi, 0, 0x3120);  // (even keys 0, 1 | odd)
-  even[0] = fp8x2_to<T, FP8>(lo_p);
-  odd[0] = fp8x2_to<T, FP8>(lo_p >> 16);
-  even[1] = fp8x2_to<T, FP8>(hi_p);
-  odd[1] = fp8x2_to<T, FP8>(hi_p >> 16);
+  even[0] = fp8_pair<T, FP8, 0, 2>(lo);
+  odd[0] = fp8_pair<T, FP8, 1, 3>(lo);
+  even[1] = fp8_pair<T, FP8, 0, 2>(hi);
+  odd[1] = fp8_pair<T, FP8, 1, 3>(hi);
 }
 
 // Q: 16 rows (padded with zeros) into shared memory, RoPE applied on the way
