@@ -77,6 +77,8 @@ class DecodeFamily(AttentionFamily):
         return {
             "DTypeQ": CPP_TYPES[spec.dtype],
             "DTypeKV": CPP_TYPES[spec.kv_dtype],
+            # fp8 K/V convert to fp16 in one instruction a pair (bf16: three), so the mma runs in fp16 there
+            "DTypeMMA": "__half" if KV_BYTES[spec.kv_dtype] == 1 else CPP_TYPES[spec.dtype],
             "DTypeO": CPP_TYPES[spec.dtype],
             "HEAD_DIM": spec.head_dim,
             "HEAD_DIM_VO": spec.head_dim_vo,

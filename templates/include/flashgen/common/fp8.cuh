@@ -1,11 +1,11 @@
 // fp8 (e4m3, e5m2) to 16-bit conversion, and fp32 to fp8 (the KV-cache write's quantisation).
 //
-// Every fp8 value is exact in fp16 and in bf16. The conversion moves the bits instead of using cvt (which goes
-// through fp16 and, for bf16, fp32: the conversion pipe, 16 results a clock an SM, would bound an fp8 decode well
-// below the copy rate): a byte's sign, exponent and mantissa land in the 16-bit type's fields with the exponent
-// right-aligned in its field, and one packed multiply by 2^(bias16 - bias8) re-biases the exponent, subnormals
-// included (bf16 and fp16 arithmetic keep subnormals). e5m2 to fp16 is the top byte as it stands (infinities and
-// NaN included); otherwise an fp8 NaN or infinity comes out as a finite value of its bit pattern.
+// Every fp8 value is exact in fp16 and in bf16. e4m3 to fp16 is one cvt a pair (cvt.rn.f16x2.e4m3x2); e5m2 to fp16
+// is the top byte of the fp16 as it stands (infinities and NaN included). To bf16 there is no one-instruction cvt
+// (cvt goes through fp16 and fp32, three instructions a pair), so the bits move instead: a byte's sign, exponent
+// and mantissa land in the bf16's fields with the exponent right-aligned in its field, and one packed multiply by
+// 2^(127 - bias8) re-biases the exponent, subnormals included (bf16 arithmetic keeps subnormals); an fp8 NaN or
+// infinity comes out as a finite value of its bit pattern there.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -26,6 +26,11 @@ template <typename T, typename FP8, int I, int J>
 __device__ __forceinline__ uint32_t fp8_pair(uint32_t w) {
   constexpr int SHIFT = Bits16<T>::EXP - Bits8<FP8>::EXP;
   constexpr int SCALE_EXP = Bits16<T>::BIAS - Bits8<FP8>::BIAS;
+  if constexpr (std::is_same_v<T, __half> && std::is_same_v<FP8, __nv_fp8_e4m3>) {  // one cvt a pair
+    const uint32_t pair = (I == 0 && J == 1) ? w : (I == 2 && J == 3) ? (w >> 16) : __byte_perm(w, 0u, I | (J << 4));
+    __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair & 0xffffu), __NV_E4M3);
+    return *reinterpret_cast<uint32_t*>(&raw);
+  }
   const uint32_t h = __byte_perm(w, 0u, 0x0404u | (I << 4) | (J << 12));  // byte I -> bits 8-15, J -> 24-31
   if constexpr (SCALE_EXP == 0) {
     return h;

@@ -8,11 +8,12 @@
 // K/V tiles flow through a STAGES-deep cp.async pipeline into swizzled shared memory. Page ids are loaded
 // into registers two tiles ahead of their copy, so small pages never stall the copy engine.
 //
-// fp8 K/V (e4m3, e5m2) stay fp8 in shared memory and are converted to q's dtype in registers after ldmatrix
-// (decode/tiles.cuh: fp8 fragments); the per-tensor scales are folded in on the host (k_scale into sm_scale) and
-// at the output (v_scale).
+// fp8 K/V (e4m3, e5m2) stay fp8 in shared memory and are converted in registers after ldmatrix (decode/tiles.cuh:
+// fp8 fragments) to fp16, the mma's type then (one cvt a pair, where bf16 would take three; a bf16 q is
+// multiplied by sm_scale and rounded to fp16 when staged); the per-tensor scales are folded in on the host
+// (k_scale into sm_scale) and at the output (v_scale).
 //
-// Config (rendered by codegen): DTypeQ, DTypeKV, DTypeO, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS,
+// Config (rendered by codegen): DTypeQ, DTypeKV, DTypeMMA, DTypeO, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS,
 // STAGES, SMEM_BYTES, PAGED, ROPE, ALIBI, SOFT_CAP, WINDOW.
 //
 // This header is the kernel's entry; decode/tiles.cuh holds the layout and the copies, decode/epilogue.cuh the
@@ -62,7 +63,8 @@ __device__ __forceinline__ void run(const Params& p) {
   using DTypeQ = typename C::DTypeQ;
   using DTypeKV = typename C::DTypeKV;
   using DTypeO = typename C::DTypeO;
-  using DTypeMMA = DTypeQ;  // the mma operand type: K/V as stored, or converted from fp8
+  using DTypeMMA = typename C::DTypeMMA;  // q's dtype; fp16 for fp8 K/V (q pre-scaled: stage_q)
+  constexpr bool Q_PRESCALED = !std::is_same_v<DTypeMMA, DTypeQ>;
   constexpr int D = C::HEAD_DIM, DV = C::HEAD_DIM_VO, TILE = L::TILE, S = C::STAGES;
 
   // The host picks the grid. More CTAs than one wave: a 1-D grid, kv head fastest, so the kv heads of one item
@@ -91,7 +93,7 @@ __device__ __forceinline__ void run(const Params& p) {
   const int rows_valid = min(16, p.group_size - row0);
 
   extern __shared__ __align__(128) uint8_t smem[];
-  DTypeQ* q_smem = reinterpret_cast<DTypeQ*>(smem);
+  DTypeMMA* q_smem = reinterpret_cast<DTypeMMA*>(smem);
   DTypeKV* k_smem = reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET);
   DTypeKV* v_smem = reinterpret_cast<DTypeKV*>(smem + L::V_OFFSET);
   int64_t* row_offsets = reinterpret_cast<int64_t*>(smem + L::ROW_OFFSETS);  // [2][TILE]
@@ -137,7 +139,7 @@ __device__ __forceinline__ void run(const Params& p) {
 #pragma unroll
   for (int tile = 0; tile <= S; ++tile) first_pages[tile] = page_of(tile);
 
-  stage_q<C>(p, q_smem, token, q_head0, rows_valid, q_pos);
+  stage_q<C>(p, q_smem, token, q_head0, rows_valid, q_pos, p.sm_scale);
 
   // prologue: tiles 0 .. S-2 in flight, offsets of tile S-1 stored, page ids of tile S in registers
 #pragma unroll
@@ -171,7 +173,7 @@ __device__ __forceinline__ void run(const Params& p) {
 #pragma unroll
   for (int j = 0; j < DV / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  LogitsTransform<C::ALIBI, C::SOFT_CAP> transform{p.sm_scale, p.soft_cap, p.soft_cap > 0.f ? 1.f / p.soft_cap : 0.f, 0.f};
+  LogitsTransform<C::ALIBI, C::SOFT_CAP> transform{Q_PRESCALED ? 1.f : p.sm_scale, p.soft_cap, p.soft_cap > 0.f ? 1.f / p.soft_cap : 0.f, 0.f};
   float slope[2] = {0.f, 0.f};
   if constexpr (C::ALIBI) {
     slope[0] = alibi_slope(q_head0 + g, p.num_qo_heads);

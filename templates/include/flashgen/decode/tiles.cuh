@@ -2,7 +2,7 @@
 // swizzled tile indexing, the cp.async tile copy, the Q tile load (RoPE on the way) and fp8 K/V fragments
 // converted in registers.
 //
-// Config: DTypeQ, DTypeKV, HEAD_DIM, HEAD_DIM_VO, NUM_WARPS, STAGES, SMEM_BYTES, ROPE.
+// Config: DTypeQ, DTypeKV, DTypeMMA, HEAD_DIM, HEAD_DIM_VO, NUM_WARPS, STAGES, SMEM_BYTES, ROPE.
 #pragma once
 #include <type_traits>
 #include <flashgen/common/fp8.cuh>
@@ -44,6 +44,8 @@ struct Layout {
   static_assert(EPILOGUE <= TOTAL - K_OFFSET, "epilogue does not fit over the pipeline buffers");
   static_assert(K_CHUNKS >= 8 && V_CHUNKS >= 8 && Q_CHUNKS >= 8, "rows of at least 128 bytes (swizzle)");
   static_assert(FP8 || std::is_same_v<DTypeKV, DTypeQ>, "16-bit K/V must have q's dtype");
+  static_assert(sizeof(typename C::DTypeMMA) == 2 && (FP8 || std::is_same_v<typename C::DTypeMMA, DTypeQ>),
+                "a 16-bit mma type, q's unless K/V are fp8");
   static_assert(C::HEAD_DIM % 32 == 0 && C::HEAD_DIM_VO % 16 == 0, "head dims in mma tiles");
 };
 
@@ -116,12 +118,16 @@ __device__ __forceinline__ void fp8_v_frags(uint32_t lo, uint32_t hi, uint32_t (
   odd[1] = fp8_pair<T, FP8, 1, 3>(hi);
 }
 
-// Q: 16 rows (padded with zeros) into shared memory, RoPE applied on the way
+// Q: 16 rows (padded with zeros) into shared memory in the mma's type, RoPE applied on the way; where the mma's
+// type is not q's (fp8 K/V under a bf16 q run the mma in fp16), q is multiplied by `scale` (sm_scale) first and
+// held to fp16's finite range
 template <class C, class Params>
-__device__ __forceinline__ void stage_q(const Params& p, typename C::DTypeQ* q_smem, int token, int q_head0,
-                                        int rows_valid, int q_pos) {
+__device__ __forceinline__ void stage_q(const Params& p, typename C::DTypeMMA* q_smem, int token, int q_head0,
+                                        int rows_valid, int q_pos, float scale) {
   using L = Layout<C>;
   using DTypeQ = typename C::DTypeQ;
+  using DTypeMMA = typename C::DTypeMMA;
+  constexpr bool PRESCALE = !std::is_same_v<DTypeMMA, DTypeQ>;
   constexpr int D = C::HEAD_DIM;
   const int tid = threadIdx.x;
   for (int job = tid; job < 16 * L::Q_CHUNKS / 2; job += L::THREADS) {
@@ -142,6 +148,13 @@ __device__ __forceinline__ void stage_q(const Params& p, typename C::DTypeQ* q_s
 #pragma unroll
         for (int i = 0; i < 8; ++i) rope_rotate(lo[i], hi[i], float(q_pos), c * 8 + i, D, p.rope_rcp_scale, p.rope_log2_theta);
       }
+      if constexpr (PRESCALE) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          lo[i] = fminf(fmaxf(lo[i] * scale, -65504.f), 65504.f);
+          hi[i] = fminf(fmaxf(hi[i] * scale, -65504.f), 65504.f);
+        }
+      }
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) lo[i] = hi[i] = 0.f;
@@ -151,8 +164,8 @@ __device__ __forceinline__ void stage_q(const Params& p, typename C::DTypeQ* q_s
     uint32_t* bw = reinterpret_cast<uint32_t*>(&b);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      aw[i] = pack2<DTypeQ>(lo[2 * i], lo[2 * i + 1]);
-      bw[i] = pack2<DTypeQ>(hi[2 * i], hi[2 * i + 1]);
+      aw[i] = pack2<DTypeMMA>(lo[2 * i], lo[2 * i + 1]);
+      bw[i] = pack2<DTypeMMA>(hi[2 * i], hi[2 * i + 1]);
     }
     if constexpr (L::FP8) {  // columns in fp8 fragment order (fp8_k_slot), one pair a store
 #pragma unroll
