@@ -1,6 +1,6 @@
 """Batch decode benchmark: flashgen against torch SDPA (flash, cuDNN), FlexAttention and FlashInfer, in one run.
 
-bf16 q, 32 q heads / 8 kv heads, head_dim 128, K/V in bf16 or (--kv-dtypes) fp8 e4m3 (flashgen and FlashInfer
+bf16 q, 32 q heads / 8 kv heads, head_dim 128, K/V in bf16 or (--kv-dtypes) fp8 e4m3 / e5m2 (flashgen and FlashInfer
 only: the other peers take no fp8 cache). For each (batch, kv_len) and page size the KV cache is a pool of pages
 in random order (paged layouts), the page table CSR. Every timed call follows an L2 flush; the
 median of --reps calls is reported, with GB/s of K+V read and % of the device copy rate measured in the
@@ -28,7 +28,7 @@ from flashgen import AttentionSpec, Paged  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 BYTES_PER_TOKEN = 2 * HKV * D * 2  # K + V, bf16
-KV_DTYPES = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
+KV_DTYPES = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
 
@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--kv-lens", default="1024,4096,16384,65536")
     parser.add_argument("--peers", default="sdpa,flex,flashinfer")
-    parser.add_argument("--kv-dtypes", default="bf16", help="K/V dtypes, comma-separated: bf16, e4m3")
+    parser.add_argument("--kv-dtypes", default="bf16", help="K/V dtypes, comma-separated: bf16, e4m3, e5m2")
     parser.add_argument("--flashinfer-modes", default="tc,cc", help="FlashInfer decodes: tc (tensor cores), cc")
     parser.add_argument("--flush", choices=("write", "read", "none"), default="write",
                         help="how L2 is emptied before each timed call (timing.FLUSH): write (the anchors' way, "
@@ -201,7 +201,7 @@ def markdown(result: dict) -> str:
     peers = sorted({(r["peer"], str(r["page_size"])) for r in rows}, key=lambda x: (x[0] != "flashgen", x))
     lines = [f"# Decode, {result['device']}, {result['date']}, commit {result['commit']}",
              f"bf16 q, {HQ} q / {HKV} kv heads, d={D}; copy rate {result['copy_GBps']:.0f} GB/s; "
-             "cells: % of copy rate on the row's own K/V bytes (µs); -e4m3: an fp8 cache", "",
+             "cells: % of copy rate on the row's own K/V bytes (µs); -e4m3, -e5m2: an fp8 cache", "",
              "| B | L | " + " | ".join(f"{p} p{s}" for p, s in peers) + " |",
              "|---|---|" + "---|" * len(peers)]
     for batch, kv_len in sorted({(r["batch"], r["kv_len"]) for r in rows}):
