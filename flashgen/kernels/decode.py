@@ -39,10 +39,13 @@ def decode_stages(head_dim: int, head_dim_vo: int, kv_bytes: int = 2) -> int:
 
 
 def decode_ctas_per_sm(head_dim: int, head_dim_vo: int, kv_bytes: int = 2) -> int:
-    """CTAs that fit on one SM (227 KB of shared memory, 1 KB reserved per CTA), at most 2: the planner
-    fills ``num_sms * ctas_per_sm`` slots, so that a small batch still keeps two CTAs streaming per SM."""
+    """CTAs that fit on one SM (227 KB of shared memory, 1 KB reserved per CTA), at most 2 for 16-bit K/V and 3
+    for fp8: the planner fills ``num_sms * ctas_per_sm`` slots, so that a small batch still keeps every resident
+    CTA streaming. fp8 tiles take half the shared memory, and the kernel's ~160 registers a thread let three
+    128-thread CTAs share an SM's 64K: head_dim 128 gets 3 (B=64, L=16k: 633 -> 557 us planned for 3 rather
+    than 2, `experiments/exp_decode_fp8_occupancy.py`), 256 stays at 2 (shared memory)."""
     smem = decode_smem_bytes(head_dim, head_dim_vo, decode_stages(head_dim, head_dim_vo, kv_bytes), kv_bytes)
-    return max(1, min(2, (227 * 1024) // (smem + 1024)))
+    return max(1, min(3 if kv_bytes == 1 else 2, (227 * 1024) // (smem + 1024)))
 
 
 class DecodeFamily(AttentionFamily):
