@@ -34,7 +34,7 @@ from .hf_cache import FlashgenCache, active_cache, valid_tokens
 
 NAME = "flashgen"
 
-__all__ = ["NAME", "FlashgenCache", "flashgen_attention_forward", "padding_mask", "register"]
+__all__ = ["NAME", "FlashgenCache", "flashgen_attention_forward", "padding_mask", "register_attention"]
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -66,7 +66,7 @@ def flashgen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     if dropout:
         raise ValueError(f"dropout: got {dropout}; the {NAME!r} attention is for inference (model.eval())")
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
-        raise ValueError("attention_mask: expected the 2-D padding mask of the 'flashgen' mask function (register() "
+        raise ValueError("attention_mask: expected the 2-D padding mask of the 'flashgen' mask function (register_attention() "
                          "both; a 4-D mask is not supported)")
     if getattr(module, "is_causal", True) is False:
         raise ValueError(f"module: {type(module).__name__} is not causal; the {NAME!r} attention is causal only")
@@ -145,7 +145,7 @@ def _scatter(out: torch.Tensor, rows: torch.Tensor | None, batch: int, q_len: in
 _dense = DenseAttention()
 
 
-def register(name: str = NAME) -> None:
+def register_attention(name: str = NAME) -> None:
     """Register the attention and mask functions under ``name`` (done on import for ``"flashgen"``).
 
     transformers takes every implementation whose name contains "flash" for a FlashAttention build and, when a
@@ -169,4 +169,4 @@ def register(name: str = NAME) -> None:
 _REGISTERED: set[str] = set()
 
 
-register()
+register_attention()
