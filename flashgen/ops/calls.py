@@ -20,6 +20,12 @@ def _traced(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or type(t) is not torch.Tensor
 
 
+def _op_path(t: torch.Tensor) -> bool:
+    """``_traced``, or a tensor off the GPU: the eager kernels are CUDA-only, and a CPU kernel registered for the op
+    (flashgen's tests register reference ones) runs it."""
+    return torch.compiler.is_compiling() or type(t) is not torch.Tensor or not t.is_cuda
+
+
 def _kv(kv_cache) -> tuple:
     """``(kv_cache, v_cache)`` of the ops from a cache tensor (``(t, None)``) or a ``(k, v)`` pair."""
     if isinstance(kv_cache, (tuple, list)):
@@ -93,7 +99,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: str | Non
 
     >>> out = flashgen.ops.attention(q, k, v, causal=True)   # [sq, Hq, Dv], q's dtype
     """
-    if not _traced(q):
+    if not _op_path(q):
         from ..api import attention as eager
 
         spec = library.spec_from_json(spec) if isinstance(spec, str) else spec
@@ -116,7 +122,7 @@ def spec_json(spec) -> str:
 
 def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor):
     """``flashgen.merge_state`` (op ``flashgen::merge_state``): ``(v [tokens, heads, dim], s [tokens, heads])``."""
-    if not _traced(v_a):
+    if not _op_path(v_a):
         from ..api import merge_state as eager
 
         return eager(v_a, s_a, v_b, s_b)
@@ -126,7 +132,7 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: to
 def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor, s_other: torch.Tensor,
                          mask: torch.Tensor | None = None) -> None:
     """``flashgen.merge_state_in_place`` (op ``flashgen::merge_state_in_place``, which writes ``v`` and ``s``)."""
-    if not _traced(v):
+    if not _op_path(v):
         from ..api import merge_state_in_place as eager
 
         return eager(v, s, v_other, s_other, mask)
@@ -136,7 +142,7 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
 def merge_states(v: torch.Tensor, s: torch.Tensor):
     """``flashgen.merge_states`` (op ``flashgen::merge_states``): ``v [tokens, states, heads, dim]``, ``s [tokens,
     states, heads]`` -> ``(v [tokens, heads, dim], s [tokens, heads])``."""
-    if not _traced(v):
+    if not _op_path(v):
         from ..api import merge_states as eager
 
         return eager(v, s)
@@ -151,7 +157,7 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv_cache, *, kv_indptr=None, kv_
 
     >>> flashgen.ops.append_kv(k_new, v_new, kv_cache, slot_mapping=slots)
     """
-    if not _traced(k):
+    if not _op_path(k):
         from ..api import append_kv as eager
 
         return eager(k, v, kv_cache, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
