@@ -144,7 +144,7 @@ class BlockSparseWrapper:
         self._inner: dict[tuple[int, bool], BatchPrefillWrapper] = {}  # by C and whether C divides N
         self._shape: tuple[int, int, int, int] | None = None  # (M, N, R, C) of the last plan
         self._planned: tuple[BatchPrefillWrapper, int] | None = None  # (inner wrapper, N)
-        self.op_handle = handles.register(self)  # how flashgen.ops names this wrapper
+        self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 
     @property
     def backend(self) -> str | None:

@@ -161,7 +161,7 @@ class CascadeWrapper:
         self._run_tables: tuple = ()
         self._scratch: torch.Tensor | None = None
         self.levels: tuple[LevelRecord, ...] = ()
-        self.op_handle = handles.register(self)  # how flashgen.ops names this wrapper
+        self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 
     # ------------------------------------------------------------------------------------------ plan
 

@@ -69,7 +69,7 @@ class BatchDecodeWrapper:
         self.num_sms = self._core.num_sms
         self._impl = DecodeBackend(self._core)
         self._fp8 = self.spec.kv_dtype.startswith("float8")
-        self.op_handle = handles.register(self)  # how flashgen.ops names this wrapper
+        self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 
     def plan(self, *, num_qo_heads: int, num_kv_heads: int, kv_indptr=None, kv_indices=None, kv_last_page_len=None,
              block_table=None, seq_lens=None, sm_scale: float | None = None, rope_theta: float | None = None,

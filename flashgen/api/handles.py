@@ -14,7 +14,7 @@ _next = itertools.count(1)
 _held: dict[int, weakref.ref] = {}
 
 
-def register(obj: object) -> int:
+def assign(obj: object) -> int:
     """A new handle for ``obj`` (held weakly: the entry goes when ``obj`` does)."""
     handle = next(_next)
     _held[handle] = weakref.ref(obj, lambda _, h=handle: _held.pop(h, None))

@@ -81,7 +81,7 @@ class BatchPrefillWrapper:
         self.num_sms = self._core.num_sms
         self._impl = (SM90Prefill if self.backend == "sm90" else PortablePrefill)(self._core, kernel_options)
         self._view = prefill_kv_view  # run()'s view of kv_cache (BlockSparseWrapper's inner wrappers set their own)
-        self.op_handle = handles.register(self)  # how flashgen.ops names this wrapper
+        self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 
     # ------------------------------------------------------------------------------------------ plan
 

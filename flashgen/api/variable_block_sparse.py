@@ -159,7 +159,7 @@ class VariableBlockSparseWrapper:
         self._inner: dict[tuple[int, int], BatchPrefillWrapper] = {}  # by page size and kv heads
         self._planned = None
         self._scratch: dict[str, torch.Tensor] = {}  # the regrouped q and the inner out, reused while big enough
-        self.op_handle = handles.register(self)  # how flashgen.ops names this wrapper
+        self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 
     @property
     def backend(self) -> str | None:

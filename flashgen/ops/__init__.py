@@ -25,7 +25,9 @@ How a plan crosses into the compiled graph: as an int. Every wrapper registers i
 handle as ``op_handle`` (``flashgen.api.handles``, held weakly); a traced call reads it (and ``spec.head_dim_vo``)
 off the wrapper, so the graph holds a constant and a guard, and the op looks the wrapper up when it runs. Torch's
 alternative, an opaque object, is a private API in torch 2.11 (``torch._library.opaque_object``, whose classes must
-use its ``OpaqueBaseMeta``), so the ops use ``torch.library.custom_op`` / ``register_fake`` only, public since 2.4.
+use its ``OpaqueBaseMeta``), so the ops use public APIs only: ``torch.library.Library`` (define, impl) and
+``register_fake`` (torch >= 2.4; ``custom_op`` would add a Python autograd layer, ~4x the eager dispatch cost). The
+ops have no autograd formula: they serve inference (run under ``torch.no_grad()`` or ``inference_mode``).
 The plan's device arrays are not op inputs: the kernel reads them through addresses fixed in the params when
 ``plan()`` runs, so the compiler has nothing to order or copy. What makes a CUDA-graph replay correct is the
 wrapper's ``use_cuda_graph=True`` (buffers and grid fixed at the first plan, later plans written into them), as

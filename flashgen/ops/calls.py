@@ -4,7 +4,9 @@ Each function takes the eager API's arguments (a wrapper, or the spec and the ru
 returns. ``torch.compiler.is_compiling()`` (0.2 us) picks the path: under ``torch.compile`` / ``torch.export``,
 or with a tensor that is not a plain ``torch.Tensor`` (fake and functional tensors of other tracers), the call is
 the custom op, which the compiler sees as one opaque node with a known output shape; otherwise it is the eager
-call itself, so an eager model keeps the eager host cost (``wrapper.run``: 8-14 us) and pays no dispatcher.
+call itself, so an eager model keeps the eager host cost (``wrapper.run``: 8-14 us) and pays no dispatcher
+(tens of us a call). The ops without a wrapper also take the op for tensors off the GPU, whose CPU kernel, where
+one is registered, runs them (the eager kernels are CUDA-only).
 """
 
 from __future__ import annotations
@@ -165,11 +167,11 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv_cache, *, kv_indptr=None, kv_
                      rope=rope, rope_scaling=rope_scaling, cos_sin_cache=cos_sin_cache, k_scale=k_scale,
                      v_scale=v_scale)
     k_tensor, v_tensor = isinstance(k_scale, torch.Tensor), isinstance(v_scale, torch.Tensor)
+    scaling = None if rope_scaling is None else [
+        float(rope_scaling.factor), float(rope_scaling.low_freq_factor), float(rope_scaling.high_freq_factor),
+        float(rope_scaling.original_max_position)]
     library.append_kv(k, v, *_kv(kv_cache), kv_indptr, kv_indices, kv_last_page_len, batch_indices, positions,
                       slot_mapping, kv_layout, None if rope is None else [float(rope.theta), float(rope.scale)],
-                      None if rope_scaling is None else [float(rope_scaling.factor), float(rope_scaling.low_freq_factor),
-                                                         float(rope_scaling.high_freq_factor),
-                                                         float(rope_scaling.original_max_position)],
-                      cos_sin_cache, k_scale if k_tensor else None, v_scale if v_tensor else None,
+                      scaling, cos_sin_cache, k_scale if k_tensor else None, v_scale if v_tensor else None,
                       None if k_tensor or k_scale is None else float(k_scale),
                       None if v_tensor or v_scale is None else float(v_scale))

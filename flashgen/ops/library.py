@@ -11,9 +11,21 @@ writes ``v`` and ``s``, ``append_kv`` writes the cache.
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op
 
 from ..api import handles
+
+# torch.library.Library + register_fake (public since torch 2.4) rather than torch.library.custom_op: the same schemas
+# and fakes, with no Python autograd wrapper around each call, so an eager op call costs ~10x less (bench_ops.py).
+# The ops have no autograd formula: they are for inference (call them under torch.no_grad / inference_mode).
+_lib = torch.library.Library("flashgen", "DEF")
+
+
+def define(name: str, schema: str, impl, fake) -> torch._ops.OpOverload:
+    """Op ``flashgen::name`` of ``schema`` (arguments and result), ``impl`` on every device, ``fake`` for tracing."""
+    _lib.define(name + schema)
+    _lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"flashgen::{name}", fake, lib=_lib)
+    return getattr(torch.ops.flashgen, name).default
 
 # name -> whether its wrapper's run takes K and V as two arguments (run(q, k, v)) rather than one cache
 RUN_OPS = {"decode_run": False, "prefill_run": False, "cascade_run": False, "block_sparse_run": True,
@@ -64,11 +76,7 @@ def _define_run(name: str, pair: bool) -> tuple:
     def run_out_fake(handle, q, kv_cache, v_cache, out, return_lse):
         return _lse_like(q, return_lse)
 
-    functional = custom_op(f"flashgen::{name}", run, mutates_args=(), schema=_RUN_SCHEMA)
-    functional.register_fake(run_fake)
-    in_place = custom_op(f"flashgen::{name}_out", run_out, mutates_args=("out",), schema=_RUN_OUT_SCHEMA)
-    in_place.register_fake(run_out_fake)
-    return functional, in_place
+    return define(name, _RUN_SCHEMA, run, run_fake), define(f"{name}_out", _RUN_OUT_SCHEMA, run_out, run_out_fake)
 
 
 RUNS = {name: _define_run(name, pair) for name, pair in RUN_OPS.items()}
@@ -77,10 +85,7 @@ RUNS = {name: _define_run(name, pair) for name, pair in RUN_OPS.items()}
 # ---------------------------------------------------------------------------------------------- attention()
 
 
-@custom_op("flashgen::attention", mutates_args=(), schema=(
-    "(Tensor q, Tensor k, Tensor v, str? spec, bool causal, float? sm_scale, int? window_left, float? soft_cap, "
-    "float? rope_theta, float? rope_scale, Tensor? custom_mask, bool return_lse) -> (Tensor, Tensor)"))
-def attention(q, k, v, spec, causal, sm_scale, window_left, soft_cap, rope_theta, rope_scale, custom_mask,
+def _attention(q, k, v, spec, causal, sm_scale, window_left, soft_cap, rope_theta, rope_scale, custom_mask,
               return_lse):
     from ..api import attention as eager
 
@@ -90,10 +95,14 @@ def attention(q, k, v, spec, causal, sm_scale, window_left, soft_cap, rope_theta
     return result if return_lse else (result, no_lse(q))
 
 
-@attention.register_fake
 def _attention_fake(q, k, v, spec, causal, sm_scale, window_left, soft_cap, rope_theta, rope_scale, custom_mask,
                     return_lse):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[-1])), _lse_like(q, return_lse)
+
+
+attention = define("attention", "(Tensor q, Tensor k, Tensor v, str? spec, bool causal, float? sm_scale, "
+                   "int? window_left, float? soft_cap, float? rope_theta, float? rope_scale, Tensor? custom_mask, "
+                   "bool return_lse) -> (Tensor, Tensor)", _attention, _attention_fake)
 
 
 _SPECS: dict[str, object] = {}
@@ -116,54 +125,52 @@ def spec_from_json(text: str | None):
 # ---------------------------------------------------------------------------------------------- merges
 
 
-@custom_op("flashgen::merge_state", mutates_args=(),
-           schema="(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b) -> (Tensor, Tensor)")
-def merge_state(v_a, s_a, v_b, s_b):
+def _merge_state(v_a, s_a, v_b, s_b):
     from ..api import merge_state as eager
 
     return eager(v_a, s_a, v_b, s_b)
 
 
-@merge_state.register_fake
 def _merge_state_fake(v_a, s_a, v_b, s_b):
     return torch.empty_like(v_a), torch.empty_like(s_a)
 
 
-@custom_op("flashgen::merge_state_in_place", mutates_args=("v", "s"),
-           schema="(Tensor(a!) v, Tensor(b!) s, Tensor v_other, Tensor s_other, Tensor? mask) -> ()")
-def merge_state_in_place(v, s, v_other, s_other, mask):
+merge_state = define("merge_state", "(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b) -> (Tensor, Tensor)",
+                     _merge_state, _merge_state_fake)
+
+
+def _merge_state_in_place(v, s, v_other, s_other, mask):
     from ..api import merge_state_in_place as eager
 
     eager(v, s, v_other, s_other, mask)
 
 
-@merge_state_in_place.register_fake
 def _merge_state_in_place_fake(v, s, v_other, s_other, mask):
     return None
 
 
-@custom_op("flashgen::merge_states", mutates_args=(), schema="(Tensor v, Tensor s) -> (Tensor, Tensor)")
-def merge_states(v, s):
+merge_state_in_place = define("merge_state_in_place", "(Tensor(a!) v, Tensor(b!) s, Tensor v_other, Tensor s_other, "
+                              "Tensor? mask) -> ()", _merge_state_in_place, _merge_state_in_place_fake)
+
+
+def _merge_states(v, s):
     from ..api import merge_states as eager
 
     return eager(v, s)
 
 
-@merge_states.register_fake
 def _merge_states_fake(v, s):
     tokens, _, heads, head_dim = v.shape
     return v.new_empty((tokens, heads, head_dim)), s.new_empty((tokens, heads))
 
 
+merge_states = define("merge_states", "(Tensor v, Tensor s) -> (Tensor, Tensor)", _merge_states, _merge_states_fake)
+
+
 # ---------------------------------------------------------------------------------------------- append_kv
 
 
-@custom_op("flashgen::append_kv", mutates_args=("kv_cache", "v_cache"), schema=(
-    "(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor(b!)? v_cache, Tensor? kv_indptr, Tensor? kv_indices, "
-    "Tensor? kv_last_page_len, Tensor? batch_indices, Tensor? positions, Tensor? slot_mapping, str kv_layout, "
-    "float[]? rope, float[]? rope_scaling, Tensor? cos_sin_cache, Tensor? k_scale, Tensor? v_scale, "
-    "float? k_scale_value, float? v_scale_value) -> ()"))
-def append_kv(k, v, kv_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, batch_indices, positions,
+def _append_kv(k, v, kv_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, batch_indices, positions,
               slot_mapping, kv_layout, rope, rope_scaling, cos_sin_cache, k_scale, v_scale, k_scale_value,
               v_scale_value):
     from ..api import append_kv as eager
@@ -175,11 +182,17 @@ def append_kv(k, v, kv_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, 
           v_scale=v_scale if v_scale is not None else v_scale_value)
 
 
-@append_kv.register_fake
 def _append_kv_fake(k, v, kv_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, batch_indices, positions,
                     slot_mapping, kv_layout, rope, rope_scaling, cos_sin_cache, k_scale, v_scale, k_scale_value,
                     v_scale_value):
     return None
+
+
+append_kv = define("append_kv", "(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor(b!)? v_cache, Tensor? kv_indptr, "
+                   "Tensor? kv_indices, Tensor? kv_last_page_len, Tensor? batch_indices, Tensor? positions, "
+                   "Tensor? slot_mapping, str kv_layout, float[]? rope, float[]? rope_scaling, Tensor? cos_sin_cache, "
+                   "Tensor? k_scale, Tensor? v_scale, float? k_scale_value, float? v_scale_value) -> ()",
+                   _append_kv, _append_kv_fake)
 
 
 def append_rope(rope: list | None, rope_scaling: list | None) -> dict:

@@ -24,7 +24,7 @@ class ReferenceWrapper:
 
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
-        self.op_handle = handles.register(self)
+        self.op_handle = handles.assign(self)
         self.tables: dict | None = None
         self.runs = 0
 
