@@ -15,9 +15,9 @@ import torch
 from ..api import handles
 
 # torch.library.Library + register_fake (public since torch 2.4) rather than torch.library.custom_op: the same schemas
-# and fakes, with no Python autograd wrapper around each call, so an eager op call costs ~10x less (bench_ops.py).
+# and fakes, with no Python autograd wrapper around each call, so an eager op call costs ~4x less (bench_ops.py).
 # The ops have no autograd formula: they are for inference (call them under torch.no_grad / inference_mode).
-_lib = torch.library.Library("flashgen", "DEF")
+_lib = torch.library.Library("flashgen", "FRAGMENT")  # other modules may add ops to the namespace
 
 
 def define(name: str, schema: str, impl, fake) -> torch._ops.OpOverload:
@@ -26,6 +26,7 @@ def define(name: str, schema: str, impl, fake) -> torch._ops.OpOverload:
     _lib.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"flashgen::{name}", fake, lib=_lib)
     return getattr(torch.ops.flashgen, name).default
+
 
 # name -> whether its wrapper's run takes K and V as two arguments (run(q, k, v)) rather than one cache
 RUN_OPS = {"decode_run": False, "prefill_run": False, "cascade_run": False, "block_sparse_run": True,
