@@ -15,6 +15,7 @@ from ..kernels import family, launch_config
 from ..plan import PlanError, bsr_page_table
 from ..plan.host import check_heads, check_int
 from ..spec import AttentionSpec, BlockSparse, Paged, Ragged, SpecError
+from . import handles
 from .backends import BACKENDS
 from .checks import check_count
 from .kv_inputs import KVView
@@ -143,6 +144,7 @@ class BlockSparseWrapper:
         self._inner: dict[tuple[int, bool], BatchPrefillWrapper] = {}  # by C and whether C divides N
         self._shape: tuple[int, int, int, int] | None = None  # (M, N, R, C) of the last plan
         self._planned: tuple[BatchPrefillWrapper, int] | None = None  # (inner wrapper, N)
+        self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 
     @property
     def backend(self) -> str | None:

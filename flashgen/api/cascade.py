@@ -31,6 +31,7 @@ from ..plan.cascade_cost import Shape, check_policy, choose_levels
 from ..plan.host import check_heads
 from ..plan.page_table import block_table_to_csr
 from ..spec import ALiBi, AttentionSpec, Causal, NoMask, Paged, RoPE, SpecError
+from . import handles
 from . import wrapper as core
 from .backends import BACKENDS, select
 from .checks import check_count
@@ -160,6 +161,7 @@ class CascadeWrapper:
         self._run_tables: tuple = ()
         self._scratch: torch.Tensor | None = None
         self.levels: tuple[LevelRecord, ...] = ()
+        self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 
     # ------------------------------------------------------------------------------------------ plan
 

@@ -12,6 +12,7 @@ from ..kernels import family
 from ..plan import PlanError, SplitPolicy, plan_decode
 from ..plan.host import check_heads
 from ..spec import AttentionSpec
+from . import handles
 from .checks import check_count
 from .kv_inputs import PageTable, kv_view, page_table
 from .page_ids import page_ids_for
@@ -68,6 +69,7 @@ class BatchDecodeWrapper:
         self.num_sms = self._core.num_sms
         self._impl = DecodeBackend(self._core)
         self._fp8 = self.spec.kv_dtype.startswith("float8")
+        self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 
     def plan(self, *, num_qo_heads: int, num_kv_heads: int, kv_indptr=None, kv_indices=None, kv_last_page_len=None,
              block_table=None, seq_lens=None, sm_scale: float | None = None, rope_theta: float | None = None,

@@ -14,6 +14,7 @@ from ..kernels import family
 from ..plan import PlanError, SplitPolicy, host_array
 from ..plan.host import check_heads
 from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Ragged
+from . import handles
 from .backends import select
 from .checks import check_count, check_tensor
 from .kv_inputs import kv_view, page_table
@@ -80,6 +81,7 @@ class BatchPrefillWrapper:
         self.num_sms = self._core.num_sms
         self._impl = (SM90Prefill if self.backend == "sm90" else PortablePrefill)(self._core, kernel_options)
         self._view = prefill_kv_view  # run()'s view of kv_cache (BlockSparseWrapper's inner wrappers set their own)
+        self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 
     # ------------------------------------------------------------------------------------------ plan
 

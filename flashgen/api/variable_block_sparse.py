@@ -18,6 +18,7 @@ import torch
 from ..plan import PlanError
 from ..plan.host import check_heads, host_array
 from ..spec import AttentionSpec, Paged, Ragged
+from . import handles
 from .backends import BACKENDS
 from .block_sparse import check_prefill_spec, sm90_reads_whole_pages
 from .kv_inputs import KVView
@@ -158,6 +159,7 @@ class VariableBlockSparseWrapper:
         self._inner: dict[tuple[int, int], BatchPrefillWrapper] = {}  # by page size and kv heads
         self._planned = None
         self._scratch: dict[str, torch.Tensor] = {}  # the regrouped q and the inner out, reused while big enough
+        self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 
     @property
     def backend(self) -> str | None:
