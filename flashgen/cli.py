@@ -1,4 +1,4 @@
-"""The ``flashgen`` command: info, build (AOT), cache list/verify/clean, demo.
+"""The ``flashgen`` command: info, build (AOT), plan-from-config, cache list/verify/clean, demo, bench.
 
 ``flashgen demo`` is the end-to-end run that works on any fresh machine with nvcc: without a GPU it shows the
 toolchain and compiles the default kernels for the target arch into the cache; with a GPU it also runs them on
@@ -300,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(demo.add_argument_group("--serve options"))
     demo.set_defaults(func=cmd_demo)
+    from .bench.command import add_parser as add_bench
+
+    add_bench(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
