@@ -137,6 +137,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options = argparse.Namespace(**GRIDS[op][grid], peers=",".join(p for p in found if p in module.PEERS))
         cfg = module.config(options)
         if op == "decode":
+            decode.build(cfg, Progress)
             with Progress(len(list(decode.configs(cfg.max_kv_gb, cfg.batches, cfg.kv_lens))), "shape") as bar:
                 rows = decode.measure(cfg, copy_gbps, bar)
             results[op] = decode.result(rows, copy_gbps, commit_id, cfg.flush)

@@ -18,11 +18,13 @@ import torch
 
 from . import timing
 from ..api import BatchDecodeWrapper
+from ..jit import ensure_compiled
 from ..spec import AttentionSpec, Paged
 from .timing import commit, copy_rate, host_calls_us, median, pyplot, save_results, timed
 
 HQ, HKV, D = 32, 8, 128
 BYTES_PER_TOKEN = 2 * HKV * D * 2  # K + V, bf16
+
 
 def paged_table(batch: int, kv_len: int, page_size: int, gen: torch.Generator):
     pages_per = -(-kv_len // page_size)
@@ -133,8 +135,24 @@ def main(argv: list[str] | None = None) -> None:
     timing.FLUSH = args.flush
     copy_gbps = copy_rate()
     print(f"copy rate {copy_gbps:.0f} GB/s", flush=True)
-    rows = measure(config(args), copy_gbps)
+    cfg = config(args)
+    build(cfg)
+    rows = measure(cfg, copy_gbps)
     save_results(result(rows, copy_gbps, commit(args.commit), args.flush), Path(args.out), markdown, plot)
+
+
+def build(cfg: argparse.Namespace, progress_class=None) -> None:
+    """Compile (or find in the cache) the decode kernel of each page size before anything is timed;
+    ``progress_class``: flashgen.progress.Progress, one step a kernel."""
+    progress = progress_class(len(cfg.page_sizes)) if progress_class is not None else None
+    try:
+        for page_size in cfg.page_sizes:
+            entry = ensure_compiled(AttentionSpec(D, kv_layout=Paged(page_size)), "decode")
+            if progress is not None:
+                progress.write(entry.uri)
+    finally:
+        if progress is not None:
+            progress.close()
 
 
 def result(rows: list[dict], copy_gbps: float, commit_id: str, flush: str = "write") -> dict:

@@ -164,6 +164,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(decode, "measure", measure(DECODE["rows"]))
     monkeypatch.setattr(prefill, "measure", measure(PREFILL["rows"]))
     monkeypatch.setattr(prefill, "build", lambda cfg, progress_class: seen.setdefault("backends", cfg.backends))
+    monkeypatch.setattr(decode, "build", lambda cfg, progress_class: seen.setdefault("page_sizes", cfg.page_sizes))
     return seen
 
 
@@ -175,6 +176,7 @@ def test_bench_all_writes_tables_json_and_plot(capsys, tmp_path, fake_gpu):
     assert code == 0, err
     assert "peers found: sdpa (torch " in out
     assert fake_gpu["peers"][0] <= {"sdpa", "flashinfer"} and fake_gpu["backends"] == ["portable", "sm90"]
+    assert fake_gpu["page_sizes"] == [16]
     assert "copy rate 4248 GB/s, bf16 matmul 8192^3 795 TFLOP/s" in out
     assert "## decode: flashgen / peer" in out and "## prefill: flashgen / peer" in out
     [json_path] = (tmp_path / "runs").glob("bench-decode-prefill-abc1234-*.json")
