@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # One call on the H200 GPU machine that runs the steps named, writing logs and results under $OUT:
-#   bash benchmarks/gpu_session.sh [tests|sanitize|fuzz|decode|prefill|sm90|profile-sm90|foundation|host ...]
+#   bash benchmarks/gpu_session.sh [tests|sanitize|fuzz|decode|prefill|bench|sm90|profile-sm90|foundation|host ...]
 #   (default: tests)
-# Carry .whl (FlashInfer and its small deps, see the device README) to measure FlashInfer as a peer.
+# Carry .whl (FlashInfer and its small deps, see the device README) to measure FlashInfer as a peer, and
+# .whl/plot (matplotlib, tqdm and their deps, numpy left out) for the plots and progress bars.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD:$PWD/benchmarks FLASHGEN_CACHE_DIR=${FLASHGEN_CACHE_DIR:-/tmp/fgcache} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+wheels=$(ls .whl/*.whl .whl/plot/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
+  # shellcheck disable=SC2086  # one word a wheel
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     && export PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/site
 fi
 COMMIT=${COMMIT:-unknown}
@@ -28,6 +31,9 @@ for step in "${@:-tests}"; do
       python3 benchmarks/bench_prefill.py --out "$OUT/prefill.json" --reps 6 --head-dims 128 \
         --shapes 1x16384,4x4096 --layouts ragged,paged16 --peers sdpa,flex,flashinfer --commit "$COMMIT" 2>&1 \
         | tee "$OUT/prefill.log" | tail -14 ;;
+    bench)  # `flashgen bench all`: decode and prefill against the peers, tables, JSON and the ratio plot
+      python3 -m flashgen.cli bench all --out "$OUT" --plot "$OUT/bench.png" --commit "$COMMIT" 2>&1 \
+        | tee "$OUT/bench.log" | tail -40 ;;
     sm90)  # the Hopper kernel against FlashInfer's FA3 backend and cuDNN
       python3 benchmarks/bench_prefill_sm90.py --out "$OUT/prefill_sm90.json" --reps 10 --commit "$COMMIT" 2>&1 \
         | grep -v Warn | tail -16 ;;

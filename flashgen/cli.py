@@ -1,4 +1,4 @@
-"""The ``flashgen`` command: info, build (AOT), cache list/verify/clean, demo.
+"""The ``flashgen`` command: info, build (AOT), plan-from-config, cache list/verify/clean, demo, bench.
 
 ``flashgen demo`` is the end-to-end run that works on any fresh machine with nvcc: without a GPU it shows the
 toolchain and compiles the default kernels for the target arch into the cache; with a GPU it also runs them on
@@ -18,6 +18,7 @@ from pathlib import Path
 from . import knobs
 from ._version import __version__
 from .cache import CacheStore
+from .progress import Progress
 from .spec import AttentionSpec, Causal, MergeSpec, Paged, Ragged, spec_from_dict
 
 # the kernels `flashgen build` compiles when given no plan: the merges, and a Llama-style (bf16, head_dim
@@ -104,31 +105,6 @@ def _memory_jobs(requested: int) -> int:
     return max(1, min(requested, int(available / (GIB_PER_JOB * 2**30))))
 
 
-class _Progress:
-    """tqdm's bar where it is installed, else one line per finished build with a count."""
-
-    def __init__(self, total: int):
-        self.total, self.done = total, 0
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self.bar = None
-        else:
-            self.bar = tqdm(total=total, unit="kernel", file=sys.stderr)
-
-    def write(self, line: str) -> None:
-        self.done += 1
-        if self.bar is not None:
-            self.bar.write(line)
-            self.bar.update(1)
-        else:
-            print(f"[{self.done:>{len(str(self.total))}}/{self.total}] {line}", flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _jobs(text: str) -> int:
     """``-j``: parallel compiles, an int >= 1 (argparse reports the error)."""
     try:
@@ -170,7 +146,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         return entry, time.perf_counter() - start
 
     start = time.perf_counter()
-    progress = _Progress(len(builds))
+    progress = Progress(len(builds))
     try:
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             for entry, seconds in pool.map(one, builds):
@@ -324,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(demo.add_argument_group("--serve options"))
     demo.set_defaults(func=cmd_demo)
+    from .bench.command import add_parser as add_bench
+
+    add_bench(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
