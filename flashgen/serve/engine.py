@@ -148,12 +148,13 @@ class Engine:
         else:
             self._rope = None
         self.graphs = None
-        if self._sync and config.cuda_graphs and getattr(backend, "graphs_ok", False):
+        if self._fused_rope and config.cuda_graphs and getattr(backend, "graphs_ok", False):
             from .graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self)
         self._start = None
         self._attention_seconds = 0.0
+        self._layer_kv = None
 
     # ------------------------------------------------------------------------------------------ queue
 
@@ -337,12 +338,13 @@ class Engine:
             np.cumsum([n for _, n, _ in prefills], out=qo[1:])
             prefill = (qo, self.cache.page_tables([r.rid for r, _, _ in prefills], device))
         step = StepPlan(decode_tables, prefill)
-        route = self.backend.plan(step, self.cache.num_pages) or ""
+        route = self.backend.route(step)
         if route == "flat" and prefill is None and self.graphs is not None and self.graphs.fits(len(decodes)):
             logits = self.graphs.forward(tokens, positions, slots, decode_tables)
             logits = logits[torch.from_numpy(ends[sampled]).to(logits.device)]
             route = "graph"
         else:
+            self.backend.plan(step, self.cache.num_pages)
             pos = torch.from_numpy(positions)
             slots_dev = slots.to(device, torch.int64 if device.type == "cpu" else torch.int32)
             pos_dev = pos.to(device, torch.int32) if self._fused_rope else None
@@ -388,10 +390,14 @@ class Engine:
             self.finished.append(r)
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s K and V: views ``[num_pages, page_size, num_kv_heads, head_dim]`` of the pool."""
-        h = self.model.config.num_kv_heads
-        k, v = self.cache.kv
-        return k[:, :, layer * h: (layer + 1) * h], v[:, :, layer * h: (layer + 1) * h]
+        """Layer ``layer``'s K and V: views ``[num_pages, page_size, num_kv_heads, head_dim]`` of the pool (made
+        once: the wrappers remember a validated cache by its address and shape)."""
+        if self._layer_kv is None:
+            h = self.model.config.num_kv_heads
+            k, v = self.cache.kv
+            self._layer_kv = [(k[:, :, i * h: (i + 1) * h], v[:, :, i * h: (i + 1) * h])
+                              for i in range(self.model.config.num_layers)]
+        return self._layer_kv[layer]
 
     def write_kv(self, layer: int, slots: torch.Tensor, positions: torch.Tensor | None, k: torch.Tensor,
                  v: torch.Tensor) -> None:
