@@ -351,6 +351,16 @@ class PagedKVCache:
         self._seq(seq_id, live=False)
         (self._protected.add if protected else self._protected.discard)(seq_id)
 
+    def preempt(self, seq_id: object) -> None:
+        """Preempt live ``seq_id`` now, as the ``swap`` policy would (its pages copied to host memory;
+        ``resume`` brings them back): for a scheduler whose own victim is the sequence it could not grow.
+        Listed in ``preempted``. Only a cache with ``out_of_pages="swap"`` swaps; free the sequence otherwise."""
+        self._seq(seq_id)
+        if self.out_of_pages != "swap":
+            raise KVCacheError(f"seq_id: preempt({seq_id!r}) swaps a sequence out; this cache has out_of_pages="
+                               f"{self.out_of_pages!r} (free it and recompute it instead)")
+        self._preempt(seq_id)
+
     def resume(self, seq_id: object) -> None:
         """Bring a swapped-out sequence back: its saved pages are copied into free pages (taken under the
         out-of-pages policy, the sequence protected), byte for byte."""

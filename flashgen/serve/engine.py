@@ -204,6 +204,8 @@ class Engine:
         batch: dict[int, tuple[Request, int, torch.Tensor]] = {}
         budget = self._schedule_running(batch, self.config.max_tokens_per_step)
         self._admit(batch, budget)
+        for rid in batch:  # scheduled requests were kept from preemption while pages were taken
+            self.cache.protect(rid, False)
         if not batch:
             if self.running or self.waiting:
                 self._unstick()
@@ -249,10 +251,10 @@ class Engine:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch:
             r = self.waiting[0]
             headroom = self.config.headroom * len(self.running)
-            if r.rid in self.cache:  # swapped out: bring its pages back, drop slots it never wrote
-                held = -(-self.cache.seq_len(r.rid) // ps)
+            if r.rid in self.cache:  # swapped out: bring its pages back (truncate: keep what was computed)
                 n = min(len(r.tokens) - r.computed, budget)
-                if held + -(-n // ps) + 1 + headroom > self._available():
+                need = max(-(-self.cache.seq_len(r.rid) // ps), -(-(r.computed + n) // ps))
+                if need + headroom > self._available():
                     self.delayed += 1
                     return
                 try:
@@ -284,13 +286,19 @@ class Engine:
         itself could not be placed: it stalls (``raise``, ``evict``: it keeps its pages) or is re-queued."""
         try:
             slots = self.cache.allocate(r.rid, n, tokens=r.tokens[r.computed: r.computed + n])
-        except OutOfPages:
+        except OutOfPages:  # every unscheduled request was preempted and it is still short: r is the victim
             if self.config.out_of_pages in ("raise", "evict"):
                 self.stalls += 1
+            elif self.config.out_of_pages == "swap" and r.rid in self.cache:
+                self.cache.preempt(r.rid)
+                self._take_preempted(batch)
             else:
                 self._requeue(r)
             return False
         self._take_preempted(batch)
+        # a victim must not be one of this step's requests: their new slots are not written yet, and a page they
+        # fill is already keyed in the prefix cache (a later match would read it)
+        self.cache.protect(r.rid)
         batch[r.rid] = (r, n, slots)
         return True
 

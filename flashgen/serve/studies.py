@@ -111,10 +111,10 @@ def format_contiguous(paged: Run, contiguous: Run) -> str:
 
 def pressure_config(config: EngineConfig, requests: list[Request]) -> EngineConfig:
     """``config`` with a pool under memory pressure: a quarter of the pages the whole workload holds at its
-    end, and at least the longest request's pages plus one."""
+    end, at most half of ``config``'s pool, and at least the longest request's pages plus one."""
     ps = config.page_size
     total = sum(-(-(len(r.prompt) + r.max_new_tokens - 1) // ps) * r.n for r in requests)
-    return replace(config, num_pages=max(pages_for(requests, ps) + 1, total // 4))
+    return replace(config, num_pages=max(pages_for(requests, ps) + 1, min(total // 4, config.num_pages // 2)))
 
 
 def compare_policies(model: TinyLlama, config: EngineConfig, make_backend: BackendFactory, requests: list[Request],

@@ -245,6 +245,9 @@ def test_cache_write_takes_a_layer_s_heads():
         cache.write(slots, k, v)
     with pytest.raises(KVCacheError, match=r"slot_mapping: expected a tensor \[3\]"):
         cache.write(slots[:2], k, v, heads=slice(0, 2))
+    with pytest.raises(KVCacheError, match="seq_id: preempt\\('a'\\) swaps a sequence out; this cache has "
+                                           "out_of_pages='raise'"):
+        cache.preempt("a")
     from flashgen.spec import RoPE
 
     with pytest.raises(ValueError, match="rope: rotating K on the write needs the CUDA append kernel"):
