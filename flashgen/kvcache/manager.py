@@ -263,14 +263,48 @@ class PagedKVCache:
         of a live sequence, taking pages as needed. ``tokens`` (``[n]`` ids) key the pages they fill in the
         prefix cache (a sequence added with its prompt knows those ids already).
 
-        The write is one torch advanced-indexing scatter (``PagePool.write_tokens``); the append kernel
-        (``flashgen.append_kv``) will replace it with the same ``slot_mapping``.
+        On a GPU pool of fp16/bf16 K/V the write is one ``flashgen.append_kv`` launch; on the CPU a torch
+        scatter (``PagePool.write_tokens``), with the same ``slot_mapping``.
         """
         seq = self._seq(seq_id)
         n = self._check_kv(k, v)
         ids = None if tokens is None else self._new_ids(tokens, n)
         slots = self._grow(seq_id, seq, n, ids)
         self._pool.write_tokens(torch.from_numpy(slots).to(self.device), k, v)
+
+    def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, heads: slice | None = None,
+              positions: torch.Tensor | None = None, rope=None) -> None:
+        """Write K/V of slots that ``allocate`` handed out: ``k, v [n, kv heads, head_dim]`` into KV heads
+        ``heads`` (a slice of ``range(num_kv_heads)``, all when None: a model whose layers share the pool
+        writes its layer's heads) at ``slot_mapping [n]`` (int32/int64 on the pool's device; -1 skips a row,
+        on the GPU). On a GPU pool of fp16/bf16 K/V it is one ``flashgen.append_kv`` launch, graph-safe and
+        without a host sync, that also rotates K at ``positions [n]`` with ``rope`` (a ``flashgen.RoPE``);
+        on the CPU a scatter (``rope`` refused: rotate K first). Only shapes are checked: the hot path.
+
+        >>> slots = cache.allocate("a", 3)                                               # doctest: +SKIP
+        >>> cache.write(slots.cuda(), k, v, positions=pos, rope=flashgen.RoPE(500000.0))  # doctest: +SKIP
+        """
+        if heads is None:
+            heads = slice(0, self.num_kv_heads)
+        if not isinstance(heads, slice) or heads.step not in (None, 1) or not (
+                0 <= (heads.start or 0) < (heads.stop if heads.stop is not None else self.num_kv_heads)
+                <= self.num_kv_heads):
+            raise KVCacheError(f"heads: got {heads!r}, expected a slice start:stop within 0..{self.num_kv_heads}")
+        count = len(range(*heads.indices(self.num_kv_heads)))
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[1:]) != (count, self.head_dim):
+                raise KVCacheError(f"{name}: expected a tensor [n, {count}, {self.head_dim}] (the heads written), "
+                                   f"got {getattr(t, 'shape', type(t).__name__)}")
+        if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.shape != (k.shape[0],):
+            raise KVCacheError(f"slot_mapping: expected a tensor [{k.shape[0]}] (one slot a row of k), got "
+                               f"{getattr(slot_mapping, 'shape', type(slot_mapping).__name__)}")
+        self._pool.write_tokens(slot_mapping, k, v, heads, positions, rope)
+
+    def first_page(self, seq_id: object) -> int:
+        """The first page id of a live sequence (-1 while it has none): the key that puts requests sharing a
+        prefix next to each other in a batch (the cascade's derived levels share consecutive requests' pages)."""
+        pages = self._seq(seq_id).pages
+        return pages[0] if pages else -1
 
     def _check_new(self, name: str, seq_id: object, hint: str = "") -> None:
         """``KVCacheError`` naming ``name`` unless ``seq_id`` is hashable and not yet in the cache."""
@@ -316,6 +350,16 @@ class PagedKVCache:
         """Keep ``seq_id`` from being chosen as a victim by the swap and recompute policies (or allow it again)."""
         self._seq(seq_id, live=False)
         (self._protected.add if protected else self._protected.discard)(seq_id)
+
+    def preempt(self, seq_id: object) -> None:
+        """Preempt live ``seq_id`` now, as the ``swap`` policy would (its pages copied to host memory;
+        ``resume`` brings them back): for a scheduler whose own victim is the sequence it could not grow.
+        Listed in ``preempted``. Only a cache with ``out_of_pages="swap"`` swaps; free the sequence otherwise."""
+        self._seq(seq_id)
+        if self.out_of_pages != "swap":
+            raise KVCacheError(f"seq_id: preempt({seq_id!r}) swaps a sequence out; this cache has out_of_pages="
+                               f"{self.out_of_pages!r} (free it and recompute it instead)")
+        self._preempt(seq_id)
 
     def resume(self, seq_id: object) -> None:
         """Bring a swapped-out sequence back: its saved pages are copied into free pages (taken under the

@@ -66,14 +66,30 @@ class PagePool:
 
     # ------------------------------------------------------------------------------------------ bytes
 
-    def write_tokens(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write new tokens' K/V (``k, v [n, num_kv_heads, head_dim]``) at ``slots [n]`` (int64, page *
-        page_size + offset, on the pool's device): one advanced-indexing scatter per tensor, correct on the
-        CPU and the GPU. The append kernel (``flashgen.append_kv``) replaces this scatter; its contract is
-        the same ``slot_mapping``."""
+    def write_tokens(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: slice | None = None,
+                     positions: torch.Tensor | None = None, rope=None) -> None:
+        """Write new tokens' K/V (``k, v [n, heads, head_dim]``) at ``slots [n]`` (int32/int64, ``page *
+        page_size + offset``, on the pool's device; -1 skips a token on the GPU) into the KV heads ``heads``
+        (all when None). On a GPU pool of fp16/bf16 K/V this is one ``flashgen.append_kv`` launch (with
+        ``rope``, a ``flashgen.RoPE``, K is rotated at ``positions [n]`` on the way, in the same launch); on
+        the CPU one advanced-indexing scatter per tensor (no ``rope``: rotate K first)."""
+        heads = slice(None) if heads is None else heads
+        if self.device.type == "cuda" and k.dtype in (torch.float16, torch.bfloat16):
+            from ..api.append import append_kv
+
+            if self.layout == "NHD":
+                cache = (self._k[:, :, heads], self._v[:, :, heads])
+            else:
+                cache = (self._k[:, heads], self._v[:, heads])
+            append_kv(k, v, cache, slot_mapping=slots, positions=positions, rope=rope, kv_layout=self.layout)
+            return
+        if rope is not None:
+            raise ValueError("rope: rotating K on the write needs the CUDA append kernel (a GPU pool of fp16/bf16 "
+                             "K/V); on this pool rotate K before writing it")
+        slots = slots.long()
         pages, offsets = slots // self.page_size, slots % self.page_size
-        self._k_nhd.index_put_((pages, offsets), k)
-        self._v_nhd.index_put_((pages, offsets), v)
+        self._k_nhd[:, :, heads].index_put_((pages, offsets), k.to(self.dtype))
+        self._v_nhd[:, :, heads].index_put_((pages, offsets), v.to(self.dtype))
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy page ``src``'s K and V into page ``dst`` (copy-on-write)."""

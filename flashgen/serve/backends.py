@@ -1,10 +1,17 @@
 """Attention for one engine step: decode rows (one query token each) and prefill chunks (causal, aligned to the
 end of each request's KV), planned once per step and run once per layer.
 
-Two backends behind one interface: ``WrapperAttention`` (the GPU kernels: ``BatchDecodeWrapper`` for the
-decode rows, ``BatchPrefillWrapper`` with a paged causal spec for the chunks) and ``ReferenceAttention`` (the
-same page tables through ``flashgen.testing.reference.reference_attention``, fp64, on any machine). Rows of a
-step are ordered decode rows first, then the prefill chunks.
+Two backends behind one interface: ``WrapperAttention`` (the GPU kernels: ``BatchDecodeWrapper`` or
+``CascadeWrapper`` for the decode rows, ``BatchPrefillWrapper`` with a paged causal spec for the chunks) and
+``ReferenceAttention`` (the same page tables and the same levels through
+``flashgen.testing.reference.reference_attention``, fp64, on any machine). Rows of a step are ordered decode
+rows first, then the prefill chunks.
+
+The decode rows' route (``route``): requests that share leading pages (a system prompt from the prefix cache,
+forks of one prompt) sit next to each other, so the cascade's derived levels (``flashgen.plan.derive_levels``)
+find the shared pages; where the cascade's cost model (``flashgen.plan.choose_levels``) runs at least one
+shared level on its own, the rows go through the cascade ("cascade"), else through one decode ("flat", which
+the engine may replay from a CUDA graph). Host work only: one numpy pass over the page ids.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import numpy as np
 import torch
 
 from ..kvcache import PageTables
+from ..plan.cascade import LevelTable, derive_levels
+from ..plan.cascade_cost import CascadePolicy, Shape, check_policy, choose_levels
 from ..spec import AttentionSpec, Causal, Paged
 
 
@@ -21,6 +30,37 @@ def specs(head_dim: int, page_size: int, dtype: str) -> tuple[AttentionSpec, Att
     decode = AttentionSpec(head_dim, dtype=dtype, kv_layout=Paged(page_size))
     prefill = AttentionSpec(head_dim, dtype=dtype, kv_layout=Paged(page_size), mask=Causal())
     return decode, prefill
+
+
+def cascade_tables(decode: PageTables, spec: AttentionSpec, num_qo_heads: int, num_kv_heads: int,
+                   policy: CascadePolicy | None = None) -> list[LevelTable] | None:
+    """The levels the cascade would run for decode rows ``decode`` (shared levels, then the per-request one),
+    or None when the cost model folds every shared level (or nothing is shared): attend flat.
+
+    >>> tables = cascade_tables(cache.page_tables(ids), spec, 32, 8)  # doctest: +SKIP
+    """
+    batch = int(decode.seq_lens.numel())
+    if batch < 2:
+        return None
+    page_size = spec.kv_layout.page_size
+    levels, flat = derive_levels(np.arange(batch + 1), decode.kv_indptr.numpy(), decode.kv_indices_host.numpy(),
+                                 decode.kv_last_page_len.numpy(), page_size, with_table=True)
+    if len(levels) == 1:
+        return None
+    shape = Shape(num_qo_heads, num_kv_heads, spec.head_dim, spec.head_dim_vo, _itemsize(spec.kv_dtype),
+                  _itemsize(spec.dtype), _tile_rows(spec))
+    kept, tables, _ = choose_levels(levels, shape, page_size, check_policy(policy), False, flat)
+    return tables if len(kept) > 1 else None
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize
+
+
+def _tile_rows(spec: AttentionSpec) -> int:
+    from ..kernels import launch_config
+
+    return launch_config(spec, "prefill").tile_q
 
 
 class StepPlan:
@@ -33,15 +73,28 @@ class StepPlan:
 
 
 class ReferenceAttention:
-    """fp64 reference attention over the manager's CSR tables (CPU or GPU tensors; slow, exact)."""
+    """fp64 reference attention over the manager's CSR tables (CPU or GPU tensors; slow, exact). Decode rows
+    that the cascade would run take its levels here too, each level's state merged as the kernels merge."""
 
     name = "fp64 reference"
 
-    def __init__(self, head_dim: int, page_size: int, num_qo_heads: int, num_kv_heads: int):
+    def __init__(self, head_dim: int, page_size: int, num_qo_heads: int, num_kv_heads: int,
+                 cascade_policy: CascadePolicy | None = None):
         # the reference reads the layout and the mask of a spec, not its dtype: fp64 math over any K/V dtype
         self.decode_spec, self.prefill_spec = specs(head_dim, page_size, "bfloat16")
         self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
+        self.cascade_policy = check_policy(cascade_policy)
         self._plan: StepPlan | None = None
+        self._levels: list[LevelTable] | None = None
+
+    def route(self, step: StepPlan) -> str:
+        """"cascade" or "flat" for the decode rows ("" without any); remembered for ``plan``."""
+        self._levels = None
+        if step.decode is None:
+            return ""
+        self._levels = cascade_tables(step.decode, self.decode_spec, self.num_qo_heads, self.num_kv_heads,
+                                      self.cascade_policy)
+        return "flat" if self._levels is None else "cascade"
 
     def plan(self, step: StepPlan, num_pages: int) -> None:
         self._plan = step
@@ -51,13 +104,28 @@ class ReferenceAttention:
         step, parts = self._plan, []
         if step.decode is not None:
             n = step.num_decode
-            out, _ = _reference(self.prefill_spec, q[:n], kv, np.arange(n + 1, dtype=np.int32), step.decode)
+            if self._levels is None:
+                out, _ = _reference(self.prefill_spec, q[:n], kv, np.arange(n + 1, dtype=np.int32), step.decode)
+            else:
+                out = _reference_levels(self.decode_spec, q[:n], kv, self._levels)
             parts.append(out)
         if step.prefill is not None:
             qo_indptr, tables = step.prefill
             out, _ = _reference(self.prefill_spec, q[step.num_decode:], kv, qo_indptr, tables)
             parts.append(out)
         return torch.cat(parts).to(q.dtype)
+
+
+def _reference_levels(spec: AttentionSpec, q: torch.Tensor, kv, levels: list[LevelTable]) -> torch.Tensor:
+    """The cascade's math in fp64: each level attended by its groups (every query of a group sees the whole
+    group's keys: the shared keys precede it), the states merged level by level."""
+    from ..testing.reference import merge_state_ref, reference_attention
+
+    out = lse = None
+    for table in levels:
+        o, s = reference_attention(spec, q, kv, qo_indptr=table.qo_indptr, **table.table())
+        out, lse = (o, s) if out is None else merge_state_ref(out, lse, o, s)
+    return out
 
 
 def _reference(spec: AttentionSpec, q: torch.Tensor, kv, qo_indptr: np.ndarray, tables: PageTables):
@@ -68,25 +136,47 @@ def _reference(spec: AttentionSpec, q: torch.Tensor, kv, qo_indptr: np.ndarray, 
 
 
 class WrapperAttention:
-    """The GPU path: one ``BatchDecodeWrapper`` and one ``BatchPrefillWrapper`` (paged causal), each planned
-    once per step (host lengths, device page ids) and run once per layer."""
+    """The GPU path: one ``BatchDecodeWrapper``, one ``CascadeWrapper`` (decode rows that share pages, where its
+    cost model says so) and one ``BatchPrefillWrapper`` (paged causal), each planned once per step (host
+    lengths, device page ids) and run once per layer. ``graphs_ok``: the engine may replay flat decode-only
+    steps from CUDA graphs (``graphs.DecodeGraphs``)."""
 
     name = "flashgen wrappers"
+    graphs_ok = True
 
     def __init__(self, head_dim: int, page_size: int, num_qo_heads: int, num_kv_heads: int, dtype: str = "bfloat16",
-                 device: torch.device | str = "cuda"):
-        from ..api import BatchDecodeWrapper, BatchPrefillWrapper
+                 device: torch.device | str = "cuda", cascade_policy: CascadePolicy | None = None):
+        from ..api import BatchDecodeWrapper, BatchPrefillWrapper, CascadeWrapper
 
         self.decode_spec, self.prefill_spec = specs(head_dim, page_size, dtype)
         self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
+        self.device = torch.device(device)
         self.decode = BatchDecodeWrapper(self.decode_spec, device=device)
+        self.cascade = CascadeWrapper(self.decode_spec, device=device)
         self.prefill = BatchPrefillWrapper(self.prefill_spec, device=device)
+        self.cascade_policy = check_policy(cascade_policy)
         self._plan: StepPlan | None = None
+        self._route = ""
+
+    def route(self, step: StepPlan) -> str:
+        """"cascade" or "flat" for the decode rows ("" without any); remembered for ``plan``."""
+        self._route = ""
+        if step.decode is not None:
+            tables = cascade_tables(step.decode, self.decode_spec, self.num_qo_heads, self.num_kv_heads,
+                                    self.cascade_policy)
+            self._route = "flat" if tables is None else "cascade"
+        return self._route
 
     def plan(self, step: StepPlan, num_pages: int) -> None:
         heads = {"num_qo_heads": self.num_qo_heads, "num_kv_heads": self.num_kv_heads, "num_pages": num_pages}
         if step.decode is not None:
-            self.decode.plan(**step.decode.csr(), **heads)
+            if self._route == "cascade":  # derived levels read host page ids
+                d = step.decode
+                self.cascade.plan(qo_indptr=np.arange(step.num_decode + 1), kv_indptr=d.kv_indptr,
+                                  kv_indices=d.kv_indices_host, kv_last_page_len=d.kv_last_page_len,
+                                  policy=self.cascade_policy, **heads)
+            else:
+                self.decode.plan(**step.decode.csr(), **heads)
         if step.prefill is not None:
             qo_indptr, tables = step.prefill
             self.prefill.plan(qo_indptr=qo_indptr, **tables.csr(), **heads)
@@ -95,7 +185,8 @@ class WrapperAttention:
     def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         step, parts = self._plan, []
         if step.decode is not None:
-            parts.append(self.decode.run(q[: step.num_decode], kv))
+            inner = self.cascade if self._route == "cascade" else self.decode
+            parts.append(inner.run(q[: step.num_decode], kv))
         if step.prefill is not None:
             parts.append(self.prefill.run(q[step.num_decode:], kv))
         return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -4,8 +4,8 @@ The forward pass takes the attention as a callback, so one model serves the page
 pages, attention through the wrappers or the fp64 reference) and the dense reference loop (K/V concatenated
 per request, plain attention). Per layer: RMSNorm, q/k/v projections (GQA), RoPE on q and k (Llama,
 non-interleaved halves, as ``flashgen.testing.reference.apply_rope``), ``attend(layer, q, k, v)``, the o
-projection, RMSNorm, SwiGLU MLP. K is rotated before ``attend`` sees it: a cache holds rotated K, so the
-attention spec has ``pos_encoding=None``.
+projection, RMSNorm, SwiGLU MLP. A cache holds rotated K, so the attention spec has ``pos_encoding=None``: K is
+rotated before ``attend`` sees it, or (``rotate_k=False``, the GPU loop) by the cache write itself.
 """
 
 from __future__ import annotations
@@ -109,9 +109,11 @@ class TinyLlama:
         self.lm_head = w(c.vocab, c.hidden) * 4.0  # logits of std ~4: clear argmax margins at random weights
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
-                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+                logit_rows: torch.Tensor | None = None, rotate_k: bool = True) -> torch.Tensor:
         """Logits ``[len(logit_rows), vocab]`` fp32 (every row when None) of ``tokens [n]`` at absolute
-        ``positions [n]``; ``attend`` writes the new K/V where its cache keeps them and returns the attention."""
+        ``positions [n]``; ``attend`` writes the new K/V where its cache keeps them and returns the attention.
+        ``rotate_k=False``: ``attend`` gets K unrotated (it rotates K as it writes it: ``flashgen.append_kv``'s
+        RoPE). Captured in a CUDA graph, ``tokens`` and ``positions`` are device tensors and nothing syncs."""
         c = self.config
         n = tokens.shape[0]
         positions = positions.to(self.device)
@@ -121,7 +123,9 @@ class TinyLlama:
             q = (x @ layer.wq.T).view(n, c.num_heads, c.head_dim)
             k = (x @ layer.wk.T).view(n, c.num_kv_heads, c.head_dim)
             v = (x @ layer.wv.T).view(n, c.num_kv_heads, c.head_dim)
-            q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+            q = rope(q, positions, c.rope_theta)
+            if rotate_k:
+                k = rope(k, positions, c.rope_theta)
             out = attend(index, q, k, v)
             h = h + out.reshape(n, -1).to(self.dtype) @ layer.wo.T
             x = rms_norm(h, layer.mlp_norm)

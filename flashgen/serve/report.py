@@ -15,7 +15,10 @@ class Summary:
     ``page_utilisation``: mean over steps of pages in use / pool; ``peak_pages``: most pages in use after a
     step; ``waste_fraction``: mean over steps of waste tokens / (pages in use x page size);
     ``max_waste_per_seq``: most waste tokens per live request after a step (below page_size by construction);
-    ``p50/p99_token_latency``: time between a request's consecutive output tokens (time to first token apart)."""
+    ``p50/p99_token_latency``: time between a request's consecutive output tokens (time to first token apart);
+    ``attention_share`` is measured over the steps that ran eagerly (a replayed graph is not timed inside);
+    ``routes``: steps by how their decode rows ran ("flat", "cascade", "graph"); ``policy``: the out-of-pages
+    policy, ``stalls``/``swaps``: its stalled growths and swap-outs; ``forks``: completions forked (n > 1)."""
 
     steps: int
     seconds: float
@@ -38,6 +41,11 @@ class Summary:
     prefix_hit_tokens: int
     p50_token_latency: float
     p99_token_latency: float
+    routes: dict = None
+    policy: str = "recompute"
+    stalls: int = 0
+    swaps: int = 0
+    forks: int = 0
 
 
 def summarize(engine) -> Summary:
@@ -52,11 +60,17 @@ def summarize(engine) -> Summary:
     waste = np.array([r.waste_tokens for r in rec] or [0])
     live = np.array([r.live_seqs for r in rec] or [0])
     gaps = [b - a for r in engine.finished for a, b in zip(r.token_times, r.token_times[1:])]  # after the first
+    eager = [r for r in rec if r.route != "graph"]
+    eager_seconds = sum(r.seconds for r in eager)
+    routes = {}
+    for r in rec:
+        if r.route:
+            routes[r.route] = routes.get(r.route, 0) + 1
     return Summary(
         steps=len(rec), seconds=seconds, output_tokens=out, processed_tokens=processed,
         tokens_per_s=out / seconds if seconds else 0.0, mean_step=seconds / len(rec) if rec else 0.0,
         mean_decode_step=float(np.mean(decode_only)) if decode_only else None,
-        attention_share=sum(r.attention_seconds for r in rec) / seconds if seconds else 0.0,
+        attention_share=sum(r.attention_seconds for r in eager) / eager_seconds if eager_seconds else 0.0,
         mean_batch=float(np.mean([r.live_seqs for r in rec])) if rec else 0.0,
         peak_batch=int(live.max()), num_pages=pool, page_size=ps, peak_pages=int(in_use.max()),
         page_utilisation=float(np.mean(in_use) / pool),
@@ -65,7 +79,12 @@ def summarize(engine) -> Summary:
         preemptions=engine.preemptions, delayed_admissions=engine.delayed,
         prefix_hit_tokens=engine.prefix_hit_tokens,
         p50_token_latency=float(np.percentile(gaps, 50)) if gaps else 0.0,
-        p99_token_latency=float(np.percentile(gaps, 99)) if gaps else 0.0)
+        p99_token_latency=float(np.percentile(gaps, 99)) if gaps else 0.0, routes=routes,
+        policy=engine.config.out_of_pages, stalls=engine.stalls, swaps=engine.swaps, forks=engine.forks)
+
+
+_ROUTES = {"flat": "flat decode", "cascade": "through the cascade (shared pages read once a group)",
+           "graph": "replayed from CUDA graphs"}
 
 
 def _ms(seconds: float | None) -> str:
@@ -79,13 +98,16 @@ def format_summary(s: Summary, kernels: str) -> str:
         f"tokens              {s.output_tokens} generated, {s.processed_tokens} through the model "
         f"({s.tokens_per_s:.1f} generated tokens/s)",
         f"step time           mean {_ms(s.mean_step)}; decode-only steps {_ms(s.mean_decode_step)}",
-        f"attention share     {s.attention_share:.0%} of step time (timed around the attention calls)",
+        f"attention share     {s.attention_share:.0%} of step time (timed around the attention calls of eager steps)",
+        f"decode attention    " + (", ".join(f"{n} step(s) {_ROUTES[k]}" for k, n in sorted((s.routes or {}).items()))
+                                   or "no decode rows"),
         f"batch               mean {s.mean_batch:.1f} requests, peak {s.peak_batch}",
         f"pages               peak {s.peak_pages} of {s.num_pages} (page size {s.page_size}), mean utilisation "
         f"{s.page_utilisation:.0%}, tail waste {s.waste_fraction:.1%} of held slots "
         f"(at most {s.max_waste_per_seq:.1f} tokens a request)",
-        f"scheduler           {s.preemptions} preemption(s) (recompute), {s.delayed_admissions} delayed "
-        f"admission(s), {s.prefix_hit_tokens} prompt tokens from the prefix cache",
+        f"scheduler           out_of_pages={s.policy}: {s.preemptions} preemption(s) ({s.swaps} swapped out), "
+        f"{s.stalls} stalled growth(s), {s.delayed_admissions} delayed admission(s), {s.prefix_hit_tokens} prompt "
+        f"tokens from the prefix cache, {s.forks} completion(s) forked",
         f"per-token latency   p50 {_ms(s.p50_token_latency)}, p99 {_ms(s.p99_token_latency)}",
         f"kernels             {kernels}",
     ]
