@@ -42,8 +42,8 @@ class Positions:
             raise PlanError("kv_page_pos: explicit positions take a CSR page table (kv_indptr, kv_indices, "
                             "kv_last_page_len), not block_table")
         total_kv = int(kv_indptr[-1])
-        pages = _positions("kv_page_pos", kv_page_pos, total_kv, "kv_indptr[-1]", exact=False)
-        queries = _positions("q_pos", q_pos, total_q, "the total query count", exact=True)
+        pages = _positions("kv_page_pos", kv_page_pos, total_kv, "kv_indptr[-1]", 0, exact=False)
+        queries = _positions("q_pos", q_pos, total_q, "the total query count", -MAX_POSITION, exact=True)
         if self.q_rows is not None:
             if self.page_rows is None:
                 self.page_rows = max(total_kv, 1)
@@ -63,14 +63,17 @@ def refuse_positions(kv_page_pos, q_pos) -> None:
         raise PlanError(f"{name}: explicit positions need a wrapper built with kernel_options={{'positions': True}}")
 
 
-def _positions(name: str, value, size: int, what: str, exact: bool) -> np.ndarray:
+def _positions(name: str, value, size: int, what: str, low: int, exact: bool) -> np.ndarray:
+    """``value`` checked: ``size`` entries (at least, unless ``exact``) in ``[low, 2**30)``. Queries may sit
+    before position 0 (a request with fewer keys than queries, as flat attention places its first ones)."""
     array = host_array(name, value)
     if array.size < size or (exact and array.size != size):
         raise PlanError(f"{name}: has {array.size} entries, expected {'' if exact else 'at least '}{what} = {size}")
     array = array[:size]
-    if size and (int(array.min()) < 0 or int(array.max()) >= MAX_POSITION):
-        i = int(np.flatnonzero((array < 0) | (array >= MAX_POSITION))[0])
-        raise PlanError(f"{name}[{i}] = {int(array[i])}, expected a position in [0, 2**30)")
+    if size and (int(array.min()) < low or int(array.max()) >= MAX_POSITION):
+        i = int(np.flatnonzero((array < low) | (array >= MAX_POSITION))[0])
+        bound = "0" if low == 0 else "-2**30"
+        raise PlanError(f"{name}[{i}] = {int(array[i])}, expected a position in [{bound}, 2**30)")
     return array
 
 

@@ -206,9 +206,9 @@ def level_positions(levels: Sequence[LevelTable], page_size: int) -> tuple[list[
     q_pos)``. A level's group starts where its tokens' keys of the earlier levels end (the sum of their groups'
     ``kv_lens``), so its page ``i`` starts at that offset + ``i x page_size`` (``kv_page_pos``, parallel to its
     ``kv_indices``); a token's position is its request's whole KV length (all levels) - qo_len + its index in the
-    request (``q_pos [total_q]``). Numpy over the tokens and pages, one pass a level. ``PlanError``: a block-table
-    level, a group whose tokens have different keys before it (levels must nest), a request with more queries
-    than keys.
+    request (``q_pos [total_q]``; negative for the first queries of a request with fewer keys than queries, as
+    flat attention places them). Numpy over the tokens and pages, one pass a level. ``PlanError``: a block-table
+    level, or a group whose tokens have different keys before it (levels must nest).
 
     >>> shared = LevelTable(np.array([0, 2]), np.array([20]), np.array([0, 2]), np.arange(2), np.array([4]))
     >>> last = LevelTable(np.array([0, 1, 2]), np.array([3, 17]), np.array([0, 1, 3]), np.arange(3), np.array([3, 1]))
@@ -239,11 +239,6 @@ def level_positions(levels: Sequence[LevelTable], page_size: int) -> tuple[list[
     counts = np.diff(qo)
     q_pos = before[:total_q] - np.repeat(counts, counts) + (
         np.arange(total_q) - np.repeat(qo[:-1], counts))
-    if total_q and q_pos.min() < 0:
-        t = int(np.flatnonzero(q_pos < 0)[0])
-        b = int(np.searchsorted(qo, t, side="right") - 1)
-        raise PlanError(f"levels: request {b} has {int(counts[b])} queries but {int(before[t])} keys in all levels; "
-                        "its queries are its last tokens, so it needs at least as many keys")
     return pages, q_pos
 
 
