@@ -4,6 +4,8 @@ outputs), and a CUDA graph replays after re-planning."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -25,6 +27,19 @@ SPECS = {
     "window_rope": AttentionSpec(128, kv_layout=Paged(PAGE), mask=SlidingWindow(40), pos_encoding=RoPE()),
     "nomask_alibi": AttentionSpec(128, kv_layout=Paged(PAGE), mask=NoMask(), pos_encoding=ALiBi()),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    """Compile the module's kernels (every level's, with explicit positions) in parallel up front."""
+    specs = list(SPECS.values()) + [AttentionSpec(128, kv_layout=Paged(PAGE), mask=SlidingWindow(30),
+                                                  pos_encoding=RoPE())]
+    jobs = []
+    for spec in specs:
+        shared = spec if isinstance(spec.mask, SlidingWindow) else spec.replace(mask=NoMask())
+        jobs += [(shared, "prefill"), (spec, "prefill"), (spec, "decode")]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(lambda job: flashgen.ensure_compiled(*job, options={"positions": True}), jobs))
 
 
 def tree_case(seed: int, batch: int, depth: int, qo_lens, spare_pages: int = 2):

@@ -5,6 +5,8 @@ positions, NaN-poisoned outputs, and a CUDA-graph replay after re-planning."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,16 @@ BSR_SPECS = {
     "window_alibi": AttentionSpec(128, kv_layout=Ragged(), mask=SlidingWindow(50), pos_encoding=ALiBi()),
     "causal": AttentionSpec(64, dtype="float16", kv_layout=Ragged(), mask=Causal(), soft_cap=20.0),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    """Compile the module's kernels (explicit positions) in parallel up front."""
+    jobs = [(s.replace(kv_layout=Paged(c)), "prefill") for s in BSR_SPECS.values() for c in (1, 8, 16, 64)]
+    jobs += [(AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE()), "prefill")]
+    jobs += [(s, "decode") for s in DECODE_SPECS.values()]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(lambda job: flashgen.ensure_compiled(*job, options={"positions": True}), jobs))
 
 
 def pattern(rows: int, cols: int, density: float, rng: np.random.Generator):
