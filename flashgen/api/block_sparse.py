@@ -9,18 +9,19 @@ time grows with the kept blocks.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..kernels import family, launch_config
 from ..plan import PlanError, bsr_page_table
 from ..plan.host import check_heads, check_int
-from ..spec import AttentionSpec, BlockSparse, Paged, Ragged, SpecError
+from ..spec import AttentionSpec, BlockSparse, CustomMask, Paged, Ragged, SpecError
 from . import handles
 from .backends import BACKENDS
 from .checks import check_count
 from .kv_inputs import KVView
 from .prefill import BatchPrefillWrapper, prefill_kv_view
-from .sparse_pages import check_position_free
+from .sparse_pages import position_free
 from .wrapper import resolve_device
 
 
@@ -32,6 +33,20 @@ def sm90_reads_whole_pages(spec: AttentionSpec) -> bool:
         return not launch_config(spec, "prefill_sm90").gather
     except SpecError:
         return False
+
+
+def positions_options(spec: AttentionSpec, backend: str, kernel_options: dict | None, what: str) -> dict | None:
+    """The inner wrapper's kernel options: ``kernel_options`` as given for a position-free spec, else with
+    explicit positions on (``SpecError`` for a custom mask, which has no positions, or ``backend="sm90"``, which
+    takes none yet)."""
+    if position_free(spec):
+        return kernel_options
+    if isinstance(spec.mask, CustomMask):
+        raise SpecError(f"mask: {what} takes NoMask(), Causal() or SlidingWindow(left), got {spec.mask!r}")
+    if backend == "sm90":
+        raise SpecError(f"backend: 'sm90' takes no explicit positions yet, which {what} needs for {spec.mask!r} / "
+                        f"{spec.pos_encoding!r}; backend='auto' runs them on the portable kernel")
+    return {**(kernel_options or {}), "positions": True}
 
 
 def check_prefill_spec(spec: AttentionSpec, backend: str, kernel_options: dict | None = None) -> None:
@@ -100,11 +115,13 @@ class BlockSparseWrapper:
     indptr[r+1]]`` (key rows ``c*C .. min((c+1)*C, N)``; each row's sorted and unique). Any ``R, C >= 1``; M and N
     need not be multiples of them. A block row with no kept block gives ``out = 0`` and ``lse = -inf``.
 
-    Masks and positions: the kernels number a block row's keys by their place in its list of kept blocks, not
-    by their true positions, so the spec must have ``NoMask()`` and no positional encoding (Causal,
-    SlidingWindow, CustomMask, RoPE and ALiBi raise ``SpecError`` here); soft-cap and ``sm_scale`` are
-    position-free and allowed. ``spec.kv_layout`` is not read (K and V are dense), except that a
-    ``BlockSparse(R, C)`` layout fixes R and C: plan() checks that it is given those.
+    Masks and positions: query row ``i`` sits at position ``i`` and key row ``j`` at ``j`` (block index x C +
+    offset), so ``Causal()`` (key ``j <= i``, aligned at the top left of the M x N matrix), ``SlidingWindow(left)``
+    (``i - left <= j <= i``), ``RoPE()`` and ``ALiBi()`` apply inside the kept blocks as over the dense matrix;
+    such specs run the portable kernel with explicit positions (``kernel_options["positions"]``; ``"sm90"``
+    raises ``SpecError``), position-free ones (NoMask, no encoding; soft-cap and ``sm_scale`` allowed) any
+    backend. ``CustomMask`` raises ``SpecError``. ``spec.kv_layout`` is not read (K and V are dense), except that
+    a ``BlockSparse(R, C)`` layout fixes R and C: plan() checks that it is given those.
 
     Backends (``backend``, as ``BatchPrefillWrapper``'s): the pattern runs as a paged prefill with one request
     per block row and pages of C tokens. ``"auto"`` runs the Hopper kernel (wgmma + TMA) on a compute-capability
@@ -132,10 +149,12 @@ class BlockSparseWrapper:
                  kernel_options: dict | None = None):
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
-        check_position_free(spec, "BlockSparseWrapper")
         if backend not in BACKENDS:
             raise ValueError(f"backend: got {backend!r}, expected one of {', '.join(map(repr, BACKENDS))}")
-        check_prefill_spec(spec, backend, kernel_options)
+        kernel_options = positions_options(spec, backend, kernel_options, "BlockSparseWrapper")
+        self._positions = not position_free(spec)
+        self._q_pos = np.zeros(0, np.int32)  # 0 .. M-1, kept for the next plan of the same M
+        check_prefill_spec(spec, "portable" if self._positions else backend, kernel_options)
         self.spec, self._backend, self._kernel_options = spec, backend, kernel_options
         self.num_sms = check_count("num_sms", num_sms)
         self.use_cuda_graph = use_cuda_graph
@@ -152,11 +171,13 @@ class BlockSparseWrapper:
         return None if self._planned is None else self._planned[0].backend
 
     def plan(self, indptr, indices, M: int, N: int, R: int, C: int, num_qo_heads: int, num_kv_heads: int, *,
-             sm_scale: float | None = None, soft_cap: float | None = None, enable_split: bool = True) -> None:
+             sm_scale: float | None = None, soft_cap: float | None = None, window_left: int | None = None,
+             rope_theta: float | None = None, rope_scale: float | None = None, enable_split: bool = True) -> None:
         """Plan a BSR pattern: ``indptr [ceil(M / R) + 1]`` and ``indices [nnz]`` (host int arrays: numpy, lists
         or CPU tensors; planning never synchronises with the GPU), ``M`` query rows, ``N`` key rows, blocks of
-        ``R x C``. ``sm_scale`` (default: the spec's, else 1/sqrt(head_dim)) and ``soft_cap`` (specs with a
-        soft-cap) as ``BatchPrefillWrapper.plan``'s; ``enable_split``: the portable kernel may split long block
+        ``R x C``. ``sm_scale`` (default: the spec's, else 1/sqrt(head_dim)), ``soft_cap`` (specs with a
+        soft-cap), ``window_left`` (SlidingWindow), ``rope_theta`` and ``rope_scale`` (RoPE) as
+        ``BatchPrefillWrapper.plan``'s; ``enable_split``: the portable kernel may split long block
         rows over several CTAs.
 
         Raises ``PlanError`` naming the argument: ``M``, ``N`` ints >= 0, ``R``, ``C`` ints >= 1; ``indptr`` of
@@ -179,9 +200,15 @@ class BlockSparseWrapper:
         qo, kv_indptr, kv_indices, last, _ = bsr_page_table(indptr, indices, block_q=R, block_kv=C, qo_len=M,
                                                             kv_len=N)
         inner = self._inner_wrapper(M, N, R, C, kv_indices.size)
+        positions = {}
+        if self._positions:  # key rows: block index x C + offset; query rows: their index
+            if self._q_pos.size != M:
+                self._q_pos = np.arange(M, dtype=np.int32)
+            positions = {"kv_page_pos": kv_indices * C, "q_pos": self._q_pos}
         inner.plan(qo_indptr=qo, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=last,
                    num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, sm_scale=sm_scale, soft_cap=soft_cap,
-                   num_pages=-(-N // C), enable_split=enable_split)
+                   window_left=window_left, rope_theta=rope_theta, rope_scale=rope_scale, num_pages=-(-N // C),
+                   enable_split=enable_split, **positions)
         self._shape, self._planned = (M, N, R, C), (inner, N)
 
     def _inner_wrapper(self, M: int, N: int, R: int, C: int, num_blocks: int) -> BatchPrefillWrapper:
@@ -190,7 +217,7 @@ class BlockSparseWrapper:
         inner = self._inner.get((C, N % C == 0))
         if inner is None:
             spec = self.spec.replace(kv_layout=Paged(C, "NHD"))
-            backend = inner_backend(spec, self._backend, N, C)
+            backend = "portable" if self._positions else inner_backend(spec, self._backend, N, C)
             graph = {}
             if self.use_cuda_graph:
                 most = num_blocks if self.max_num_blocks is None else self.max_num_blocks

@@ -15,6 +15,13 @@ x group 4 = 4 tiles x 8 kv heads = 32 CTAs for a 32k prefix on 132 SMs), while t
 plan fills the GPU. So the Hopper kernel runs a level only where its grid fills the SMs (q tiles x kv heads >=
 SMs) on a compute-capability 9.0 GPU that runs the spec; else the portable kernel. CUDA-graph wrappers run the
 portable kernel (the choice may not change between plans) unless ``"sm90"`` is forced.
+
+Positions: a spec with RoPE, ALiBi or a sliding window runs every level with explicit true positions
+(``kernel_options={"positions": True}`` on the inner wrappers, the portable prefill kernel and decode): each
+level's pages start where its tokens' keys of the earlier levels end and each query sits at its place in its
+whole sequence (``plan.cascade.level_positions``), so the answer is flat attention's over the whole sequence;
+a window then also masks the shared levels. NoMask / Causal specs without an encoding keep the position-free
+kernels (shared levels unmasked, the last level causal at its own KV end).
 """
 
 from __future__ import annotations
@@ -26,11 +33,11 @@ import torch
 
 from ..kernels import family, launch_config
 from ..plan import PlanError
-from ..plan.cascade import LevelTable, check_causal, check_levels, derive_levels, empty_level
+from ..plan.cascade import LevelTable, check_causal, check_levels, derive_levels, empty_level, level_positions
 from ..plan.cascade_cost import Shape, check_policy, choose_levels
 from ..plan.host import check_heads
 from ..plan.page_table import block_table_to_csr
-from ..spec import ALiBi, AttentionSpec, Causal, NoMask, Paged, RoPE, SpecError
+from ..spec import ALiBi, AttentionSpec, Causal, NoMask, Paged, RoPE, SlidingWindow, SpecError
 from . import handles
 from . import wrapper as core
 from .backends import BACKENDS, select
@@ -60,25 +67,21 @@ class LevelRecord(NamedTuple):
 
 
 def check_cascade_spec(spec: AttentionSpec) -> None:
-    """``SpecError`` unless a cascade runs ``spec`` exactly: a paged layout, NoMask or Causal, no positional
-    encoding (the shared levels do not pass the kernels the keys' true positions yet)."""
+    """``SpecError`` unless a cascade runs ``spec`` exactly: a paged layout; NoMask, Causal or SlidingWindow
+    (a custom mask's bits have no place in the levels)."""
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
     if not isinstance(spec.kv_layout, Paged):
         raise SpecError(f"kv_layout: CascadeWrapper shares pages, so it takes a Paged(...) layout, got "
                         f"{spec.kv_layout!r}")
-    if isinstance(spec.pos_encoding, RoPE):
-        raise SpecError("pos_encoding: RoPE needs each key's true position in the shared levels, which the cascade "
-                        "does not pass to the kernels yet: store the keys already rotated in the cache, rotate q "
-                        "before run(), and use pos_encoding=None")
-    if isinstance(spec.pos_encoding, ALiBi):
-        raise SpecError("pos_encoding: ALiBi needs each key's true position in the shared levels, which the cascade "
-                        "does not pass to the kernels yet: use BatchDecodeWrapper / BatchPrefillWrapper over the "
-                        "whole sequences")
-    if not isinstance(spec.mask, (NoMask, Causal)):
-        raise SpecError(f"mask: CascadeWrapper takes NoMask() or Causal(), got {spec.mask!r} (a sliding window needs "
-                        "true key positions in the shared levels, not passed to the kernels yet; use "
-                        "BatchDecodeWrapper / BatchPrefillWrapper over the whole sequences)")
+    if not isinstance(spec.mask, (NoMask, Causal, SlidingWindow)):
+        raise SpecError(f"mask: CascadeWrapper takes NoMask(), Causal() or SlidingWindow(left), got {spec.mask!r} "
+                        "(use BatchPrefillWrapper over the whole sequences for a custom mask)")
+
+
+def needs_positions(spec: AttentionSpec) -> bool:
+    """Whether a cascade of ``spec`` runs its levels with explicit true positions: RoPE, ALiBi or a window."""
+    return spec.pos_encoding is not None or isinstance(spec.mask, SlidingWindow)
 
 
 class CascadeWrapper:
@@ -101,10 +104,13 @@ class CascadeWrapper:
     for its launch into the next level (its pages prepended to each group there; host page ids only), so a short
     prefix is attended flat. ``wrapper.levels`` records the decisions.
 
-    Specs: paged (any page size, NHD / HND), NoMask or Causal (the last level applies it; a causal plan needs every
-    shared key before each request's first query: last-level ``kv_len >= qo_len - 1``, which derived levels
-    satisfy by construction), soft-cap and sm_scale. RoPE, ALiBi and sliding windows need the keys' true positions
-    in the shared levels and are refused (``SpecError``) for now.
+    Specs: paged (any page size, NHD / HND), NoMask, Causal or SlidingWindow (a causal plan needs every shared key
+    before each request's first query: last-level ``kv_len >= qo_len - 1``, which derived levels satisfy by
+    construction), RoPE, ALiBi, soft-cap and sm_scale. RoPE, ALiBi and windows run every level with true
+    positions (module docstring) on the portable prefill kernel and decode (``prefill_backend="sm90"`` raises
+    ``SpecError`` for them), the same answer as flat attention over each whole sequence; their levels take CSR
+    page tables (not block tables). ``plan()`` takes their runtime values (``window_left``, ``rope_theta``,
+    ``rope_scale``) as ``BatchPrefillWrapper.plan`` does. CustomMask raises ``SpecError``.
 
     ``num_levels``: the most levels (shared + last) a plan runs: deeper shared pages of derived levels stay in the
     last level, explicit plans may give no more. ``use_cuda_graph=True`` needs ``num_levels`` and
@@ -124,7 +130,13 @@ class CascadeWrapper:
                  workspace: torch.Tensor | None = None):
         check_cascade_spec(spec)
         self.spec = spec
-        self._shared_spec = spec.replace(mask=NoMask())
+        # shared levels: every query lies after their keys, so causal needs no mask there; a window does
+        self._shared_spec = spec if isinstance(spec.mask, SlidingWindow) else spec.replace(mask=NoMask())
+        self._positions = needs_positions(spec)
+        self._options = {"positions": True} if self._positions else None
+        if self._positions and prefill_backend == "sm90":
+            raise SpecError("prefill_backend: 'sm90' takes no explicit positions yet, which a cascade of RoPE, ALiBi "
+                            "or a sliding window needs ('auto' runs such levels on the portable kernel)")
         prefill = family("prefill")
         prefill.check(prefill.project(spec))
         try:
@@ -167,7 +179,9 @@ class CascadeWrapper:
 
     def plan(self, *, num_qo_heads: int, num_kv_heads: int, levels=None, qo_indptr=None, kv_indptr=None,
              kv_indices=None, kv_last_page_len=None, block_table=None, seq_lens=None, sm_scale: float | None = None,
-             soft_cap: float | None = None, num_pages: int | None = None, policy=None) -> None:
+             soft_cap: float | None = None, num_pages: int | None = None, policy=None,
+             window_left: int | None = None, rope_theta: float | None = None,
+             rope_scale: float | None = None) -> None:
         """Plan a batch: the levels, which of them run, and each level's inner plan.
 
         Derived levels: ``qo_indptr [batch + 1]`` and a host page table, ``kv_indptr [batch + 1]``, ``kv_indices``,
@@ -175,8 +189,8 @@ class CascadeWrapper:
         levels: ``levels``, a list of ``flashgen.CascadeLevel`` (or 4-tuples ``(qo_indptr, kv_indptr, kv_indices,
         kv_last_page_len)``, or mappings), level 0 first and the per-request level last; every level's
         ``qo_indptr`` ends at the same ``total_q``; page ids may be device tensors (such levels are never
-        folded). ``sm_scale``, ``soft_cap`` and ``num_pages`` (the pool size, bounding host page ids) are as
-        ``BatchDecodeWrapper.plan`` takes them. ``policy``: a ``flashgen.plan.CascadePolicy`` (rates, and
+        folded). ``sm_scale``, ``soft_cap``, ``window_left``, ``rope_theta``, ``rope_scale`` and ``num_pages``
+        (the pool size, bounding host page ids) are as ``BatchDecodeWrapper.plan`` takes them. ``policy``: a ``flashgen.plan.CascadePolicy`` (rates, and
         ``fold="cost" | "never" | "always"``). Errors name the argument and, for a level, ``levels[l]``.
         """
         self._runs = None  # a plan that fails leaves nothing to run
@@ -203,22 +217,33 @@ class CascadeWrapper:
         last = runs_tables[-1]
         decode = self._decode_last(last)
         common = {"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "sm_scale": sm_scale,
-                  "soft_cap": soft_cap, "num_pages": num_pages}
+                  "soft_cap": soft_cap, "num_pages": num_pages, "rope_theta": rope_theta, "rope_scale": rope_scale}
+        if window_left is not None:
+            common["window_left"] = window_left
         shared = list(zip(kept[:-1], runs_tables[:-1]))
         if self.use_cuda_graph:  # every level launches: the ones not run get no KV
             shared += [(None, empty_level(int(last.qo_indptr[-1])))] * (self.num_levels - 1 - len(shared))
+        positions = self._level_positions([t for _, t in shared] + [last])
         runs, ran = [], {}
         for slot, (index, table) in enumerate(shared):
             backend = self._backend(table, self._shared_spec, num_qo_heads, num_kv_heads)
             runs.append(self._planned(("shared", slot, backend), self._shared_spec, backend, index, derived, table,
-                                      common))
+                                      {**common, **positions[slot]}))
             ran[index] = backend
         backend = "decode" if decode else self._backend(last, self.spec, num_qo_heads, num_kv_heads)
-        runs.append(self._planned(("last", backend), self.spec, backend, len(tables) - 1, derived, last, common))
+        runs.append(self._planned(("last", backend), self.spec, backend, len(tables) - 1, derived, last,
+                                  {**common, **positions[-1]}))
         self._runs = tuple(runs)
         # (spec, table) of each run, in run order: what the levels compute (the tests' CPU check reads it)
         self._run_tables = tuple((self._shared_spec, t) for _, t in shared) + ((self.spec, last),)
         self.levels = self._records(tables, dict(zip(kept, runs_tables)), choices, ran, backend)
+
+    def _level_positions(self, tables: list[LevelTable]) -> list[dict]:
+        """Each run's ``kv_page_pos`` / ``q_pos`` plan arguments (empty dicts for position-free specs)."""
+        if not self._positions:
+            return [{}] * len(tables)
+        pages, q_pos = level_positions(tables, self.spec.kv_layout.page_size)
+        return [{"kv_page_pos": p, "q_pos": q_pos} for p in pages]
 
     def _derive(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, block_table, seq_lens,
                 num_pages) -> tuple[list[LevelTable], LevelTable]:
@@ -249,7 +274,7 @@ class CascadeWrapper:
 
     def _backend(self, table: LevelTable, spec: AttentionSpec, num_qo_heads: int, num_kv_heads: int) -> str:
         """The prefill kernel of a level: the Hopper one where its unsplit grid fills the SMs (module docstring)."""
-        if self.use_cuda_graph or self.prefill_backend != "auto":
+        if self.use_cuda_graph or self.prefill_backend != "auto" or self._positions:
             return "sm90" if self.prefill_backend == "sm90" else "portable"
         tile = self._sm90.get(spec)
         if tile is None:
@@ -270,11 +295,11 @@ class CascadeWrapper:
                      "max_num_pages": self.max_num_pages}
             if backend == "decode":
                 inner = BatchDecodeWrapper(spec, max_batch_size=self.max_total_q if self.use_cuda_graph else None,
-                                           **graph)
+                                           kernel_options=self._options, **graph)
             else:
                 capacity = (self.max_batch_size, self.max_total_q) if self.use_cuda_graph else (None, None)
                 inner = BatchPrefillWrapper(spec, max_batch_size=capacity[0], max_total_q=capacity[1],
-                                            backend=backend, **graph)
+                                            backend=backend, kernel_options=self._options, **graph)
             self._inner[key] = inner
         try:
             if backend == "decode":

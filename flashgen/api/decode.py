@@ -16,6 +16,7 @@ from . import handles
 from .checks import check_count
 from .kv_inputs import PageTable, kv_view, page_table
 from .page_ids import page_ids_for
+from .positions import Positions, refuse_positions, wants_positions
 from .portable import (HOST_ARRAYS_HINT, RUNTIME_FIELDS, SplitKVLaunch, host_ids_reserve, page_fields, split_kv_fields,
                        table_extras)
 from .staging import DeviceBuffer
@@ -47,6 +48,9 @@ class BatchDecodeWrapper:
     ``[0, num_pages)`` (``num_pages`` given to plan(), else ``>= 0`` there and below the cache's page count at
     run()), the error naming the first bad position. Host page ids are always checked in full.
 
+    ``kernel_options={"positions": True}``: keys and queries at explicit true positions; every plan() then takes
+    ``kv_page_pos`` and ``q_pos`` (``flashgen.api.positions``), with a CSR page table.
+
     ``workspace`` is accepted for FlashInfer-style call sites and not used: the wrapper sizes its own
     buffers (fixed at the first plan in CUDA-graph mode).
     """
@@ -54,9 +58,10 @@ class BatchDecodeWrapper:
     def __init__(self, spec: AttentionSpec, workspace: torch.Tensor | None = None, use_cuda_graph: bool = False,
                  max_batch_size: int | None = None, device: torch.device | int | None = None,
                  num_sms: int | None = None, max_num_pages: int | None = None,
-                 max_pages_per_request: int | None = None, check_indices: bool | None = None):
+                 max_pages_per_request: int | None = None, check_indices: bool | None = None,
+                 kernel_options: dict | None = None):
         self.spec = family("decode").project(spec)
-        family("decode").check(self.spec)
+        family("decode", kernel_options).check(self.spec)
         max_batch_size = check_count("max_batch_size", max_batch_size)
         if use_cuda_graph and not max_batch_size:
             raise ValueError("max_batch_size: required with use_cuda_graph=True (the graph's fixed capacity)")
@@ -67,7 +72,9 @@ class BatchDecodeWrapper:
                                 max_pages_per_request, check_indices)
         self._core = WrapperCore(self.spec, self.device, num_sms, graph, align=0, page_ids=page_ids)
         self.num_sms = self._core.num_sms
-        self._impl = DecodeBackend(self._core)
+        self._impl = DecodeBackend(self._core, kernel_options)
+        self._positions = Positions(max_batch_size if graph else None, max_num_pages) if wants_positions(
+            kernel_options) else None
         self._fp8 = self.spec.kv_dtype.startswith("float8")
         self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 
@@ -75,7 +82,8 @@ class BatchDecodeWrapper:
              block_table=None, seq_lens=None, sm_scale: float | None = None, rope_theta: float | None = None,
              rope_scale: float | None = None, window_left: int | None = None, soft_cap: float | None = None,
              num_pages: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-             enable_split: bool = True, split_policy: SplitPolicy | None = None) -> None:
+             enable_split: bool = True, split_policy: SplitPolicy | None = None, kv_page_pos=None,
+             q_pos=None) -> None:
         """Plan a batch. Lengths (``kv_indptr``, ``kv_last_page_len``, ``seq_lens``) are host arrays: planning
         never synchronises with the GPU (unless ``check_indices``). Page ids (``kv_indices`` or ``block_table``)
         may be device int32 tensors, read in place by the kernel (copied into the wrapper's buffer in CUDA-graph
@@ -87,7 +95,9 @@ class BatchDecodeWrapper:
         (``wrapper.runtime_values``). ``num_pages`` (the pool size) bounds host page ids here; without it they
         are checked against the cache at ``run()``. ``k_scale``/``v_scale``: per-tensor scales of fp8 K/V (the
         cache holds K/k_scale and V/v_scale; 1.0 for other caches). ``split_policy``: the planner's split policy
-        (``flashgen.plan.SplitPolicy``; default ``DEFAULT_SPLIT_POLICY``).
+        (``flashgen.plan.SplitPolicy``; default ``DEFAULT_SPLIT_POLICY``). ``kv_page_pos [>= kv_indptr[-1]]``,
+        ``q_pos [batch]``: host int arrays, the true positions of each page's first token and of each request's
+        query, for a wrapper built with ``kernel_options={"positions": True}`` (refused otherwise).
         """
         check_heads(num_qo_heads, num_kv_heads)
         table = page_table(self.spec, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
@@ -102,7 +112,13 @@ class BatchDecodeWrapper:
         runtime = self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap)
         if k_scale != 1.0 or v_scale != 1.0:
             runtime = self._scaled(runtime, k_scale, v_scale)
-        self._impl.plan(table, num_qo_heads, num_kv_heads, runtime, float(v_scale), enable_split, split_policy)
+        positions = {}
+        if self._positions is not None:
+            self._positions.extras(positions, table.kv_indptr_host, batch, kv_page_pos, q_pos)
+        else:
+            refuse_positions(kv_page_pos, q_pos)
+        self._impl.plan(table, num_qo_heads, num_kv_heads, runtime, float(v_scale), enable_split, split_policy,
+                        positions)
         rows = batch if not self.use_cuda_graph else self.max_batch_size
         self._core.set_planned(rows, num_qo_heads, num_kv_heads, table)
 
@@ -131,8 +147,8 @@ class BatchDecodeWrapper:
 class DecodeBackend(SplitKVLaunch):
     """The decode kernel: plan (``plan_decode``, slots = SMs x CTAs an SM), upload, params by name, launch."""
 
-    def __init__(self, core: WrapperCore):
-        self.core, self.spec = core, core.spec
+    def __init__(self, core: WrapperCore, options: dict | None = None):
+        self.core, self.spec, self.options = core, core.spec, options
         self._tmp_o = DeviceBuffer(torch.float32, core.device, core.fixed)
         self._tmp_lse = DeviceBuffer(torch.float32, core.device, core.fixed)
         self._kernel = None
@@ -141,13 +157,13 @@ class DecodeBackend(SplitKVLaunch):
     def _load(self) -> None:
         from ..jit import build
 
-        self._kernel = build(self.spec, "decode", device=self.core.device.index)
+        self._kernel = build(self.spec, "decode", device=self.core.device.index, options=self.options)
         self._fn = self._kernel["decode"]
         self._launch = self._kernel.launch_config
         self._params = self._kernel.params["decode"].bind(RUNTIME_FIELDS)
 
     def plan(self, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime, v_scale: float,
-             enable_split: bool, split_policy: SplitPolicy | None = None) -> None:
+             enable_split: bool, split_policy: SplitPolicy | None = None, positions: dict | None = None) -> None:
         core = self.core
         if self._kernel is None:
             self._load()
@@ -160,6 +176,8 @@ class DecodeBackend(SplitKVLaunch):
             host_buffer=host, **options))
         info = plan.info
         extras, pages_host = table_extras(table, core.max_batch_size)
+        if positions:
+            extras.update(positions)  # before the page ids, which may grow in a CUDA-graph buffer
         if pages_host is not None:
             extras["pages"] = pages_host
         addresses = core.upload(plan, extras, HOST_ARRAYS_HINT if pages_host is not None else "raise max_batch_size",
@@ -170,6 +188,8 @@ class DecodeBackend(SplitKVLaunch):
         counters = core.counters(info.max_total_q * num_qo_heads, "raise max_batch_size")
         fields.update(split_kv_fields(addresses, tmp_o, tmp_lse, counters, num_qo_heads, num_kv_heads, runtime))
         fields["v_scale"] = v_scale
+        if positions:
+            fields.update(kv_page_pos=addresses["kv_page_pos"], q_pos=addresses["q_pos"])
         self._params.pack(fields)
         # more than one wave: kv head fastest, for DRAM locality; one wave: item fastest (decode/kernel.cuh)
         items = info.capacity * num_kv_heads

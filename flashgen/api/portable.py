@@ -123,8 +123,10 @@ class PortablePrefill(SplitKVLaunch):
         self._params = self._kernel.params["prefill"].bind(RUNTIME_FIELDS)
 
     def plan(self, qo: np.ndarray, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime,
-             custom_mask, enable_split: bool, split_policy: SplitPolicy | None = None) -> int:
-        """Plan and upload; returns the rows of q and out (total_q, or max_total_q in CUDA-graph mode)."""
+             custom_mask, enable_split: bool, split_policy: SplitPolicy | None = None,
+             positions: dict | None = None) -> int:
+        """Plan and upload; returns the rows of q and out (total_q, or max_total_q in CUDA-graph mode).
+        ``positions``: the ``q_pos`` and ``kv_page_pos`` extras of a wrapper with explicit positions."""
         core = self.core
         if self._kernel is None:
             self._load()
@@ -138,6 +140,8 @@ class PortablePrefill(SplitKVLaunch):
         info = plan.info
         self.last_plan = plan  # the Plan (host view) that the current params point into
         extras, pages_host = table_extras(table, core.max_batch_size)
+        if positions:
+            extras.update(positions)  # before the page ids, which may grow in a CUDA-graph buffer
         mask_held, reserve = None, 0
         if isinstance(self.spec.mask, CustomMask):
             extras, mask_held, reserve = self._mask_extras(plan, qo, table.kv_lens, custom_mask, extras, pages_host)
@@ -156,6 +160,8 @@ class PortablePrefill(SplitKVLaunch):
                           tiles=addresses["base"])
         else:
             fields.update(custom_mask=0, mask_offset=0, tile_indptr=0, tiles=0)
+        if positions:
+            fields.update(kv_page_pos=addresses["kv_page_pos"], q_pos=addresses["q_pos"])
         self._params.pack(fields)
         self._held = (page_held, mask_held)
         self._grid = (info.capacity * num_kv_heads, 1, 1)  # block x: item capacity - 1 - x / H, kv head x % H

@@ -13,13 +13,14 @@ import torch
 from ..kernels import family
 from ..plan import PlanError, SplitPolicy, host_array
 from ..plan.host import check_heads
-from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Ragged
+from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Ragged, SpecError
 from . import handles
 from .backends import select
 from .checks import check_count, check_tensor
 from .kv_inputs import kv_view, page_table
 from .page_ids import page_ids_for
 from .portable import PortablePrefill
+from .positions import Positions, refuse_positions, wants_positions
 from .sm90 import SM90Prefill
 from .wrapper import WrapperCore, graph_capacity, resolve_device
 
@@ -51,7 +52,9 @@ class BatchPrefillWrapper:
     SlidingWindow / CustomMask, fp16 / bf16, head_dim == head_dim_vo in 64 / 128 / 256, RoPE outside CUDA
     graphs), else the ``"portable"`` kernel; naming one forces it (an ``"sm90"`` it cannot honour raises).
     ``wrapper.backend`` says which runs. ``kernel_options``: the portable kernel's options, e.g.
-    ``{"tiles": "kv32"}`` (its tile preset; part of the kernel's uri).
+    ``{"tiles": "kv32"}`` (its tile preset; part of the kernel's uri), or ``{"positions": True}``: keys and
+    queries at explicit true positions (the portable kernel; every plan() then takes ``kv_page_pos`` and ``q_pos``,
+    ``flashgen.api.positions``, with a CSR page table; causal / window masks, RoPE and ALiBi use them).
     """
 
     def __init__(self, spec: AttentionSpec, workspace: torch.Tensor | None = None, use_cuda_graph: bool = False,
@@ -60,7 +63,11 @@ class BatchPrefillWrapper:
                  kernel_options: dict | None = None, max_num_pages: int | None = None,
                  max_pages_per_request: int | None = None, check_indices: bool | None = None):
         self.spec = family("prefill").project(spec)
-        self.backend = select(self.spec, backend, lambda: torch.cuda.get_device_capability(resolve_device(device)),
+        positions = wants_positions(kernel_options)
+        if positions and backend == "sm90":
+            raise SpecError("backend: 'sm90' takes no explicit positions (kernel_options['positions']) yet; "
+                            "backend='auto' or 'portable' runs them on the portable kernel")
+        self.backend = "portable" if positions else select(self.spec, backend, lambda: torch.cuda.get_device_capability(resolve_device(device)),
                               graph=use_cuda_graph)
         if self.backend == "portable":
             family("prefill", kernel_options).check(self.spec)
@@ -80,6 +87,7 @@ class BatchPrefillWrapper:
         self._core = WrapperCore(self.spec, self.device, num_sms, graph, align=16, page_ids=page_ids)
         self.num_sms = self._core.num_sms
         self._impl = (SM90Prefill if self.backend == "sm90" else PortablePrefill)(self._core, kernel_options)
+        self._positions = Positions(max_total_q if graph else None, max_num_pages) if positions else None
         self._view = prefill_kv_view  # run()'s view of kv_cache (BlockSparseWrapper's inner wrappers set their own)
         self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 
@@ -89,7 +97,7 @@ class BatchPrefillWrapper:
              kv_last_page_len=None, block_table=None, seq_lens=None, custom_mask=None, sm_scale: float | None = None,
              rope_theta: float | None = None, rope_scale: float | None = None, window_left: int | None = None,
              soft_cap: float | None = None, num_pages: int | None = None, enable_split: bool = True,
-             split_policy: SplitPolicy | None = None) -> None:
+             split_policy: SplitPolicy | None = None, kv_page_pos=None, q_pos=None) -> None:
         """Plan a batch. ``qo_indptr [batch + 1]`` and the lengths (``kv_indptr``, ``kv_last_page_len``,
         ``seq_lens``) are host arrays: planning never synchronises with the GPU (unless ``check_indices``). Page
         ids (``kv_indices`` or ``block_table``) may be device int32 tensors (read in place; in CUDA-graph mode
@@ -102,6 +110,9 @@ class BatchPrefillWrapper:
         ``enable_split`` lets the portable backend split long KV ranges to fill the GPU; the sm90 backend
         ignores it (v1 plans every request unsplit: one work item per 128-row q tile, its whole KV), and so
         ``split_policy`` (``flashgen.plan.SplitPolicy``: how the portable backend's planner splits).
+        ``kv_page_pos [>= kv_indptr[-1]]``, ``q_pos [qo_indptr[-1]]``: host int arrays, the true positions of each
+        page's first token and of each query token, for a wrapper built with ``kernel_options={"positions":
+        True}`` (refused otherwise).
         """
         check_heads(num_qo_heads, num_kv_heads)
         spec = self.spec
@@ -115,8 +126,13 @@ class BatchPrefillWrapper:
         if self._core.page_ids is not None:
             self._core.page_ids.take(table, num_pages)
         runtime = self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap)
+        positions = {}
+        if self._positions is not None:
+            self._positions.extras(positions, table.kv_indptr_host, int(qo[-1]), kv_page_pos, q_pos)
+        else:
+            refuse_positions(kv_page_pos, q_pos)
         rows = self._impl.plan(qo, table, num_qo_heads, num_kv_heads, runtime, custom_mask, enable_split,
-                               split_policy)
+                               split_policy, *((positions,) if positions else ()))
         self._core.set_planned(rows, num_qo_heads, num_kv_heads, table)
 
     # ------------------------------------------------------------------------------------------ run

@@ -3,7 +3,9 @@
 A decode (or prefill) wrapper reads whatever page list a request has, so a step that attends only some of a
 request's pages is the same wrapper planned over a table that lists only those. ``select_pages`` builds that
 table from a selection and keeps the lengths right: every kept page is full but the request's own last page,
-which keeps its ``kv_last_page_len`` wherever it is kept.
+which keeps its ``kv_last_page_len`` wherever it is kept. With ``positions=True`` it also gives the kept pages'
+true positions and each request's query position, for a wrapper with explicit positions, so RoPE, ALiBi and
+sliding windows stay right over the skipped pages.
 """
 
 from __future__ import annotations
@@ -16,21 +18,27 @@ from ..plan.host import host_array
 from ..plan.page_table import csr_lens, validate_indptr
 from ..spec import AttentionSpec, NoMask, Paged, SpecError
 
-POSITIONS_NOTE = ("true KV positions of kept pages are not supported yet: the kernels number a request's keys by "
-                  "their place in its page list, so a skipped page would shift the positions after it")
+POSITIONS_NOTE = ("without explicit positions the kernels number a request's keys by their place in its page list, "
+                  "so a skipped page would shift the positions after it")
 
 
-def check_position_free(spec: AttentionSpec, what: str) -> None:
+def position_free(spec: AttentionSpec) -> bool:
+    """Whether ``spec``'s answer does not depend on positions: no mask, no positional encoding."""
+    return isinstance(spec.mask, NoMask) and spec.pos_encoding is None
+
+
+def check_position_free(spec: AttentionSpec, what: str, fix: str = "") -> None:
     """``SpecError`` unless ``spec`` has no mask and no positional encoding (soft-cap and sm_scale are
-    position-free): ``what`` runs keys whose positions are their places in a list of kept pages or blocks."""
+    position-free): ``what`` runs keys whose positions are their places in a list of kept pages or blocks.
+    ``fix``: how to get true positions instead (appended to the message)."""
     if not isinstance(spec.mask, NoMask):
-        raise SpecError(f"mask: {what} takes NoMask() only, got {spec.mask!r}; {POSITIONS_NOTE}")
+        raise SpecError(f"mask: {what} takes NoMask() only, got {spec.mask!r}; {POSITIONS_NOTE}{fix}")
     if spec.pos_encoding is not None:
-        raise SpecError(f"pos_encoding: {what} takes None only, got {spec.pos_encoding!r}; {POSITIONS_NOTE}")
+        raise SpecError(f"pos_encoding: {what} takes None only, got {spec.pos_encoding!r}; {POSITIONS_NOTE}{fix}")
 
 
 def select_pages(spec: AttentionSpec, kv_indptr, kv_indices, kv_last_page_len, *, keep=None, keep_indptr=None,
-                 page_mask=None) -> dict:
+                 page_mask=None, positions: bool = False) -> dict:
     """The CSR page table of the kept pages of each request: ``{"kv_indptr", "kv_indices", "kv_last_page_len"}``,
     to pass to ``BatchDecodeWrapper.plan`` (or ``BatchPrefillWrapper.plan``) as they are.
 
@@ -45,11 +53,15 @@ def select_pages(spec: AttentionSpec, kv_indptr, kv_indices, kv_last_page_len, *
 
     Kept pages stay in page-table order. A kept page is full, except the request's last page, which keeps its
     ``kv_last_page_len`` (it is the last kept page whenever it is kept); a request that keeps no page gets 0
-    pages and length 0 (its output is 0, its lse -inf). ``spec``: a ``Paged`` spec (its page size); it must have
-    ``NoMask()`` and no positional encoding (``SpecError`` otherwise): the kernels number the kept keys by their
-    place in the kept list, not their place in the sequence, so RoPE, ALiBi and windows over skipped pages are
-    not supported yet. Soft-cap and sm_scale are position-free. Raises ``PlanError`` naming the argument for a
-    position outside its request's pages or a page kept twice.
+    pages and length 0 (its output is 0, its lse -inf). ``spec``: a ``Paged`` spec (its page size).
+
+    ``positions=True`` adds ``"kv_page_pos"`` (int64 ``[kept pages]``: each kept page's first token's true
+    position, ``page index in the request x page_size``) and ``"q_pos"`` (int64 ``[batch]``: each request's
+    decode query at the end of its whole sequence, ``kv_len - 1``; 0 for an empty request) to the table, for a
+    decode wrapper built with ``kernel_options={"positions": True}``: RoPE, ALiBi and sliding windows then see
+    each kept key at its place in the sequence. Without it the kernels number the kept keys by their place in
+    the kept list, so the spec must have ``NoMask()`` and no positional encoding (``SpecError`` otherwise); soft-cap and sm_scale are position-free. Raises
+    ``PlanError`` naming the argument for a position outside its request's pages or a page kept twice.
 
     Example::
 
@@ -57,12 +69,18 @@ def select_pages(spec: AttentionSpec, kv_indptr, kv_indices, kv_last_page_len, *
         table = flashgen.select_pages(spec, kv_indptr, kv_indices, kv_last_page_len, keep=keep)
         wrapper.plan(**table, num_qo_heads=32, num_kv_heads=8)
         out = wrapper.run(q, kv_cache)
+
+        # RoPE / ALiBi / window: true positions of the kept pages
+        wrapper = flashgen.BatchDecodeWrapper(spec, kernel_options={"positions": True})
+        wrapper.plan(**flashgen.select_pages(spec, ..., keep=keep, positions=True), num_qo_heads=32, num_kv_heads=8)
     """
     if not isinstance(spec, AttentionSpec) or not isinstance(spec.kv_layout, Paged):
         raise SpecError(f"spec: select_pages takes a spec with a Paged(...) kv_layout, got {spec!r}")
-    check_position_free(spec, "select_pages")
+    if not positions:
+        check_position_free(spec, "select_pages", " (pass positions=True, with a decode wrapper built with "
+                            "kernel_options={'positions': True})")
     page_size = spec.kv_layout.page_size
-    ptr, _ = csr_lens(kv_indptr, kv_last_page_len, page_size)
+    ptr, kv_lens = csr_lens(kv_indptr, kv_last_page_len, page_size)
     ptr = ptr.astype(np.int64, copy=False)
     last = host_array("kv_last_page_len", kv_last_page_len)
     batch = ptr.size - 1
@@ -77,8 +95,13 @@ def select_pages(spec: AttentionSpec, kv_indptr, kv_indices, kv_last_page_len, *
     has = new_indptr[1:] > new_indptr[:-1]
     last_kept = flat[np.maximum(new_indptr[1:] - 1, 0)] if flat.size else np.zeros(batch, np.int64)
     new_last = np.where(has, np.where(last_kept == ptr[1:] - 1, last, page_size), 0).astype(np.int64)
-    return {"kv_indptr": new_indptr, "kv_indices": _gather_ids(kv_indices, flat, int(ptr[-1])),
-            "kv_last_page_len": new_last}
+    table = {"kv_indptr": new_indptr, "kv_indices": _gather_ids(kv_indices, flat, int(ptr[-1])),
+             "kv_last_page_len": new_last}
+    if positions:  # a kept page's place in its request's pages, from the flat places: flat - ptr[its request]
+        rows = np.repeat(np.arange(batch), np.diff(new_indptr))
+        table["kv_page_pos"] = (flat - ptr[:-1][rows]) * page_size
+        table["q_pos"] = np.maximum(np.asarray(kv_lens, np.int64) - 1, 0)
+    return table
 
 
 def _from_mask(page_mask, total: int, ptr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

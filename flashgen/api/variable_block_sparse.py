@@ -17,13 +17,13 @@ import torch
 
 from ..plan import PlanError
 from ..plan.host import check_heads, host_array
-from ..spec import AttentionSpec, Paged, Ragged
+from ..spec import ALiBi, AttentionSpec, Paged, Ragged, SpecError
 from . import handles
 from .backends import BACKENDS
-from .block_sparse import check_prefill_spec, sm90_reads_whole_pages
+from .block_sparse import check_prefill_spec, positions_options, sm90_reads_whole_pages
 from .kv_inputs import KVView
 from .prefill import BatchPrefillWrapper, prefill_kv_view
-from .sparse_pages import check_position_free
+from .sparse_pages import position_free
 from .wrapper import resolve_device
 
 
@@ -139,7 +139,10 @@ class VariableBlockSparseWrapper:
     sizes share no factor: a page id per token). K and V are read in place; each token's heads must lie side by side
     (``k.stride(0) == Hkv * k.stride(1)``).
 
-    Masks and positions as ``BlockSparseWrapper``: NoMask and no positional encoding (``SpecError`` otherwise).
+    Masks and positions as ``BlockSparseWrapper``: query row ``i`` at position ``i``, key row ``j`` at ``j``, so
+    Causal, SlidingWindow and RoPE apply inside the kept blocks (the portable kernel, with explicit positions).
+    ALiBi raises ``SpecError`` (each head's problem runs with the group's q heads only, so the slopes of the
+    global head numbers are not known to it), as does CustomMask.
     Backend: the pages overlap in memory, which the Hopper kernel's TMA maps cannot describe, so ``"auto"`` runs the
     portable kernel, except for page sizes the Hopper kernel gathers row by row (e.g. 1, 24, 48 at head_dim 128),
     which run on it on a compute-capability 9.0 GPU; ``"sm90"`` refuses TMA page sizes (``PlanError``). No
@@ -150,10 +153,14 @@ class VariableBlockSparseWrapper:
                  device: torch.device | int | None = None, num_sms: int | None = None):
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
-        check_position_free(spec, "VariableBlockSparseWrapper")
         if backend not in BACKENDS:
             raise ValueError(f"backend: got {backend!r}, expected one of {', '.join(map(repr, BACKENDS))}")
-        check_prefill_spec(spec, backend)
+        if isinstance(spec.pos_encoding, ALiBi):
+            raise SpecError("pos_encoding: VariableBlockSparseWrapper runs each kv head's q heads as their own "
+                            "problem, so ALiBi's per-head slopes are not supported; use BlockSparseWrapper")
+        self._options = positions_options(spec, backend, None, "VariableBlockSparseWrapper")
+        self._positions = not position_free(spec)
+        check_prefill_spec(spec, "portable" if self._positions else backend, self._options)
         self.spec, self._backend, self.num_sms = spec, backend, num_sms
         self.device = resolve_device(device)
         self._inner: dict[tuple[int, int], BatchPrefillWrapper] = {}  # by page size and kv heads
@@ -167,9 +174,11 @@ class VariableBlockSparseWrapper:
         return None if self._planned is None else self._planned[0].backend
 
     def plan(self, block_mask_map, block_row_sz, block_col_sz, num_qo_heads: int, num_kv_heads: int, *,
-             sm_scale: float | None = None, soft_cap: float | None = None, enable_split: bool = True) -> None:
+             sm_scale: float | None = None, soft_cap: float | None = None, window_left: int | None = None,
+             rope_theta: float | None = None, rope_scale: float | None = None, enable_split: bool = True) -> None:
         """Plan a pattern (host arrays; see the class). ``num_kv_heads`` must be ``block_mask_map.shape[0]``;
-        ``sm_scale``, ``soft_cap`` and ``enable_split`` as ``BlockSparseWrapper.plan``'s. ``PlanError`` names the
+        ``sm_scale``, ``soft_cap``, ``window_left``, ``rope_theta``, ``rope_scale`` and ``enable_split`` as
+        ``BlockSparseWrapper.plan``'s. ``PlanError`` names the
         argument: shapes, sizes < 0, heads whose blocks cover different M or N."""
         check_heads(num_qo_heads, num_kv_heads)
         m, n, p, qo, kv_indptr, kv_indices, last = variable_page_table(block_mask_map, block_row_sz, block_col_sz)
@@ -178,9 +187,13 @@ class VariableBlockSparseWrapper:
             raise PlanError(f"num_kv_heads: got {num_kv_heads}, but block_mask_map has {heads} heads")
         inner = self._inner_wrapper(p, num_kv_heads)
         group = num_qo_heads // num_kv_heads
+        positions = {}
+        if self._positions:  # page id s * Hkv + h holds head h's rows from token s; head h's q rows are 0 .. M-1
+            positions = {"kv_page_pos": kv_indices // num_kv_heads, "q_pos": np.tile(np.arange(m), num_kv_heads)}
         inner.plan(qo_indptr=qo, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=last,
-                   num_qo_heads=group, num_kv_heads=1, sm_scale=sm_scale, soft_cap=soft_cap,
-                   num_pages=max(n * num_kv_heads, 1), enable_split=enable_split)
+                   num_qo_heads=group, num_kv_heads=1, sm_scale=sm_scale, soft_cap=soft_cap, window_left=window_left,
+                   rope_theta=rope_theta, rope_scale=rope_scale, num_pages=max(n * num_kv_heads, 1),
+                   enable_split=enable_split, **positions)
         self._planned = (inner, m, n, num_qo_heads, num_kv_heads)
 
     def _inner_wrapper(self, page_size: int, num_kv_heads: int) -> BatchPrefillWrapper:
@@ -188,8 +201,9 @@ class VariableBlockSparseWrapper:
         inner = self._inner.get(key)
         if inner is None:
             spec = self.spec.replace(kv_layout=Paged(page_size, "NHD"))
-            backend = overlapping_pages_backend(spec, self._backend)
-            inner = BatchPrefillWrapper(spec, device=self.device, num_sms=self.num_sms, backend=backend)
+            backend = "portable" if self._positions else overlapping_pages_backend(spec, self._backend)
+            inner = BatchPrefillWrapper(spec, device=self.device, num_sms=self.num_sms, backend=backend,
+                                        kernel_options=self._options)
             inner._view = head_pages(page_size, num_kv_heads)
             self._inner[key] = inner
         return inner

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..spec import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, ALiBi, SlidingWindow, SpecError
-from .family import AttentionFamily, EntryPoint, LaunchConfig, split_kv_struct
+from .family import POSITION_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, positions_option, split_kv_struct
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float8_e4m3fn": "__nv_fp8_e4m3",
              "float8_e5m2": "__nv_fp8_e5m2"}
@@ -49,8 +49,24 @@ def decode_ctas_per_sm(head_dim: int, head_dim_vo: int, kv_bytes: int = 2) -> in
 
 
 class DecodeFamily(AttentionFamily):
+    """Option ``positions`` (bool): keys and the query at explicit true positions (``kv_page_pos``, ``q_pos``
+    params; family.positions_option); the uri ends in ``_pos``."""
+
     op = "decode"
     template = "decode.cu.j2"
+
+    def __init__(self, positions: bool = False):
+        self.positions = positions
+        self.options = (("positions", "true"),) if positions else ()
+
+    def configure(self, options: dict) -> "DecodeFamily":
+        unknown = set(options) - {"positions"}
+        if unknown:
+            raise SpecError(f"kernel_options: got {sorted(unknown)}, decode takes 'positions' (True or False)")
+        return DecodeFamily(positions_option(self.op, options))
+
+    def uri(self, spec: AttentionSpec) -> str:
+        return f"{self.op}_{spec.uri}{'_pos' if self.positions else ''}"
 
     def project(self, spec: object) -> AttentionSpec:
         spec = super().project(spec)
@@ -94,6 +110,7 @@ class DecodeFamily(AttentionFamily):
             "ALIBI": _flag(isinstance(spec.pos_encoding, ALiBi)),
             "SOFT_CAP": _flag(spec.soft_cap is not None),
             "WINDOW": _flag(isinstance(spec.mask, SlidingWindow)),
+            "POSITIONS": _flag(self.positions),
         }
 
     def launch(self, spec: AttentionSpec) -> LaunchConfig:
@@ -106,5 +123,5 @@ class DecodeFamily(AttentionFamily):
 
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
         decode = split_kv_struct("DecodeParams", CPP_TYPES[spec.dtype], CPP_TYPES[spec.kv_dtype],
-                                 after=(("float", "v_scale"),))
+                                 after=(("float", "v_scale"),) + (POSITION_FIELDS if self.positions else ()))
         return (EntryPoint("decode", decode),)

@@ -141,6 +141,20 @@ def struct(name: str, *fields: tuple[str, str]) -> ParamsLayout:
 
 
 _I32 = "const int32_t*"
+# the ``positions`` option's params (after every other field, so a default kernel's struct is unchanged):
+# kv_page_pos, parallel to kv_indices (the true position of each page-table entry's first token; a token for
+# Ragged()), and q_pos, one a query token (its true position)
+POSITION_FIELDS = ((_I32, "kv_page_pos"), (_I32, "q_pos"))
+
+
+def positions_option(op: str, options: dict) -> bool:
+    """The ``positions`` kernel option (bool, default False): explicit key and query positions, read from the
+    ``kv_page_pos`` and ``q_pos`` params instead of derived from a key's place in its request's page list and
+    ``kv_len - qo_len`` (masks, RoPE and ALiBi then use them)."""
+    value = options.get("positions", False)
+    if not isinstance(value, bool):
+        raise SpecError(f"kernel_options['positions']: got {value!r}, expected True or False ({op})")
+    return value
 
 
 def split_kv_struct(name: str, q: str, kv: str, *, before_strides: tuple = (), after: tuple = ()) -> ParamsLayout:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
-from .family import AttentionFamily, EntryPoint, LaunchConfig, split_kv_struct
+from .family import POSITION_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, positions_option, split_kv_struct
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 PREFILL_HEAD_DIMS = (64, 128, 192, 256)  # rows of whole 128-byte lines (the swizzle needs 8k chunks)
@@ -180,28 +180,33 @@ def _tiles_tag(head_dim: int, head_dim_vo: int, tiles: str | None = None) -> str
 
 class PrefillFamily(AttentionFamily):
     """Option ``tiles``: a preset name (``kv64``, the default; ``kv32``) or ``warps=W,rows=R,kv=K[,stages=S]
-    [,ctas=C]`` (``parse_tiles``); the uri names the resulting tiles, so every choice is its own kernel."""
+    [,ctas=C]`` (``parse_tiles``); the uri names the resulting tiles, so every choice is its own kernel. Option
+    ``positions`` (bool): keys and queries at explicit true positions (``kv_page_pos``, ``q_pos`` params;
+    ``family.positions_option``), not with a custom mask; the uri ends in ``_pos``."""
 
     op = "prefill"
     template = "prefill.cu.j2"
 
-    def __init__(self, tiles: str | None = None):
-        self.tiles = tiles
-        self.options = (("tiles", tiles),) if tiles is not None else ()
+    def __init__(self, tiles: str | None = None, positions: bool = False):
+        self.tiles, self.positions = tiles, positions
+        self.options = ((("positions", "true"),) if positions else ()) + ((("tiles", tiles),) if tiles is not None
+                                                                          else ())
 
     def configure(self, options: dict) -> "PrefillFamily":
-        unknown = set(options) - {"tiles"}
+        unknown = set(options) - {"tiles", "positions"}
         if unknown:
-            raise SpecError(f"kernel_options: got {sorted(unknown)}, prefill takes 'tiles' ({_GRAMMAR})")
+            raise SpecError(f"kernel_options: got {sorted(unknown)}, prefill takes 'tiles' ({_GRAMMAR}) and "
+                            "'positions' (True or False)")
         tiles = options.get("tiles")
         if tiles is not None:
             if not isinstance(tiles, str):
                 raise SpecError(f"kernel_options['tiles']: got {tiles!r}, expected {_GRAMMAR}")
             parse_tiles(tiles, 128)  # refuse a malformed value here, naming the option
-        return PrefillFamily(tiles)
+        return PrefillFamily(tiles, positions_option(self.op, options))
 
     def uri(self, spec: AttentionSpec) -> str:
-        return f"{self.op}_{spec.uri}_{_tiles_tag(spec.head_dim, spec.head_dim_vo, self.tiles)}"
+        tag = _tiles_tag(spec.head_dim, spec.head_dim_vo, self.tiles)
+        return f"{self.op}_{spec.uri}_{tag}{'_pos' if self.positions else ''}"
 
     def launch(self, spec: AttentionSpec) -> LaunchConfig:
         d, dv, tiles = spec.head_dim, spec.head_dim_vo, self.tiles
@@ -223,6 +228,9 @@ class PrefillFamily(AttentionFamily):
         if not isinstance(spec.mask, (NoMask, Causal, SlidingWindow, CustomMask)):
             raise SpecError(f"mask: got {spec.mask!r}, prefill supports NoMask(), Causal(), SlidingWindow(left) "
                             "or CustomMask()")
+        if self.positions and isinstance(spec.mask, CustomMask):
+            raise SpecError("mask: CustomMask() takes no explicit positions (kernel_options['positions']): its bits "
+                            "are indexed by (query, key) places, not positions")
 
     def context(self, spec: AttentionSpec) -> dict:
         paged = isinstance(spec.kv_layout, Paged)
@@ -251,6 +259,7 @@ class PrefillFamily(AttentionFamily):
             "CAUSAL": _flag(isinstance(spec.mask, (Causal, SlidingWindow))),
             "WINDOW": _flag(isinstance(spec.mask, SlidingWindow)),
             "CUSTOM_MASK": _flag(isinstance(spec.mask, CustomMask)),
+            "POSITIONS": _flag(self.positions),
         }
 
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
@@ -258,5 +267,5 @@ class PrefillFamily(AttentionFamily):
         mask = (("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"), (i32, "tile_indptr"),
                 (i32, "tiles"))
         prefill = split_kv_struct("PrefillParams", CPP_TYPES[spec.dtype], CPP_TYPES[spec.kv_dtype],
-                                  before_strides=mask)
+                                  before_strides=mask, after=POSITION_FIELDS if self.positions else ())
         return (EntryPoint("prefill", prefill),)

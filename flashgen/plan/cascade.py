@@ -201,6 +201,47 @@ def check_causal(levels: list[LevelTable]) -> None:
                         "shared keys into its last level")
 
 
+def level_positions(levels: Sequence[LevelTable], page_size: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """True positions of a cascade's levels, for kernels with explicit positions: ``(kv_page_pos of each level,
+    q_pos)``. A level's group starts where its tokens' keys of the earlier levels end (the sum of their groups'
+    ``kv_lens``), so its page ``i`` starts at that offset + ``i x page_size`` (``kv_page_pos``, parallel to its
+    ``kv_indices``); a token's position is its request's whole KV length (all levels) - qo_len + its index in the
+    request (``q_pos [total_q]``; negative for the first queries of a request with fewer keys than queries, as
+    flat attention places them). Numpy over the tokens and pages, one pass a level. ``PlanError``: a block-table
+    level, or a group whose tokens have different keys before it (levels must nest).
+
+    >>> shared = LevelTable(np.array([0, 2]), np.array([20]), np.array([0, 2]), np.arange(2), np.array([4]))
+    >>> last = LevelTable(np.array([0, 1, 2]), np.array([3, 17]), np.array([0, 1, 3]), np.arange(3), np.array([3, 1]))
+    >>> pages, q_pos = level_positions([shared, last], 16)
+    >>> [x.tolist() for x in pages], q_pos.tolist()
+    ([[0, 16], [20, 20, 36]], [22, 36])
+    """
+    total_q = int(levels[-1].qo_indptr[-1])
+    before = np.zeros(total_q + 1, np.int64)  # per token (and one spare): keys of the levels so far
+    pages = []
+    for index, level in enumerate(levels):
+        if level.kv_indptr is None:
+            raise PlanError(f"levels[{index}]: true positions (RoPE, ALiBi, a sliding window) take CSR page tables "
+                            "(kv_indptr, kv_indices, kv_last_page_len), not block_table")
+        qo = level.qo_indptr.astype(np.int64, copy=False)
+        counts = np.diff(qo)
+        start = before[qo[:-1]]
+        bad = (counts > 0) & (start != before[np.maximum(qo[1:] - 1, 0)])
+        if bad.any():
+            g = int(np.flatnonzero(bad)[0])
+            raise PlanError(f"levels[{index}]: group {g}'s tokens have different keys before this level (each group's "
+                            "requests must share every earlier level's group)")
+        npages = np.diff(level.kv_indptr.astype(np.int64, copy=False))
+        within = np.arange(int(npages.sum())) - np.repeat(np.cumsum(npages) - npages, npages)
+        pages.append(np.repeat(start, npages) + within * page_size)
+        before[:total_q] += np.repeat(level.kv_lens.astype(np.int64, copy=False), counts)
+    qo = levels[-1].qo_indptr.astype(np.int64, copy=False)
+    counts = np.diff(qo)
+    q_pos = before[:total_q] - np.repeat(counts, counts) + (
+        np.arange(total_q) - np.repeat(qo[:-1], counts))
+    return pages, q_pos
+
+
 # ---------------------------------------------------------------------------------------------- derived levels
 
 

@@ -2,7 +2,8 @@
 
 The reference gathers each request's K/V into dense tensors (``layouts.request_kv``) and then does the
 plain dense math, in this order, for query ``i`` of a request at absolute position
-``q_pos = kv_len - qo_len + i`` and key ``j`` at ``k_pos = j``:
+``q_pos = kv_len - qo_len + i`` and key ``j`` at ``k_pos = j`` (or at explicit positions: ``q_pos`` per query
+token and ``kv_page_pos`` per page-table entry, ``explicit_positions``):
 
 1. RoPE (Llama, non-interleaved halves): q and k rotated by ``pos / rope_scale`` with ``rope_theta``.
 2. ``logits = q . k * sm_scale`` (``sm_scale`` defaults to ``1 / sqrt(head_dim)``); GQA: q head ``h``
@@ -202,6 +203,18 @@ def request_positions(qo_len: int, kv_len: int, device=None) -> tuple[torch.Tens
     return torch.arange(qo_len, device=device) + (kv_len - qo_len), torch.arange(kv_len, device=device)
 
 
+def explicit_positions(q_pos, kv_page_pos, qo: np.ndarray, kv_indptr, page_size: int, b: int, kv_len: int,
+                       device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request ``b``'s ``(q_pos [qo_len], k_pos [kv_len])`` from explicit positions: ``q_pos`` one a query token,
+    ``kv_page_pos`` the position of each page-table entry's first token (a token's own for ``Ragged()``), key
+    ``j`` (its place in the request's pages) at ``kv_page_pos[kv_indptr[b] + j // page_size] + j % page_size``."""
+    qp = torch.as_tensor(np.asarray(q_pos, dtype=np.int64)[int(qo[b]): int(qo[b + 1])])
+    start = int(np.asarray(kv_indptr)[b])
+    j = np.arange(kv_len)
+    kp = np.asarray(kv_page_pos, dtype=np.int64)[start + j // page_size] + j % page_size
+    return qp.to(device), torch.as_tensor(kp).to(device)
+
+
 def _extra_masks(spec: AttentionSpec, custom_mask, bsr, qo_lens: list[int], kv_lens: list[int]):
     if isinstance(spec.mask, CustomMask):
         if custom_mask is None:
@@ -224,8 +237,8 @@ def _extra_masks(spec: AttentionSpec, custom_mask, bsr, qo_lens: list[int], kv_l
 def reference_attention(spec: AttentionSpec, q: torch.Tensor, kv: object, *, qo_indptr=None, kv_indptr=None,
                         kv_indices=None, kv_last_page_len=None, block_table=None, seq_lens=None,
                         custom_mask=None, bsr=None, sm_scale=None, soft_cap=None, window_left=None,
-                        rope_theta=None, rope_scale=None, low_precision: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        rope_theta=None, rope_scale=None, low_precision: bool = False, q_pos=None,
+                        kv_page_pos=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention: ``(out [total_q, num_qo_heads, head_dim_vo], lse [total_q, num_qo_heads])`` fp64.
 
     ``q [total_q, num_qo_heads, head_dim]`` (requests by ``qo_indptr [batch + 1]``; a BlockSparse spec
@@ -235,6 +248,8 @@ def reference_attention(spec: AttentionSpec, q: torch.Tensor, kv: object, *, qo_
     from the spec. ``lse`` is a natural log; fully masked rows give ``out = 0``, ``lse = -inf``.
     ``low_precision=True`` does the matrix products in q's dtype (the "same-dtype" error yardstick). The
     math runs where ``q`` and ``kv`` live (CPU, or CUDA for large batches); the results are on q's device.
+    ``q_pos [total_q]`` with ``kv_page_pos [>= kv_indptr[-1]]`` (CSR page tables and Ragged; host ints): explicit
+    true positions (``explicit_positions``) instead of queries at the end of their KV.
 
     >>> spec = AttentionSpec(64, kv_layout=Ragged(), mask=Causal())
     >>> q, k, v = torch.randn(3, 4, 64), torch.randn(5, 2, 64), torch.randn(5, 2, 64)
@@ -246,6 +261,8 @@ def reference_attention(spec: AttentionSpec, q: torch.Tensor, kv: object, *, qo_
         raise ValueError(f"q: shape {tuple(q.shape)}, expected [total_q, num_qo_heads, {spec.head_dim}]")
     params = runtime_params(spec, sm_scale=sm_scale, soft_cap=soft_cap, window_left=window_left,
                             rope_theta=rope_theta, rope_scale=rope_scale)
+    if (q_pos is None) != (kv_page_pos is None) or (q_pos is not None and kv_indptr is None):
+        raise ValueError("q_pos: explicit positions take q_pos and kv_page_pos together, with kv_indptr")
     requests = request_kv(spec, kv, kv_indptr=kv_indptr, kv_indices=kv_indices,
                           kv_last_page_len=kv_last_page_len, block_table=block_table, seq_lens=seq_lens)
     if qo_indptr is None and isinstance(spec.kv_layout, BlockSparse):
@@ -263,12 +280,16 @@ def reference_attention(spec: AttentionSpec, q: torch.Tensor, kv: object, *, qo_
     lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float64, device=q.device)
     for b, (k, v) in enumerate(requests):
         rows = slice(int(qo[b]), int(qo[b + 1]))
-        q_pos, k_pos = request_positions(qo_lens[b], kv_lens[b], q.device)
+        if q_pos is not None:
+            page_size = getattr(spec.kv_layout, "page_size", 1)
+            qp, kp = explicit_positions(q_pos, kv_page_pos, qo, kv_indptr, page_size, b, kv_lens[b], q.device)
+        else:
+            qp, kp = request_positions(qo_lens[b], kv_lens[b], q.device)
         if low_precision:
             qb, k, v = q[rows], k.to(q.dtype), v.to(q.dtype)
         else:
             qb, k, v = q[rows].double(), k.double(), v.double()
-        out[rows], lse[rows] = attend(spec, params, qb, k, v, q_pos, k_pos, extras[b], low_precision)
+        out[rows], lse[rows] = attend(spec, params, qb, k, v, qp, kp, extras[b], low_precision)
     return out, lse
 
 

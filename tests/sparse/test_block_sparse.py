@@ -184,18 +184,22 @@ def test_one_inner_wrapper_per_block_width():
 # ---------------------------------------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("spec", [
-    AttentionSpec(D, mask=Causal()), AttentionSpec(D, mask=SlidingWindow(8)), AttentionSpec(D, mask=CustomMask()),
-])
-def test_masks_are_refused_at_construction(spec):
-    with pytest.raises(SpecError, match=r"^mask: BlockSparseWrapper takes NoMask\(\) only.*true KV positions"):
-        flashgen.BlockSparseWrapper(spec)
+def test_a_custom_mask_is_refused_at_construction():
+    with pytest.raises(SpecError, match=r"^mask: BlockSparseWrapper takes NoMask\(\), Causal\(\) or SlidingWindow"):
+        flashgen.BlockSparseWrapper(AttentionSpec(D, mask=CustomMask()))
 
 
-@pytest.mark.parametrize("pos", [RoPE(), ALiBi()])
-def test_positional_encodings_are_refused_at_construction(pos):
-    with pytest.raises(SpecError, match=r"^pos_encoding: BlockSparseWrapper takes None only.*true KV positions"):
-        flashgen.BlockSparseWrapper(AttentionSpec(D, pos_encoding=pos))
+@pytest.mark.parametrize("spec", [AttentionSpec(D, mask=Causal()), AttentionSpec(D, mask=SlidingWindow(8)),
+                                  AttentionSpec(D, pos_encoding=RoPE()), AttentionSpec(D, pos_encoding=ALiBi())])
+def test_masks_and_encodings_run_with_true_positions(spec):
+    with pytest.raises(SpecError, match=r"^backend: 'sm90' takes no explicit positions yet"):
+        flashgen.BlockSparseWrapper(spec, backend="sm90")
+    with stubbed_cuda():
+        wrapper = flashgen.BlockSparseWrapper(spec)
+        wrapper.plan([0, 2, 3], [0, 2, 1], 7, 10, 4, 4, 4, 2)  # M = 7 rows, N = 10 keys, 4 x 4 blocks
+        inner = wrapper._planned[0]
+        assert wrapper.backend == "portable" and inner._impl.options == {"positions": True}
+        assert inner._positions is not None
 
 
 def test_constructor_arguments_are_checked():

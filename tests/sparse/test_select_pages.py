@@ -62,7 +62,8 @@ def test_device_ids_stay_where_they_are():
 
 
 @pytest.mark.parametrize("spec, message", [
-    (AttentionSpec(D, kv_layout=Paged(16), mask=Causal()), r"^mask: select_pages takes NoMask\(\) only.*true KV positions"),
+    (AttentionSpec(D, kv_layout=Paged(16), mask=Causal()), r"^mask: select_pages takes NoMask\(\) only.*"
+     r"pass positions=True"),
     (AttentionSpec(D, kv_layout=Paged(16), mask=SlidingWindow(64)), r"^mask: select_pages takes NoMask"),
     (AttentionSpec(D, kv_layout=Paged(16), mask=CustomMask()), r"^mask: select_pages takes NoMask"),
     (AttentionSpec(D, kv_layout=Paged(16), pos_encoding=RoPE()), r"^pos_encoding: select_pages takes None only"),
@@ -151,3 +152,23 @@ def test_attention_over_kept_pages_is_attention_with_the_rest_masked(page_size, 
         out = run_plan(plan, spec, q, kv, **table)
         assert torch.allclose(out[0], kept[0], atol=1e-10)
         assert torch.equal(torch.isneginf(out[1]), torch.isneginf(kept[1]))
+
+
+def test_positions_give_the_kept_pages_true_places():
+    spec = AttentionSpec(D, kv_layout=Paged(16), mask=SlidingWindow(40), pos_encoding=RoPE())
+    table = flashgen.select_pages(spec, **TABLE, keep=[[2, 0], [0, -1], [-1, -1]], positions=True)
+    assert table["kv_indices"].tolist() == [9, 7, 4]
+    assert table["kv_page_pos"].tolist() == [0, 32, 0]  # request 0's pages 0 and 2, request 1's page 0
+    assert table["q_pos"].tolist() == [52, 15, 0]  # 3 x 16 + 5 tokens, 16, none
+
+
+def test_the_reference_at_natural_explicit_positions_is_the_default():
+    spec = AttentionSpec(D, kv_layout=Paged(4), mask=SlidingWindow(3), pos_encoding=ALiBi())
+    gen = torch.Generator().manual_seed(0)
+    ks, vs = ([torch.randn(n, 2, D, generator=gen, dtype=torch.float64) for n in (9, 4)] for _ in range(2))
+    kv, indptr, indices, last = paged_kv_cache(ks, vs, 4, generator=gen)
+    q = torch.randn(3, 4, D, generator=gen, dtype=torch.float64)
+    table = dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last)
+    want = reference_attention(spec, q, kv, qo_indptr=[0, 2, 3], **table)
+    got = reference_attention(spec, q, kv, qo_indptr=[0, 2, 3], **table, q_pos=[7, 8, 3], kv_page_pos=[0, 4, 8, 0])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashgen
-from flashgen import AttentionSpec, Causal, CustomMask, Paged, Ragged, RoPE, SpecError
+from flashgen import ALiBi, AttentionSpec, Causal, CustomMask, Paged, Ragged, RoPE, SpecError
 from flashgen.api.variable_block_sparse import head_pages, overlapping_pages_backend, variable_page_table
 from flashgen.plan import PlanError
 from flashgen.testing import reference_attention
@@ -146,10 +146,19 @@ def test_forced_sm90_refuses_tma_page_sizes():
             wrapper.plan(np.ones((1, 1, 2), bool), [[10]], [[64, 128]], 4, 1)
 
 
+def test_alibi_and_custom_masks_are_refused():
+    with pytest.raises(SpecError, match="^pos_encoding: VariableBlockSparseWrapper runs each kv head's q heads"):
+        flashgen.VariableBlockSparseWrapper(AttentionSpec(D, pos_encoding=ALiBi()))
+    with pytest.raises(SpecError, match=r"^mask: VariableBlockSparseWrapper takes NoMask\(\), Causal\(\)"):
+        flashgen.VariableBlockSparseWrapper(AttentionSpec(D, mask=CustomMask()))
+
+
 @pytest.mark.parametrize("spec", [AttentionSpec(D, mask=Causal()), AttentionSpec(D, pos_encoding=RoPE())])
-def test_positions_are_refused(spec):
-    with pytest.raises(SpecError, match="VariableBlockSparseWrapper takes .* true KV positions"):
-        flashgen.VariableBlockSparseWrapper(spec)
+def test_causal_and_rope_run_with_true_positions(spec):
+    with stubbed_cuda():
+        wrapper = flashgen.VariableBlockSparseWrapper(spec)
+        wrapper.plan(np.ones((2, 1, 2), bool), [[6], [6]], [[4, 8], [8, 4]], 4, 2)
+        assert wrapper._planned[0]._impl.options == {"positions": True}
 
 
 @pytest.mark.parametrize("args, message", [

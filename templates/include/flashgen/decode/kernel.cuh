@@ -14,7 +14,11 @@
 // (k_scale into sm_scale) and at the output (v_scale).
 //
 // Config (rendered by codegen): DTypeQ, DTypeKV, DTypeMMA, DTypeO, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS,
-// STAGES, SMEM_BYTES, PAGED, ROPE, ALIBI, SOFT_CAP, WINDOW.
+// STAGES, SMEM_BYTES, PAGED, ROPE, ALIBI, SOFT_CAP, WINDOW, POSITIONS.
+//
+// POSITIONS (common/positions.cuh): the query sits at q_pos[token] and key t at its page's kv_page_pos entry +
+// its offset in the page; the window then masks keys element by element (kv_start is not moved), and RoPE and
+// ALiBi use those positions.
 //
 // This header is the kernel's entry; decode/tiles.cuh holds the layout and the copies, decode/epilogue.cuh the
 // write-out and the split-KV merge (its protocol: common/split_merge.cuh).
@@ -22,6 +26,7 @@
 #include <flashgen/common/kv_rows.cuh>
 #include <flashgen/common/logits.cuh>
 #include <flashgen/common/mma.cuh>
+#include <flashgen/common/positions.cuh>
 #include <flashgen/decode/tiles.cuh>
 #include <flashgen/decode/epilogue.cuh>
 
@@ -82,10 +87,15 @@ __device__ __forceinline__ void run(const Params& p) {
   if (request < 0) return;  // padding item of a fixed-capacity plan
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int kv_len = p.kv_len[request];
-  const int q_pos = kv_len - 1;
+  int q_pos = kv_len - 1;
+  const int32_t* page_pos = nullptr;  // POSITIONS: this request's kv_page_pos entries
+  if constexpr (C::POSITIONS) {
+    q_pos = p.q_pos[p.qo_indptr[request]];
+    page_pos = request_page_pos(p, request);
+  }
   int kv_start = p.kv_start[item];
   const int kv_end = p.kv_end[item];
-  if constexpr (C::WINDOW) kv_start = max(kv_start, q_pos - p.window_left);
+  if constexpr (C::WINDOW && !C::POSITIONS) kv_start = max(kv_start, q_pos - p.window_left);
   const int token = p.qo_indptr[request];
   const int chunk = p.chunk_idx[item];
   const SplitInfo si{chunk, chunk >= 0 ? p.merge_indptr[token] : 0, chunk >= 0 ? p.num_chunks[request] : 1};
@@ -196,7 +206,12 @@ __device__ __forceinline__ void run(const Params& p) {
     const int mat = lane / 8, mrow = lane % 8;
     if constexpr (L::FP8 && C::ROPE) {
       // x4: n-tiles 0 and 1 of k-step j (regs 0, 1) and of its rotation partner j + D/32 (regs 2, 3)
-      const float pos[2] = {float(kv_start + tile * TILE + n0 + g), float(kv_start + tile * TILE + n0 + 8 + g)};
+      float pos[2] = {float(kv_start + tile * TILE + n0 + g), float(kv_start + tile * TILE + n0 + 8 + g)};
+      if constexpr (C::POSITIONS) {  // rows past kv_end (masked below) take the last key's position
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+          pos[nt] = float(key_position<C::PAGE_SIZE>(page_pos, min(kv_start + tile * TILE + n0 + 8 * nt + g, kv_end - 1)));
+      }
 #pragma unroll
       for (int j = 0; j < D / 32; ++j) {
         uint32_t qa[4], qb[4], kr[4];
@@ -241,7 +256,11 @@ __device__ __forceinline__ void run(const Params& p) {
       }
     } else if constexpr (C::ROPE) {
       const int kv_row_lo = n0 + g, kv_row_hi = n0 + 8 + g;
-      const float pos_lo = float(kv_start + tile * TILE + kv_row_lo), pos_hi = float(kv_start + tile * TILE + kv_row_hi);
+      float pos_lo = float(kv_start + tile * TILE + kv_row_lo), pos_hi = float(kv_start + tile * TILE + kv_row_hi);
+      if constexpr (C::POSITIONS) {  // rows past kv_end (masked below) take the last key's position
+        pos_lo = float(key_position<C::PAGE_SIZE>(page_pos, min(kv_start + tile * TILE + kv_row_lo, kv_end - 1)));
+        pos_hi = float(key_position<C::PAGE_SIZE>(page_pos, min(kv_start + tile * TILE + kv_row_hi, kv_end - 1)));
+      }
 #pragma unroll
       for (int j = 0; j < D / 32; ++j) {  // k-steps j and j + D/32 hold the two halves of each rotated pair
         uint32_t qa[4], qb[4], ka[4], kb[4];
@@ -283,7 +302,13 @@ __device__ __forceinline__ void run(const Params& p) {
       for (int e = 0; e < 4; ++e) {
         const int pos = kv_start + tile * TILE + n0 + 8 * nt + 2 * t4 + (e % 2);
         transform.slope = slope[e / 2];
-        s[nt][e] = last_tile && pos >= kv_end ? -INFINITY : transform(s[nt][e], pos - q_pos);
+        if constexpr (C::POSITIONS) {  // the window by true position, element by element
+          const int k_pos = key_position<C::PAGE_SIZE>(page_pos, min(pos, kv_end - 1));
+          const bool hidden = pos >= kv_end || (C::WINDOW && k_pos < q_pos - p.window_left);
+          s[nt][e] = hidden ? -INFINITY : transform(s[nt][e], k_pos - q_pos);
+        } else {
+          s[nt][e] = last_tile && pos >= kv_end ? -INFINITY : transform(s[nt][e], pos - q_pos);
+        }
       }
     }
     online_softmax<DV>(s, m, l, o);

@@ -22,7 +22,12 @@
 //
 // This header is the kernel's entry: the bounds of the work item, the pipelined main loop, the epilogue.
 // Config (rendered by codegen): DTypeQ, DTypeKV, DTypeO, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS, MMA_Q,
-// TILE_KV, STAGES, SMEM_BYTES, Q_IN_REGS, LATE_COPIES, PAGED, ROPE, ALIBI, SOFT_CAP, CAUSAL, WINDOW, CUSTOM_MASK.
+// TILE_KV, STAGES, SMEM_BYTES, Q_IN_REGS, LATE_COPIES, PAGED, ROPE, ALIBI, SOFT_CAP, CAUSAL, WINDOW, CUSTOM_MASK,
+// POSITIONS.
+//
+// POSITIONS (common/positions.cuh): query token i sits at q_pos[i] and key t at its page's kv_page_pos entry +
+// its offset in the page. Keys need not be contiguous in position, so the KV range is not clipped by the mask:
+// under causal / window every tile runs the element mask, by true positions (as do RoPE and ALiBi).
 #pragma once
 #include <flashgen/prefill/tiles.cuh>
 #include <flashgen/prefill/math.cuh>
@@ -53,8 +58,8 @@ __device__ __forceinline__ void run(const Params& p) {
   // the CTA's KV range: the chunk, clipped to what its rows can see; with a custom mask, the chunk's tiles of
   // the item's tile list (positions from the list: kv_lo = 0)
   int kv_lo = p.kv_start[item], kv_hi = p.kv_end[item];
-  if constexpr (C::CAUSAL) kv_hi = min(kv_hi, q_base + last_row / group + 1);
-  if constexpr (C::WINDOW) kv_lo = max(kv_lo, q_base + tr.row0 / group - p.window_left);
+  if constexpr (C::CAUSAL && !C::POSITIONS) kv_hi = min(kv_hi, q_base + last_row / group + 1);
+  if constexpr (C::WINDOW && !C::POSITIONS) kv_lo = max(kv_lo, q_base + tr.row0 / group - p.window_left);
   int num_tiles = kv_hi > kv_lo ? (kv_hi - kv_lo + L::TILE_KV - 1) / L::TILE_KV : 0;
   const int32_t* tiles = nullptr;
   if constexpr (C::CUSTOM_MASK) {
@@ -66,9 +71,10 @@ __device__ __forceinline__ void run(const Params& p) {
   const int w_first = min(tr.row0 + warp * L::WARP_ROWS, last_row);
   const int w_last = min(tr.row0 + (warp + 1) * L::WARP_ROWS - 1, last_row);
   int full_lo = 0, full_hi = (kv_hi - kv_lo) / L::TILE_KV;  // ... and the tile ends by kv_hi (custom mask: unused)
-  if constexpr (C::CAUSAL)  // the tile's last key <= the warp's first query
+  if constexpr (C::CAUSAL && C::POSITIONS) full_hi = 0;  // every tile: the element mask by true positions
+  if constexpr (C::CAUSAL && !C::POSITIONS)  // the tile's last key <= the warp's first query
     full_hi = min(full_hi, max(0, (q_base + w_first / group - kv_lo + 1) / L::TILE_KV));
-  if constexpr (C::WINDOW) {  // the tile's first key >= the warp's last query - window_left
+  if constexpr (C::WINDOW && !C::POSITIONS) {  // the tile's first key >= the warp's last query - window_left
     const int y = q_base + w_last / group - p.window_left - kv_lo;
     full_lo = y > 0 ? (y + L::TILE_KV - 1) / L::TILE_KV : 0;
   }
@@ -79,6 +85,7 @@ __device__ __forceinline__ void run(const Params& p) {
   __shared__ RowInfo<C> ri;
   __shared__ TileRows tr_saved;
   __shared__ int chunk_saved;
+  __shared__ const int32_t* page_pos;  // POSITIONS: the request's kv_page_pos entries
   extern __shared__ __align__(128) uint8_t smem[];
   DTypeQ* q_smem = reinterpret_cast<DTypeQ*>(smem);
   // Ragged: Q's copies first (its rows are read once, from DRAM: the longest wait of the CTA's start), then every
@@ -108,13 +115,15 @@ __device__ __forceinline__ void run(const Params& p) {
                      C::CUSTOM_MASK ? p.mask_offset[request] : 0};
     tr_saved = tr;
     chunk_saved = p.chunk_idx[item];
+    if constexpr (C::POSITIONS) page_pos = request_page_pos(p, request);
   }
   if (lane == 0) {
     ri.full_lo[warp] = full_lo;
     ri.full_hi[warp] = full_hi;
   }
   for (int r = threadIdx.x; r < L::TILE_Q; r += L::THREADS) {
-    ri.q_pos[r] = q_base + (tr.row0 + r) / group;
+    if constexpr (C::POSITIONS) ri.q_pos[r] = p.q_pos[token0 + min((tr.row0 + r) / group, max(qo_len - 1, 0))];
+    else ri.q_pos[r] = q_base + (tr.row0 + r) / group;
     if constexpr (C::ALIBI) ri.slope[r] = alibi_slope(int(tr.head(tr.row0 + r)), p.num_qo_heads);
   }
   if constexpr (C::PAGED) load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
@@ -171,7 +180,7 @@ __device__ __forceinline__ void run(const Params& p) {
     cp_async_wait<S - 2>();
     __syncthreads();
     if constexpr (C::ROPE) {
-      pipe.rope_k(p, tile);
+      pipe.rope_k(p, tile, C::POSITIONS ? page_pos : nullptr);
       __syncthreads();
     }
     const int e = src.entry(tile), t0 = src.start(e);
@@ -183,8 +192,8 @@ __device__ __forceinline__ void run(const Params& p) {
     // loads, branches and 16 cp.async between the barrier and the first mma of every warp), or with LATE_COPIES
     // after the softmax, where ptxas interleaves them with the exp2 and P V
     if constexpr (!C::LATE_COPIES) pipe.issue(tile + S - 1);
-    if constexpr (C::ALIBI || C::SOFT_CAP) logits<C>(s, ri, transform, t0, warp, lane);
-    if (boundary) apply_mask<C>(s, ri, t0, warp, lane, entry_kind(e));
+    if constexpr (C::ALIBI || C::SOFT_CAP) logits<C>(s, ri, transform, t0, warp, lane, C::POSITIONS ? page_pos : nullptr);
+    if (boundary) apply_mask<C>(s, ri, t0, warp, lane, entry_kind(e), C::POSITIONS ? page_pos : nullptr);
     float m[MQ][2], l[MQ][2];
     ri.load_stats(m, l);
     online_softmax<C>(s, o, m, l, C::ALIBI || C::SOFT_CAP ? 1.f : scale_log2);

@@ -5,6 +5,7 @@
 // Config: DTypeQ, DTypeKV, HEAD_DIM, HEAD_DIM_VO, NUM_WARPS, MMA_Q, TILE_KV, Q_IN_REGS, CAUSAL, WINDOW, CUSTOM_MASK,
 // ALIBI, SOFT_CAP (and what prefill/tiles.cuh reads).
 #pragma once
+#include <flashgen/common/positions.cuh>
 #include <flashgen/prefill/tiles.cuh>
 
 namespace flashgen::prefill {
@@ -143,8 +144,27 @@ __device__ __forceinline__ void scores(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
 template <class C>
 __device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const RowInfo<C>& ri,
                                        LogitsTransform<C::ALIBI, C::SOFT_CAP>& transform, int tile_start, int warp,
-                                       int lane) {
+                                       int lane, const int32_t* page_pos = nullptr) {
   static_assert(C::ALIBI || C::SOFT_CAP, "plain scores are scaled in online_softmax");
+  if constexpr (C::POSITIONS && C::ALIBI) {  // ALiBi by true key positions (keys past kv_hi: masked later)
+    const int base = tile_start + 2 * (lane % 4), last = ri.mi.kv_hi - 1;
+#pragma unroll
+    for (int mq = 0; mq < C::MMA_Q; ++mq)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = RowInfo<C>::row(warp, lane, mq, h);
+        const int q_pos = ri.q_pos[r];
+        transform.slope = ri.slope[r];
+#pragma unroll
+        for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
+#pragma unroll
+          for (int e = 2 * h; e < 2 * h + 2; ++e) {
+            const int k_pos = key_position<C::PAGE_SIZE>(page_pos, min(base + nt * 8 + e % 2, last));
+            s[mq][nt][e] = transform(s[mq][nt][e], k_pos - q_pos);
+          }
+      }
+    return;
+  }
 #pragma unroll
   for (int mq = 0; mq < C::MMA_Q; ++mq)
 #pragma unroll
@@ -169,9 +189,30 @@ __device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
 // position (ENTRY_CAUSAL; ENTRY_FULL: all ones)
 template <class C>
 __device__ __forceinline__ void apply_mask(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const RowInfo<C>& ri,
-                                           int tile_start, int warp, int lane, int kind) {
+                                           int tile_start, int warp, int lane, int kind,
+                                           const int32_t* page_pos = nullptr) {
   const MaskInfo& mi = ri.mi;
   const int base = tile_start + 2 * (lane % 4);
+  if constexpr (C::POSITIONS) {  // each key by its true position (keys need not be contiguous)
+#pragma unroll
+    for (int mq = 0; mq < C::MMA_Q; ++mq)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int q_pos = ri.q_pos[RowInfo<C>::row(warp, lane, mq, h)];
+#pragma unroll
+        for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
+#pragma unroll
+          for (int e = 2 * h; e < 2 * h + 2; ++e) {
+            const int t = base + nt * 8 + e % 2;
+            const int k_pos = key_position<C::PAGE_SIZE>(page_pos, min(t, mi.kv_hi - 1));
+            bool ok = t < mi.kv_hi;
+            if constexpr (C::CAUSAL) ok = ok && k_pos <= q_pos;
+            if constexpr (C::WINDOW) ok = ok && k_pos >= q_pos - mi.window_left;
+            if (!ok) s[mq][nt][e] = -INFINITY;
+          }
+      }
+    return;
+  }
 #pragma unroll
   for (int mq = 0; mq < C::MMA_Q; ++mq)
 #pragma unroll

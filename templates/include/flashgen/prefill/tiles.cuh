@@ -6,6 +6,7 @@
 #include <flashgen/common/kv_rows.cuh>
 #include <flashgen/common/logits.cuh>
 #include <flashgen/common/mma.cuh>
+#include <flashgen/common/positions.cuh>
 #include <flashgen/common/tile_entry.cuh>
 
 namespace flashgen::prefill {
@@ -101,7 +102,10 @@ __device__ __forceinline__ void load_q(const Params& p, typename C::DTypeQ* q_sm
       const typename C::DTypeQ* src = p.q + (int64_t(token0 + token) * p.num_qo_heads + head) * C::HEAD_DIM;
       a = *reinterpret_cast<const uint4*>(src + c * 8);
       b = *reinterpret_cast<const uint4*>(src + C::HEAD_DIM / 2 + c * 8);
-      if constexpr (C::ROPE)
+      if constexpr (C::ROPE && C::POSITIONS)  // the token's true position
+        rope_chunk_pair<typename C::DTypeQ>(a, b, float(p.q_pos[token0 + token]), c * 8, C::HEAD_DIM,
+                                            p.rope_rcp_scale, p.rope_log2_theta);
+      else if constexpr (C::ROPE)
         rope_chunk_pair<typename C::DTypeQ>(a, b, float(q_base + token), c * 8, C::HEAD_DIM, p.rope_rcp_scale,
                                             p.rope_log2_theta);
     }
@@ -285,7 +289,7 @@ struct KVPipeline {
 
   // RoPE over a landed K tile in shared memory (once per CTA, before any warp reads it)
   template <class Params>
-  __device__ __forceinline__ void rope_k(const Params& p, int tile) const {
+  __device__ __forceinline__ void rope_k(const Params& p, int tile, const int32_t* page_pos = nullptr) const {
     constexpr int HALF = L::K_CHUNKS / 2;
     DTypeKV* ks = k_tile(tile);
     const int t0 = src.start(src.entry(tile));
@@ -294,8 +298,9 @@ struct KVPipeline {
       uint4* a = reinterpret_cast<uint4*>(ks + tile_index(r, c, L::K_CHUNKS));
       uint4* b = reinterpret_cast<uint4*>(ks + tile_index(r, c + HALF, L::K_CHUNKS));
       uint4 x = *a, y = *b;
-      rope_chunk_pair<DTypeKV>(x, y, float(t0 + r), c * 8, L::D, p.rope_rcp_scale,
-                               p.rope_log2_theta);
+      float pos = float(t0 + r);  // POSITIONS: the key's true position (rows past kv_hi: the last key's)
+      if constexpr (C::POSITIONS) pos = float(key_position<C::PAGE_SIZE>(page_pos, min(t0 + r, src.kv_hi - 1)));
+      rope_chunk_pair<DTypeKV>(x, y, pos, c * 8, L::D, p.rope_rcp_scale, p.rope_log2_theta);
       *a = x;
       *b = y;
     }
