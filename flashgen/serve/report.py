@@ -115,16 +115,19 @@ def format_summary(s: Summary, kernels: str) -> str:
 
 
 class Progress:
-    """A progress bar (tqdm, when importable) or a line every ``every`` steps, on stderr."""
+    """A progress bar (tqdm, when importable and stderr is a terminal) or a line every ``every`` steps, on stderr:
+    off a terminal a redrawn bar would only fill the log."""
 
     def __init__(self, total_requests: int, every: int = 10):
         self.every, self.total = every, total_requests
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self._bar = None
-        else:
-            self._bar = tqdm(total=total_requests, unit="req", file=sys.stderr)
+        self._bar = None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self._bar = tqdm(total=total_requests, unit="req", file=sys.stderr)
 
     def __call__(self, engine) -> None:
         rec = engine.records[-1] if engine.records else None
