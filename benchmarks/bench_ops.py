@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ import flashgen  # noqa: E402
 import flashgen.ops  # noqa: E402
 from flashgen import AttentionSpec, Paged  # noqa: E402
 from flashgen.api import handles  # noqa: E402
+from flashgen.bench.timing import host_loop_us  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 
@@ -46,19 +46,6 @@ class StandIn:
 
     def run(self, q, kv_cache, out=None, return_lse=False):
         return out if out is not None else torch.empty_like(q)
-
-
-def per_call_us(fn, calls: int, repeats: int, sync) -> float:
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-        sync()
-    return best
 
 
 def setup(args):
@@ -103,7 +90,7 @@ def main() -> None:
         "op": lambda: torch.ops.flashgen.decode_run(handle, q, cache, None, D, False),
         **extra,
     }
-    figures = {name: per_call_us(fn, args.calls, args.repeats, sync) for name, fn in calls.items()}
+    figures = {name: host_loop_us(fn, args.calls, args.repeats, sync) for name, fn in calls.items()}
     device = torch.cuda.get_device_name() if isinstance(wrapper, flashgen.BatchDecodeWrapper) else "stand-in (CPU)"
     print(f"host us a call, {device}, torch {torch.__version__}, batch {args.batch}")
     for name, us in figures.items():

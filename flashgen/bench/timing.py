@@ -111,18 +111,20 @@ def host_calls_us(fn, calls: int, no_gc: bool = False) -> list[float]:
     return times
 
 
-def host_loop_us(fn, calls: int = 2000, repeats: int = 5) -> float:
+def host_loop_us(fn, calls: int = 2000, repeats: int = 5, sync=None) -> float:
     """Host µs a call of ``fn``: ``calls`` back-to-back calls timed together, the best of ``repeats`` loops (a
-    synchronize after each, untimed). For calls of a few µs, where timing each call alone would add its own cost."""
+    ``sync()`` after each, untimed; default torch.cuda.synchronize). For calls of a few µs, where timing each call
+    alone would add its own cost."""
+    sync = sync or torch.cuda.synchronize
     fn()
-    torch.cuda.synchronize()
+    sync()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
+        sync()
     return best
 
 
