@@ -14,7 +14,7 @@ from .dense import check_against_dense
 from .engine import CHILD_STRIDE, Engine, EngineConfig, Request
 from .flags import DEFAULTS
 from .model import ModelConfig, TinyLlama
-from .report import Progress, format_summary, summarize
+from .report import Progress, first_token_line, format_summary, process_age, summarize
 
 
 def workload(num_requests: int, vocab: int, system_tokens: int, seed: int, long: bool,
@@ -105,10 +105,13 @@ def _run(args: argparse.Namespace) -> int:
           f"of {ec.page_size} tokens, attention: {engine.backend.name}"
           + (", decode steps from CUDA graphs" if engine.graphs is not None else ""))
     progress = Progress(len(s.requests) + sum(r.n - 1 for r in s.requests))
-    start = time.perf_counter()
+    age, start = process_age(), time.perf_counter()
     engine.run(args.max_steps, progress)
     progress.close()
     print(f"served in {time.perf_counter() - start:.2f} s")
+    line = first_token_line(engine, age)
+    if line is not None:
+        print(line)
     print(format_summary(summarize(engine), _kernels(s.gpu, compiles_before, loaded_before)))
     ok = _check(s, engine, args)
     if args.plot:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -144,3 +145,26 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc, to the clock tick), None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def first_token_line(engine, loop_started_at: float | None) -> str | None:
+    """``first token`` line: when the run's first output token came, counted from the process's start
+    (``loop_started_at``: the process's age when the loop began); None without a token or a process age."""
+    firsts = [r.token_times[0] for r in engine.finished if r.token_times]
+    if not firsts or loop_started_at is None:
+        return None
+    first = min(firsts)
+    return (f"first token         {loop_started_at + first:.2f} s after the process started ({loop_started_at:.2f} s "
+            f"to the loop: imports, CUDA, model; {first:.2f} s in it: plans, kernel loads or compiles, first step)")

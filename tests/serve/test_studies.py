@@ -269,13 +269,28 @@ def test_engine_errors_name_the_argument(model):
         engine.submit([Request(1 + CHILD_STRIDE, [1, 2], 2)])
 
 
+def test_first_token_counts_from_the_process_start():
+    from types import SimpleNamespace
+
+    from flashgen.serve.report import first_token_line, process_age
+
+    age = process_age()
+    assert age is not None and 0 < age < 24 * 3600  # this process: started before the test, not a day ago
+    engine = SimpleNamespace(finished=[SimpleNamespace(token_times=[0.75, 0.9]), SimpleNamespace(token_times=[0.5]),
+                                       SimpleNamespace(token_times=[])])
+    line = first_token_line(engine, 2.0)
+    assert line.startswith("first token         2.50 s after the process started (2.00 s to the loop"), line
+    assert first_token_line(engine, None) is None
+    assert first_token_line(SimpleNamespace(finished=[]), 2.0) is None
+
+
 def test_the_command_runs_the_loop_and_its_studies(capsys, tmp_path):
     argv = ["demo", "--cpu", "--requests", "5", "--layers", "1", "--vocab", "64", "--samples", "2",
             "--temperature", "0.5", "--compare-contiguous", "--policies", "--sweep-page-size",
             "--plot", str(tmp_path / "p.png")]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    for text in ("no GPU visible", "tokens/s", "against the dense reference loop: equal", "completion(s) forked",
+    for text in ("no GPU visible", "tokens/s", "first token ", "against the dense reference loop: equal", "completion(s) forked",
                  "paged vs contiguous", "out-of-pages policies", "page-size sweep", "plot "):
         assert text in out, text
     assert "FAILED" not in out
