@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import family
-from ..kernels.decode import APPEND_RUNTIME_FIELDS
+from ..kernels import APPEND_RUNTIME_FIELDS, family
 from ..plan import PlanError, SplitPolicy, plan_decode
 from ..plan.host import check_heads
 from ..spec import AttentionSpec
