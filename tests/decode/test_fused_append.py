@@ -31,6 +31,8 @@ MATRIX = [  # bf16 and fp8 caches, RoPE off / on (in-kernel K, rotated cache, sc
     AttentionSpec(128, kv_dtype="float8_e5m2", kv_layout=Paged(16, "HND"),
                   pos_encoding=RoPE(scaling=YaRNScaling(), k_rotated=True)),
     AttentionSpec(64, kv_layout=Paged(16), pos_encoding=RoPE()),
+    AttentionSpec(256, kv_layout=Paged(16), pos_encoding=RoPE(k_rotated=True)),
+    AttentionSpec(256, kv_dtype="float8_e4m3fn", kv_layout=Paged(17), pos_encoding=RoPE()),
 ]
 prefetch(__name__, [("decode", spec, "sm_90a") for spec in MATRIX], APPEND)
 
