@@ -34,7 +34,9 @@ MATRIX = [  # bf16 and fp8 caches, RoPE off / on (in-kernel K, rotated cache, sc
     AttentionSpec(256, kv_layout=Paged(16), pos_encoding=RoPE(k_rotated=True)),
     AttentionSpec(256, kv_dtype="float8_e4m3fn", kv_layout=Paged(17), pos_encoding=RoPE()),
 ]
+PREFILL_ROTATED = AttentionSpec(128, kv_layout=Paged(16), mask=flashgen.Causal(), pos_encoding=RoPE(k_rotated=True))
 prefetch(__name__, [("decode", spec, "sm_90a") for spec in MATRIX], APPEND)
+prefetch(__name__, [("prefill", PREFILL_ROTATED, "sm_90a")])
 
 
 @pytest.mark.nvcc
@@ -43,6 +45,12 @@ def test_fused_kernels_compile_for_sm90a(shared_cache):
     fam = family("decode", APPEND)
     for spec, (entry, report) in zip(MATRIX, results):
         assert_sound_cubin(entry, report, [e.name for e in fam.entry_points(fam.project(spec))])
+
+
+@pytest.mark.nvcc
+def test_prefill_over_a_rotated_cache_compiles_for_sm90a(shared_cache):
+    (entry, report), = build_all([("prefill", PREFILL_ROTATED, "sm_90a")])
+    assert_sound_cubin(entry, report, ["prefill"])
 
 
 # ---------------------------------------------------------------------------------------------- spec and keys

@@ -205,3 +205,36 @@ def test_fused_cuda_graph_replay_after_replanning():
         assert_matches_reference(spec, state["q"], _reference_kv(spec, state["sequential"], (1.0, 1.0)), out[:n],
                                  lse[:n], qo_indptr=list(range(n + 1)), **state["table"])
         _same_cache(spec, tuple(x[:pages] for x in pool_kv), state["sequential"])
+
+
+@pytest.mark.parametrize("spec", [
+    AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE(500000.0, scaling=L31, k_rotated=True)),
+    AttentionSpec(128, kv_layout=Paged(1), pos_encoding=RoPE(scaling=YaRNScaling(8.0, 2048))),
+    AttentionSpec(128, kv_dtype="float8_e4m3fn", kv_layout=Paged(17), pos_encoding=RoPE(scaling=L31)),
+], ids=lambda s: s.uri)
+def test_plain_decode_with_scaled_rope_and_rotated_caches(spec):
+    """Without the append: q (and K where it turns as read) scaled, against the fp64 reference."""
+    kv_lens, group = [1, 17, 900, 4100], 4
+    q, kv, table, _, _ = _batch(spec, kv_lens, group, seed=11)
+    fp8 = spec.kv_dtype.startswith("float8")
+    cache = tuple(x.to(getattr(torch, spec.kv_dtype)).cuda() for x in kv)
+    wrapper = flashgen.BatchDecodeWrapper(spec)
+    _plan(wrapper, table, group, (1.0, 1.0), fp8)
+    check_attention(lambda out: wrapper.run(q.cuda(), cache, out=out, return_lse=True), spec, q,
+                    _reference_kv(spec, cache, (1.0, 1.0)), kv_dtype=getattr(torch, spec.kv_dtype) if fp8 else None,
+                    qo_indptr=list(range(len(kv_lens) + 1)), **table)
+
+
+def test_prefill_over_a_rotated_cache_turns_q_only():
+    """RoPE(k_rotated=True) in the portable prefill (auto picks it on Hopper: the sm90 pre-pass would turn K)."""
+    spec = AttentionSpec(128, kv_layout=Paged(16), mask=flashgen.Causal(), pos_encoding=RoPE(500000.0, k_rotated=True))
+    gen = torch.Generator().manual_seed(3)
+    qo_lens, kv_lens = [5, 1, 300], [40, 17, 1000]
+    q, kv, table = random_batch(spec, qo_lens, kv_lens, HEADS, 4, generator=gen)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    wrapper = flashgen.BatchPrefillWrapper(spec)
+    assert wrapper.backend == "portable"
+    wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=HEADS * 4, num_kv_heads=HEADS, **table)
+    kv_gpu = tuple(x.cuda() for x in kv)
+    check_attention(lambda out: wrapper.run(q.cuda(), kv_gpu, out=out, return_lse=True), spec, q, kv,
+                    qo_indptr=qo_indptr, **table)
