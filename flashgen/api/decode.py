@@ -14,13 +14,13 @@ from ..plan.host import check_heads
 from ..spec import AttentionSpec
 from . import handles
 from .checks import check_count
+from .device import current_stream
 from .fused_append import append_fields, check_new_rows, rope_scaling_params, wants_append
 from .kv_inputs import PageTable, kv_view, page_table
 from .page_ids import page_ids_for
 from .positions import Positions, refuse_positions, wants_positions
 from .portable import (HOST_ARRAYS_HINT, RUNTIME_FIELDS, SplitKVLaunch, host_ids_reserve, page_fields, split_kv_fields,
                        table_extras)
-from .device import current_stream
 from .staging import DeviceBuffer
 from .wrapper import Runtime, WrapperCore, graph_capacity, positive, resolve_device
 
@@ -161,9 +161,8 @@ class BatchDecodeWrapper:
         out, lse = core.outputs(q, out, return_lse)
         kv = core.kv_args(kv_cache, kv_view, self._impl.kv_args)
         if self._append or k_new is not None or v_new is not None:
-            planned = core.planned
-            check_new_rows(self._append, k_new, v_new, q, planned.num_kv_heads, self.spec)
-            self._impl.launch_fused(q, kv, out, lse, k_new, v_new)
+            new = check_new_rows(self._append, k_new, v_new, q, core.planned.num_kv_heads, self.spec)
+            self._impl.launch_fused(q, kv, out, lse, new)
         else:
             self._impl.launch(q, kv, out, lse)
         return (out, lse) if return_lse else out
@@ -227,13 +226,12 @@ class DecodeBackend(SplitKVLaunch):
         self._grid = (items, 1, 1) if items > slots else (info.capacity, num_kv_heads, 1)
 
     def launch_fused(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, lse: torch.Tensor | None,
-                     k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """``launch`` with the new rows' addresses and strides (``APPEND_RUNTIME_FIELDS``) written too."""
+                     new: tuple) -> None:
+        """``launch`` with the new rows' addresses and strides (``APPEND_RUNTIME_FIELDS``, ``check_new_rows``)."""
         if not self._grid[0]:
             return
         params = self._params
         params.set(q.data_ptr(), kv[0], kv[1], out.data_ptr(), 0 if lse is None else lse.data_ptr(), kv[2], kv[3],
-                   kv[4], k_new.data_ptr(), v_new.data_ptr(), k_new.stride(0), k_new.stride(1), v_new.stride(0),
-                   v_new.stride(1))
+                   kv[4], *new)
         self._fn.launch_params(self._grid, self._launch.block, self._launch.smem_bytes,
                                current_stream(self.core.device.index), params.address)

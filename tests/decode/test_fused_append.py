@@ -171,6 +171,16 @@ def dev(*shape, dtype=BF16):
     return on_device(torch.zeros(*shape, dtype=dtype))
 
 
+class _OtherDevice(torch.Tensor):
+    """A CPU tensor that says it lives on device 1 (q, a stubbed device tensor, says -1)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    is_cuda = True
+
+    def get_device(self):
+        return 1
+
+
 def _cache(dtype=BF16):
     return dev(5, 16, 2, 128, dtype=dtype), dev(5, 16, 2, 128, dtype=dtype)
 
@@ -201,8 +211,8 @@ def test_run_takes_the_new_rows(stubbed):
     (dict(v_new=None), ValueError, r"^v_new: a wrapper built with"),
     (dict(k_new=np.zeros((2, 2, 128))), TypeError, r"^k_new: expected a torch.Tensor, got ndarray"),
     (dict(k_new=dev(2, 2, 128, dtype=torch.float16)), TypeError, r"^k_new: expected q's dtype torch.bfloat16"),
-    (dict(v_new=torch.zeros(2, 2, 128, dtype=BF16, device="meta")), ValueError,
-     r"^v_new: expected a tensor on q's device cpu, got one on meta"),
+    (dict(v_new=on_device(torch.zeros(2, 2, 128, dtype=BF16)).as_subclass(_OtherDevice)), ValueError,
+     r"^v_new: expected a tensor on q's device"),
     (dict(k_new=dev(3, 2, 128)), ValueError, r"^k_new: expected shape \(2, 2, 128\) \(one row a request of q"),
     (dict(v_new=dev(2, 4, 128)), ValueError, r"^v_new: expected shape \(2, 2, 128\)"),
     (dict(k_new=dev(2, 2, 64)), ValueError, r"^k_new: expected shape \(2, 2, 128\)"),
