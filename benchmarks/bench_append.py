@@ -5,9 +5,15 @@ fp8 quantise + append, rope_quantize_fp8_append_paged_kv_cache, where RoPE and f
 without RoPE on K: a decode step of 64 and of 256 requests (one token each, at position 1000) and a 4096-token
 prefill chunk of one request. Every timed call follows an L2 flush; the median of --reps calls is reported, in
 µs, GB/s of K/V bytes read and written, and % of 4.3 TB/s (the H200's copy rate; docs/performance.md). The
-fused FlashInfer op also rotates and quantises q: its row carries q's bytes too. Prints a table; writes nothing.
+fused FlashInfer op also rotates and quantises q: its row carries q's bytes too.
 
-    python3 benchmarks/bench_append.py
+Then fused append + decode (``BatchDecodeWrapper(kernel_options={"append": True}).run(..., k_new=, v_new=)``)
+against append_kv followed by a plain decode run, at B=64 and 256 requests of L=4096 tokens (the new one
+included), 32 q / 8 kv heads, page 16, a bf16 or fp8 cache holding rotated K (RoPE(500000, k_rotated=True),
+Llama-3.1 scaling): flashgen only (FlashInfer has no fused decode). Prints tables; writes nothing.
+
+    python3 benchmarks/bench_append.py                 # both tables
+    python3 benchmarks/bench_append.py --only fused
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import flashgen  # noqa: E402
-from timing import timed  # noqa: E402
+from timing import timed, timed_interleaved  # noqa: E402
 from flashgen.testing import cos_sin_table  # noqa: E402
 
 HKV, HQ, D, PAGE = 8, 32, 128, 16
@@ -84,12 +90,63 @@ def peers(fi, s: dict, fp8: bool, rope: bool) -> list[tuple[str, object, bool]]:
     return out
 
 
+FUSED_SHAPES = [(64, 4096), (256, 4096)]
+
+
+def fused_rows(reps: int, gen: torch.Generator) -> None:
+    """append_kv then decode against the fused launch, same cache, same plan."""
+    rope = flashgen.RoPE(500000.0, scaling=flashgen.Llama31Scaling(), k_rotated=True)
+    print(f"\n{'shape':<16} {'cache':<6} {'kernel':<34} {'µs':>8} {'vs append+decode':>17}")
+    for batch, kv_len in FUSED_SHAPES:
+        for fp8 in (False, True):
+            dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+            spec = flashgen.AttentionSpec(D, kv_dtype="float8_e4m3fn" if fp8 else "bfloat16",
+                                          kv_layout=flashgen.Paged(PAGE), pos_encoding=rope)
+            pages = -(-kv_len // PAGE)
+            indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
+            indices = torch.randperm(batch * pages, generator=gen).to(torch.int32).cuda()
+            last = torch.full((batch,), (kv_len - 1) % PAGE + 1, dtype=torch.int32)
+            cache = tuple(torch.randn(batch * pages, PAGE, HKV, D, generator=gen).to(dtype).cuda() for _ in range(2))
+            q = torch.randn(batch, HQ, D, generator=gen).bfloat16().cuda()
+            k_new, v_new = (torch.randn(batch, HKV, D, generator=gen).bfloat16().cuda() for _ in range(2))
+            table = dict(num_qo_heads=HQ, num_kv_heads=HKV, kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last)
+            plain = flashgen.BatchDecodeWrapper(spec)
+            fused = flashgen.BatchDecodeWrapper(spec, kernel_options={"append": True})
+            for w in (plain, fused):
+                w.plan(**table)
+            scales = dict(k_scale=1.0, v_scale=1.0) if fp8 else {}
+            where = dict(kv_indptr=indptr.cuda(), kv_indices=indices,
+                         batch_indices=torch.arange(batch, dtype=torch.int32, device="cuda"),
+                         positions=torch.full((batch,), kv_len - 1, dtype=torch.int32, device="cuda"))
+
+            def sequential():
+                flashgen.append_kv(k_new, v_new, cache, rope=rope, **where, **scales)
+                plain.run(q, cache)
+
+            rows = [("append_kv, then decode", sequential),
+                    ("fused append + decode", lambda: fused.run(q, cache, k_new=k_new, v_new=v_new))]
+            for _, fn in rows:
+                fn()
+            times = timed_interleaved([fn for _, fn in rows], reps)  # A/B interleaved: same clocks, same L2 state
+            for (name, _), us in zip(rows, times):
+                print(f"{f'B={batch} L={kv_len}':<16} {'fp8' if fp8 else 'bf16':<6} {name:<34} {us:8.2f} "
+                      f"{times[0] / us:16.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--only", choices=("append", "fused"), default=None, help="one of the two tables")
     args = parser.parse_args()
     fi = flashinfer()
     gen = torch.Generator().manual_seed(0)
+    if args.only != "fused":
+        append_rows(fi, args.reps, gen)
+    if args.only != "append":
+        fused_rows(args.reps, gen)
+
+
+def append_rows(fi, reps: int, gen: torch.Generator) -> None:
     print(f"{'shape':<14} {'cache':<6} {'rope':<5} {'kernel':<46} {'µs':>8} {'GB/s':>8} {'% 4.3 TB/s':>10}")
     for label, lens in SHAPES:
         for fp8 in (False, True):
@@ -103,7 +160,7 @@ def main() -> None:
                     batch_indices=s["batch_indices"], positions=s["positions"], **extra), False)
                 for name, fn, with_q in [ours, *peers(fi, s, fp8, rope)]:
                     fn()
-                    us = timed(fn, args.reps)
+                    us = timed(fn, reps)
                     rate = moved_bytes(s, fp8, with_q) / (us * 1e-6)
                     print(f"{label:<14} {'fp8' if fp8 else 'bf16':<6} {'yes' if rope else 'no':<5} {name:<46} "
                           f"{us:8.2f} {rate / 1e9:8.0f} {100 * rate / COPY_RATE:9.1f}%")

@@ -23,7 +23,7 @@ _EXPORTS = {
     **dict.fromkeys(("CompileError", "ToolchainError"), ".compile"),
     **dict.fromkeys(("Kernel", "MissingKernelError", "NoDeviceError", "build", "ensure_compiled", "render"), ".jit"),
     **dict.fromkeys(("ALiBi", "AppendSpec", "AttentionSpec", "Causal", "CustomMask", "Llama31Scaling", "MergeSpec",
-                     "NoMask", "Paged", "Ragged", "RoPE", "SlidingWindow", "SpecError"), ".spec"),
+                     "NoMask", "Paged", "Ragged", "RoPE", "SlidingWindow", "SpecError", "YaRNScaling"), ".spec"),
 }
 
 __all__ = list(_EXPORTS)

@@ -75,6 +75,7 @@ def stubbed_cuda():
 
     cpu = lambda device=None: torch.device("cpu")  # noqa: E731
     with mock.patch.object(decode, "resolve_device", cpu), mock.patch.object(prefill, "resolve_device", cpu), \
+            mock.patch.object(decode, "current_stream", lambda index: 0), \
             mock.patch.object(block_sparse, "resolve_device", cpu), \
             mock.patch.object(variable_block_sparse, "resolve_device", cpu), \
             mock.patch.object(staging.torch, "empty", empty), \

@@ -13,7 +13,8 @@ import numbers
 import torch
 
 from ..kernels import rows_per_block
-from ..spec import AppendSpec, Llama31Scaling, Paged, RoPE
+from ..spec import AppendSpec, Paged, RoPE
+from ..spec.parts import NO_SCALING, ROPE_SCALINGS
 from .checks import check_shape, check_tensor
 from .device import current_stream
 
@@ -48,7 +49,8 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv_cache, *, kv_indptr=None, kv_
     All index arrays on k's device.
 
     RoPE on K (v is never rotated), at ``positions[t]`` (with slot_mapping, pass ``positions`` too):
-    ``rope=flashgen.RoPE(theta, scale)`` (Llama halves), optionally ``rope_scaling=Llama31Scaling(...)``; or
+    ``rope=flashgen.RoPE(theta, scale)`` (Llama halves), optionally ``rope_scaling=Llama31Scaling(...)`` or
+    ``YaRNScaling(...)`` (or ``RoPE(..., scaling=...)``; YaRN's attention factor multiplies the rotated K); or
     ``cos_sin_cache``: float32 ``[max_position, head_dim]``, cos in the first half, sin in the second (FlashInfer's
     and vLLM's neox table, full head_dim rotary only); a position outside its rows skips the token.
 
@@ -196,8 +198,8 @@ def _page_table(tokens, device, kv_indptr, kv_indices, kv_last_page_len, batch_i
 
 def _rope(rope, scaling, cos_sin_cache, dim: int, device: torch.device) -> tuple[str, dict]:
     """(the spec's rope kind, its params fields)."""
-    fields = {"cos_sin_cache": 0, "cos_sin_rows": 0, "rope_rcp_scale": 1.0, "rope_log2_theta": 0.0,
-              "rope_rcp_factor": 1.0, "rope_smooth_a": 0.0, "rope_smooth_b": 1.0}
+    fields = {"cos_sin_cache": 0, "cos_sin_rows": 0, "rope_rcp_scale": 1.0, "rope_log2_theta": 0.0}
+    fields.update(rope_scaling_fields(NO_SCALING))
     if scaling is not None and rope is None:
         raise ValueError("rope_scaling: scales RoPE's frequencies; give rope=flashgen.RoPE(theta, scale) too")
     if cos_sin_cache is not None:
@@ -213,13 +215,22 @@ def _rope(rope, scaling, cos_sin_cache, dim: int, device: torch.device) -> tuple
         return "none", fields
     if not isinstance(rope, RoPE):
         raise TypeError(f"rope: expected None or flashgen.RoPE(theta, scale), got {rope!r}")
+    if scaling is None:
+        scaling = rope.scaling  # RoPE(scaling=...) as an attention spec holds it
+    elif rope.scaling is not None and scaling != rope.scaling:
+        raise ValueError(f"rope_scaling: got {scaling!r} and rope.scaling {rope.scaling!r}; give one")
     if scaling is not None:
-        if not isinstance(scaling, Llama31Scaling):
-            raise TypeError(f"rope_scaling: expected None or flashgen.Llama31Scaling(...), got {scaling!r}")
-        smooth_a, smooth_b = scaling.smooth_terms()
-        fields.update(rope_rcp_factor=1.0 / scaling.factor, rope_smooth_a=smooth_a, rope_smooth_b=smooth_b)
+        if not isinstance(scaling, ROPE_SCALINGS):
+            raise TypeError(f"rope_scaling: expected None, flashgen.Llama31Scaling(...) or flashgen.YaRNScaling(...), "
+                            f"got {scaling!r}")
+        fields.update(rope_scaling_fields(scaling.rope_terms(rope.theta, dim)))
     fields.update(rope_rcp_scale=1.0 / rope.scale, rope_log2_theta=math.log2(rope.theta))
     return "rope", fields
+
+
+def rope_scaling_fields(terms: tuple[float, float, float, float, float]) -> dict:
+    """The params fields of a scaling's ``rope_terms`` (common/rope.cuh: ``rope_rotate_scaled``)."""
+    return dict(zip(("rope_rcp_factor", "rope_smooth_a", "rope_smooth_b", "rope_smooth_c", "rope_mscale"), terms))
 
 
 def _scales(k_scale, v_scale, cache_dtype: torch.dtype, heads: int, device: torch.device) -> tuple[str, dict]:

@@ -58,6 +58,11 @@ def check_sm90(spec: AttentionSpec, graph: bool = False) -> None:
     if graph and isinstance(spec.pos_encoding, RoPE):
         raise SpecError("pos_encoding: RoPE on the sm90 backend is not CUDA-graph safe yet (use_cuda_graph=True); "
                         "backend='portable' runs it in a graph")
+    rope = spec.pos_encoding
+    if isinstance(rope, RoPE) and (rope.k_rotated or rope.scaling is not None):
+        raise SpecError(f"pos_encoding: got {rope!r}; the sm90 backend's K pre-pass rotates every key with plain "
+                        "RoPE, so k_rotated=True and Llama-3.1 / YaRN scaling are not implemented there yet; "
+                        "backend='portable' runs k_rotated")
     for op, kernel_spec in kernels_for(spec, "sm90"):
         family(op).check(family(op).project(kernel_spec))
 

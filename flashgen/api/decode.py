@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import family
+from ..kernels import APPEND_RUNTIME_FIELDS, family
 from ..plan import PlanError, SplitPolicy, plan_decode
 from ..plan.host import check_heads
 from ..spec import AttentionSpec
 from . import handles
 from .checks import check_count
+from .device import current_stream
+from .fused_append import append_fields, check_new_rows, rope_scaling_params, wants_append
 from .kv_inputs import PageTable, kv_view, page_table
 from .page_ids import page_ids_for
 from .positions import Positions, refuse_positions, wants_positions
@@ -51,6 +53,14 @@ class BatchDecodeWrapper:
     ``kernel_options={"positions": True}``: keys and queries at explicit true positions; every plan() then takes
     ``kv_page_pos`` and ``q_pos`` (``flashgen.api.positions``), with a CSR page table.
 
+    ``kernel_options={"append": True}``: fused append + decode. Every ``run()`` then takes the new token's
+    ``k_new`` and ``v_new`` and, in the one launch, writes them into each request's cache slot at place
+    ``kv_len - 1`` (the plan's lengths count the new token; its page must be in the page table) and attends over
+    the whole cache: the same result and cache bytes as ``flashgen.append_kv`` then ``run()``. K is rotated on the
+    way in when the spec's RoPE has ``k_rotated=True`` (the cache holds rotated K); otherwise it is stored as
+    given and rotated as it is read. fp8 caches are written ``fp8(x / scale)`` with plan()'s ``k_scale`` and
+    ``v_scale``. Paged caches only.
+
     ``workspace`` is accepted for FlashInfer-style call sites and not used: the wrapper sizes its own
     buffers (fixed at the first plan in CUDA-graph mode).
     """
@@ -76,6 +86,7 @@ class BatchDecodeWrapper:
         self._positions = Positions(max_batch_size if graph else None, max_num_pages) if wants_positions(
             kernel_options) else None
         self._fp8 = self.spec.kv_dtype.startswith("float8")
+        self._append = wants_append(kernel_options)
         self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 
     def plan(self, *, num_qo_heads: int, num_kv_heads: int, kv_indptr=None, kv_indices=None, kv_last_page_len=None,
@@ -118,7 +129,7 @@ class BatchDecodeWrapper:
         else:
             refuse_positions(kv_page_pos, q_pos)
         self._impl.plan(table, num_qo_heads, num_kv_heads, runtime, float(v_scale), enable_split, split_policy,
-                        positions)
+                        positions, float(k_scale))
         rows = batch if not self.use_cuda_graph else self.max_batch_size
         self._core.set_planned(rows, num_qo_heads, num_kv_heads, table)
 
@@ -132,15 +143,28 @@ class BatchDecodeWrapper:
         return runtime._replace(sm_scale=positive("k_scale", runtime.sm_scale * float(k_scale),
                                                   " (sm_scale * k_scale must be a finite fp32)"))
 
-    def run(self, q: torch.Tensor, kv_cache, out: torch.Tensor | None = None, return_lse: bool = False):
+    def run(self, q: torch.Tensor, kv_cache, out: torch.Tensor | None = None, return_lse: bool = False, *,
+            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None):
         """Attend ``q [batch, num_qo_heads, head_dim]`` over the planned batch of ``kv_cache``.
 
         Returns ``out [batch, num_qo_heads, head_dim_vo]`` (q's dtype), and with ``return_lse`` also
         ``lse [batch, num_qo_heads]`` fp32 (natural log; -inf for an empty request).
+
+        ``k_new [batch, num_kv_heads, head_dim]``, ``v_new [batch, num_kv_heads, head_dim_vo]`` (q's dtype and
+        device, rows contiguous and 16-byte aligned; token and head strides free, so slices of a fused QKV
+        projection work): the new token of each request, for a wrapper built with
+        ``kernel_options={"append": True}`` (required there, refused otherwise). Example::
+
+            out = wrapper.run(q, kv_cache, k_new=k, v_new=v)   # == append_kv(k, v, kv_cache, ...); run(q, kv_cache)
         """
         core = self._core
         out, lse = core.outputs(q, out, return_lse)
-        self._impl.launch(q, core.kv_args(kv_cache, kv_view, self._impl.kv_args), out, lse)
+        kv = core.kv_args(kv_cache, kv_view, self._impl.kv_args)
+        if self._append or k_new is not None or v_new is not None:
+            new = check_new_rows(self._append, k_new, v_new, q, core.planned.num_kv_heads, self.spec)
+            self._impl.launch_fused(q, kv, out, lse, new)
+        else:
+            self._impl.launch(q, kv, out, lse)
         return (out, lse) if return_lse else out
 
 
@@ -160,10 +184,13 @@ class DecodeBackend(SplitKVLaunch):
         self._kernel = build(self.spec, "decode", device=self.core.device.index, options=self.options)
         self._fn = self._kernel["decode"]
         self._launch = self._kernel.launch_config
-        self._params = self._kernel.params["decode"].bind(RUNTIME_FIELDS)
+        self._append = wants_append(self.options)
+        self._params = self._kernel.params["decode"].bind(
+            RUNTIME_FIELDS + (APPEND_RUNTIME_FIELDS if self._append else ()))
 
     def plan(self, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime, v_scale: float,
-             enable_split: bool, split_policy: SplitPolicy | None = None, positions: dict | None = None) -> None:
+             enable_split: bool, split_policy: SplitPolicy | None = None, positions: dict | None = None,
+             k_scale: float = 1.0) -> None:
         core = self.core
         if self._kernel is None:
             self._load()
@@ -188,9 +215,23 @@ class DecodeBackend(SplitKVLaunch):
         counters = core.counters(info.max_total_q * num_qo_heads, "raise max_batch_size")
         fields.update(split_kv_fields(addresses, tmp_o, tmp_lse, counters, num_qo_heads, num_kv_heads, runtime))
         fields["v_scale"] = v_scale
+        fields.update(rope_scaling_params(self.spec, runtime))
+        if self._append:
+            fields.update(append_fields(k_scale, v_scale))
         if positions:
             fields.update(kv_page_pos=addresses["kv_page_pos"], q_pos=addresses["q_pos"])
         self._params.pack(fields)
         # more than one wave: kv head fastest, for DRAM locality; one wave: item fastest (decode/kernel.cuh)
         items = info.capacity * num_kv_heads
         self._grid = (items, 1, 1) if items > slots else (info.capacity, num_kv_heads, 1)
+
+    def launch_fused(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, lse: torch.Tensor | None,
+                     new: tuple) -> None:
+        """``launch`` with the new rows' addresses and strides (``APPEND_RUNTIME_FIELDS``, ``check_new_rows``)."""
+        if not self._grid[0]:
+            return
+        params = self._params
+        params.set(q.data_ptr(), kv[0], kv[1], out.data_ptr(), 0 if lse is None else lse.data_ptr(), kv[2], kv[3],
+                   kv[4], *new)
+        self._fn.launch_params(self._grid, self._launch.block, self._launch.smem_bytes,
+                               current_stream(self.core.device.index), params.address)

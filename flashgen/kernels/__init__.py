@@ -7,7 +7,7 @@ Every family is registered here, by op name, and nowhere else: ``decode``, ``pre
 """
 
 from .append import AppendFamily, rows_per_block
-from .decode import DecodeFamily
+from .decode import APPEND_RUNTIME_FIELDS, DecodeFamily
 from .family import EntryPoint, KernelFamily, LaunchConfig, family, launch_config, ops, register
 from .merge import MergeStatesFamily
 from .params import BoundParams, Param, ParamsLayout
@@ -24,5 +24,5 @@ del _family
 __all__ = [
     "EntryPoint", "KernelFamily", "LaunchConfig", "family", "launch_config", "ops", "register", "BoundParams",
     "Param", "ParamsLayout", "TemplateError", "include_dir", "render_template", "templates_dir", "sm90_qo_tma",
-    "ragged_twin", "rows_per_block",
+    "ragged_twin", "rows_per_block", "APPEND_RUNTIME_FIELDS",
 ]

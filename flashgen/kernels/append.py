@@ -80,6 +80,6 @@ class AppendFamily(KernelFamily):
             ("int32_t", "scale_stride"),
             ("float", "k_rcp_scale"), ("float", "v_rcp_scale"),
             ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"), ("float", "rope_rcp_factor"),
-            ("float", "rope_smooth_a"), ("float", "rope_smooth_b"),
+            ("float", "rope_smooth_a"), ("float", "rope_smooth_b"), ("float", "rope_smooth_c"), ("float", "rope_mscale"),
         )
         return (EntryPoint("append_kv", params),)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..spec import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, ALiBi, SlidingWindow, SpecError
-from .family import POSITION_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, positions_option, split_kv_struct
+from .family import (POSITION_FIELDS, ROPE_SCALING_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, positions_option,
+                     split_kv_struct)
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float8_e4m3fn": "__nv_fp8_e4m3",
              "float8_e5m2": "__nv_fp8_e5m2"}
@@ -48,25 +49,51 @@ def decode_ctas_per_sm(head_dim: int, head_dim_vo: int, kv_bytes: int = 2) -> in
     return max(1, min(3 if kv_bytes == 1 else 2, (227 * 1024) // (smem + 1024)))
 
 
+# the ``append`` option's params (after every other field): the new token's K/V rows, their strides, and the
+# reciprocal fp8 scales they are quantised with (decode/append.cuh)
+APPEND_FIELDS = (("const DTypeQ*", "k_new"), ("const DTypeQ*", "v_new"),
+                 ("int64_t", "k_new_stride_token"), ("int64_t", "k_new_stride_head"),
+                 ("int64_t", "v_new_stride_token"), ("int64_t", "v_new_stride_head"),
+                 ("float", "k_rcp_scale"), ("float", "v_rcp_scale"))
+APPEND_RUNTIME_FIELDS = tuple(name for _, name in APPEND_FIELDS[:6])  # written at run()
+
+
+def _bool_option(options: dict, name: str) -> bool:
+    value = options.get(name, False)
+    if not isinstance(value, bool):
+        raise SpecError(f"kernel_options[{name!r}]: got {value!r}, expected True or False (decode)")
+    return value
+
+
+def rope_parts(spec: AttentionSpec) -> tuple[bool, bool, bool]:
+    """(q turns, K turns as it is read, the frequencies are scaled) for ``spec``'s positional encoding."""
+    rope = spec.pos_encoding if isinstance(spec.pos_encoding, RoPE) else None
+    return rope is not None, rope is not None and not rope.k_rotated, rope is not None and rope.scaling is not None
+
+
 class DecodeFamily(AttentionFamily):
     """Option ``positions`` (bool): keys and the query at explicit true positions (``kv_page_pos``, ``q_pos``
-    params; family.positions_option); the uri ends in ``_pos``."""
+    params; family.positions_option); the uri ends in ``_pos``. Option ``append`` (bool): fused append + decode,
+    the new token's ``k_new`` / ``v_new`` written into the cache at place ``kv_len - 1`` and attended in the same
+    launch (decode/append.cuh; paged caches); the uri ends in ``_append``."""
 
     op = "decode"
     template = "decode.cu.j2"
 
-    def __init__(self, positions: bool = False):
-        self.positions = positions
-        self.options = (("positions", "true"),) if positions else ()
+    def __init__(self, positions: bool = False, append: bool = False):
+        self.positions, self.append = positions, append
+        self.options = tuple(sorted((name, "true") for name, on in (("positions", positions), ("append", append))
+                                    if on))
 
     def configure(self, options: dict) -> "DecodeFamily":
-        unknown = set(options) - {"positions"}
+        unknown = set(options) - {"positions", "append"}
         if unknown:
-            raise SpecError(f"kernel_options: got {sorted(unknown)}, decode takes 'positions' (True or False)")
-        return DecodeFamily(positions_option(self.op, options))
+            raise SpecError(f"kernel_options: got {sorted(unknown)}, decode takes 'positions' and 'append' (True "
+                            "or False)")
+        return DecodeFamily(positions_option(self.op, options), _bool_option(options, "append"))
 
     def uri(self, spec: AttentionSpec) -> str:
-        return f"{self.op}_{spec.uri}{'_pos' if self.positions else ''}"
+        return f"{self.op}_{spec.uri}{'_pos' if self.positions else ''}{'_append' if self.append else ''}"
 
     def project(self, spec: object) -> AttentionSpec:
         spec = super().project(spec)
@@ -89,10 +116,14 @@ class DecodeFamily(AttentionFamily):
             raise SpecError(f"mask: got {spec.mask!r}, decode supports NoMask(), Causal() or SlidingWindow(left)")
         if isinstance(spec.pos_encoding, RoPE) and spec.head_dim != spec.head_dim_vo:
             raise SpecError("pos_encoding: RoPE in decode needs head_dim == head_dim_vo")
+        if self.append and not isinstance(spec.kv_layout, Paged):
+            raise SpecError(f"kv_layout: got {spec.kv_layout!r}; kernel_options['append'] writes into a paged cache, "
+                            "expected Paged(page_size, order)")
 
     def context(self, spec: AttentionSpec) -> dict:
         paged = isinstance(spec.kv_layout, Paged)
         launch = self.launch(spec)
+        rope_q, rope_k, scaled = rope_parts(spec)
         return {
             "DTypeQ": CPP_TYPES[spec.dtype],
             "DTypeKV": CPP_TYPES[spec.kv_dtype],
@@ -106,7 +137,11 @@ class DecodeFamily(AttentionFamily):
             "STAGES": launch.stages,
             "SMEM_BYTES": launch.smem_bytes,
             "PAGED": _flag(paged),
-            "ROPE": _flag(isinstance(spec.pos_encoding, RoPE)),
+            "ROPE": _flag(rope_q),
+            "ROPE_K": _flag(rope_k),
+            "ROPE_SCALING": _flag(scaled),
+            "APPEND": _flag(self.append),
+            "ROPE_K_ON_WRITE": _flag(self.append and rope_q and not rope_k),
             "ALIBI": _flag(isinstance(spec.pos_encoding, ALiBi)),
             "SOFT_CAP": _flag(spec.soft_cap is not None),
             "WINDOW": _flag(isinstance(spec.mask, SlidingWindow)),
@@ -122,6 +157,9 @@ class DecodeFamily(AttentionFamily):
                             ctas_per_sm=decode_ctas_per_sm(spec.head_dim, spec.head_dim_vo, kv_bytes), stages=stages)
 
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
-        decode = split_kv_struct("DecodeParams", CPP_TYPES[spec.dtype], CPP_TYPES[spec.kv_dtype],
-                                 after=(("float", "v_scale"),) + (POSITION_FIELDS if self.positions else ()))
+        q = CPP_TYPES[spec.dtype]
+        after = (("float", "v_scale"),) + (POSITION_FIELDS if self.positions else ())
+        after += ROPE_SCALING_FIELDS if rope_parts(spec)[2] else ()
+        after += tuple((ctype.replace("DTypeQ", q), name) for ctype, name in APPEND_FIELDS) if self.append else ()
+        decode = split_kv_struct("DecodeParams", q, CPP_TYPES[spec.kv_dtype], after=after)
         return (EntryPoint("decode", decode),)

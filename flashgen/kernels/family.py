@@ -145,6 +145,10 @@ _I32 = "const int32_t*"
 # kv_page_pos, parallel to kv_indices (the true position of each page-table entry's first token; a token for
 # Ragged()), and q_pos, one a query token (its true position)
 POSITION_FIELDS = ((_I32, "kv_page_pos"), (_I32, "q_pos"))
+# a RoPE scaling's params (Llama-3.1, YaRN: spec/parts.py rope_terms; common/rope.cuh rope_rotate_scaled), after
+# every field of a kernel without one
+ROPE_SCALING_FIELDS = (("float", "rope_rcp_factor"), ("float", "rope_smooth_a"), ("float", "rope_smooth_b"),
+                       ("float", "rope_smooth_c"), ("float", "rope_mscale"))
 
 
 def positions_option(op: str, options: dict) -> bool:

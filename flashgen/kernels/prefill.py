@@ -228,6 +228,9 @@ class PrefillFamily(AttentionFamily):
         if not isinstance(spec.mask, (NoMask, Causal, SlidingWindow, CustomMask)):
             raise SpecError(f"mask: got {spec.mask!r}, prefill supports NoMask(), Causal(), SlidingWindow(left) "
                             "or CustomMask()")
+        if isinstance(spec.pos_encoding, RoPE) and spec.pos_encoding.scaling is not None:
+            raise SpecError(f"pos_encoding.scaling: got {spec.pos_encoding.scaling!r}; prefill takes plain RoPE so far "
+                            "(Llama-3.1 / YaRN scaling runs in decode and append_kv)")
         if self.positions and isinstance(spec.mask, CustomMask):
             raise SpecError("mask: CustomMask() takes no explicit positions (kernel_options['positions']): its bits "
                             "are indexed by (query, key) places, not positions")
@@ -254,6 +257,7 @@ class PrefillFamily(AttentionFamily):
             "LATE_COPIES": _flag(prefill_late_copies(spec)),
             "PAGED": _flag(paged),
             "ROPE": _flag(isinstance(spec.pos_encoding, RoPE)),
+            "ROPE_K": _flag(isinstance(spec.pos_encoding, RoPE) and not spec.pos_encoding.k_rotated),
             "ALIBI": _flag(isinstance(spec.pos_encoding, ALiBi)),
             "SOFT_CAP": _flag(spec.soft_cap is not None),
             "CAUSAL": _flag(isinstance(spec.mask, (Causal, SlidingWindow))),

@@ -15,6 +15,7 @@ from .parts import (
     Paged,
     Ragged,
     RoPE,
+    YaRNScaling,
     SlidingWindow,
     SpecError,
     canonical_dtype,
@@ -22,6 +23,6 @@ from .parts import (
 
 __all__ = [
     "HEAD_DIMS", "AttentionSpec", "AppendSpec", "Llama31Scaling", "MergeSpec", "KV_DTYPES", "MERGE_DTYPES", "Q_DTYPES", "ALiBi",
-    "BlockSparse", "Causal", "CustomMask", "NoMask", "Paged", "Ragged", "RoPE", "SlidingWindow",
+    "BlockSparse", "Causal", "CustomMask", "NoMask", "Paged", "Ragged", "RoPE", "SlidingWindow", "YaRNScaling",
     "SpecError", "canonical_dtype", "spec_from_dict", "spec_to_dict",
 ]

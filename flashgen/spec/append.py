@@ -8,11 +8,12 @@ runtime parameters.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from .attention import HEAD_DIMS
-from .parts import DTYPE_SHORT, KV_DTYPES, Q_DTYPES, Paged, SpecError, canonical_dtype, check_positive, plain_fields
+from .parts import DTYPE_SHORT, KV_DTYPES, Q_DTYPES, Llama31Scaling, Paged, SpecError, canonical_dtype, plain_fields
+
+__all__ = ["AppendSpec", "Llama31Scaling"]
 
 APPEND_ROPES = ("none", "rope", "cos_sin_cache")
 APPEND_SCALES = ("per_tensor", "per_head")
@@ -101,35 +102,3 @@ class AppendSpec:
         return "_".join((f"d{self.head_dim}", DTYPE_SHORT[self.dtype], "kv" + DTYPE_SHORT[self.kv_dtype],
                          self.kv_layout.uri, _SHORT[self.rope], _SHORT[self.scales], _SHORT[self.page_table],
                          _SHORT[self.index_dtype]))
-
-
-@dataclass(frozen=True)
-class Llama31Scaling:
-    """Llama-3.1 RoPE frequency scaling (runtime values; ``flashgen.append_kv``'s ``rope_scaling``).
-
-    With ``wavelen = 2 pi / f`` for each inverse frequency ``f``: wavelengths shorter than
-    ``original_max_position / high_freq_factor`` keep ``f``; longer than ``original_max_position /
-    low_freq_factor`` take ``f / factor``; between, ``(1 - s) f / factor + s f`` with ``s = (original_max_position
-    / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)`` (Hugging Face's ``_compute_llama3_parameters``).
-    """
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
-
-    def __post_init__(self) -> None:
-        plain_fields(self, "factor", "low_freq_factor", "high_freq_factor", "original_max_position")
-        self.validate()
-
-    def validate(self) -> None:
-        for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position"):
-            check_positive(getattr(self, name), f"rope_scaling.{name}")
-        if not self.high_freq_factor > self.low_freq_factor:
-            raise SpecError(f"rope_scaling.high_freq_factor: got {self.high_freq_factor!r}, expected > "
-                            f"low_freq_factor ({self.low_freq_factor!r})")
-
-    def smooth_terms(self) -> tuple[float, float]:
-        """``(a, b)`` with ``s = clamp(f * a + b, 0, 1)``: the kernel's form of the blend above."""
-        span = self.high_freq_factor - self.low_freq_factor
-        return self.original_max_position / (2 * math.pi * span), -self.low_freq_factor / span

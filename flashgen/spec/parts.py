@@ -209,14 +209,119 @@ MASKS = (NoMask, Causal, SlidingWindow, CustomMask)
 
 
 @dataclass(frozen=True)
+class Llama31Scaling:
+    """Llama-3.1 RoPE frequency scaling (runtime values; ``RoPE(scaling=...)``, ``flashgen.append_kv``'s
+    ``rope_scaling``).
+
+    With ``wavelen = 2 pi / f`` for each inverse frequency ``f``: wavelengths shorter than
+    ``original_max_position / high_freq_factor`` keep ``f``; longer than ``original_max_position /
+    low_freq_factor`` take ``f / factor``; between, ``(1 - s) f / factor + s f`` with ``s = (original_max_position
+    / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)`` (Hugging Face's ``_compute_llama3_parameters``).
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        plain_fields(self, "factor", "low_freq_factor", "high_freq_factor", "original_max_position")
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position"):
+            check_positive(getattr(self, name), f"rope_scaling.{name}")
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise SpecError(f"rope_scaling.high_freq_factor: got {self.high_freq_factor!r}, expected > "
+                            f"low_freq_factor ({self.low_freq_factor!r})")
+
+    uri = "l31"
+
+    def smooth_terms(self) -> tuple[float, float]:
+        """``(a, b)`` with ``s = clamp(f * a + b, 0, 1)``: the kernel's form of the blend above."""
+        span = self.high_freq_factor - self.low_freq_factor
+        return self.original_max_position / (2 * math.pi * span), -self.low_freq_factor / span
+
+    def rope_terms(self, theta: float, head_dim: int) -> tuple[float, float, float, float, float]:
+        """``(rcp_factor, a, b, c, mscale)`` of common/rope.cuh's ``rope_scaled_freq`` (c = 0, mscale = 1)."""
+        a, b = self.smooth_terms()
+        return 1.0 / self.factor, a, b, 0.0, 1.0
+
+
+@dataclass(frozen=True)
+class YaRNScaling:
+    """YaRN RoPE scaling (Peng et al.; Hugging Face's ``_compute_yarn_parameters``), runtime values.
+
+    Frequency index ``i`` of ``head_dim / 2`` blends ``f_i / factor`` (interpolation) into ``f_i`` (extrapolation)
+    with ``s = 1 - clamp((i - low) / (high - low), 0, 1)``: ``(1 - s) f_i / factor + s f_i``, where ``low``,
+    ``high`` are the dims whose wavelengths make ``beta_fast`` and ``beta_slow`` turns over
+    ``original_max_position`` (floored / ceiled when ``truncate``). Both q and k are multiplied by
+    ``attention_factor`` (default ``0.1 ln(factor) + 1``).
+    """
+
+    factor: float = 4.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        plain_fields(self, "factor", "original_max_position", "beta_fast", "beta_slow", "attention_factor")
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("factor", "original_max_position", "beta_fast", "beta_slow"):
+            check_positive(getattr(self, name), f"rope_scaling.{name}")
+        check_positive(self.attention_factor, "rope_scaling.attention_factor", none=True)
+        if not self.beta_fast > self.beta_slow:
+            raise SpecError(f"rope_scaling.beta_fast: got {self.beta_fast!r}, expected > beta_slow ({self.beta_slow!r})")
+        if not isinstance(self.truncate, bool):
+            raise SpecError(f"rope_scaling.truncate: got {self.truncate!r}, expected True or False")
+
+    uri = "yarn"
+
+    def mscale(self) -> float:
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+    def rope_terms(self, theta: float, head_dim: int) -> tuple[float, float, float, float, float]:
+        """``(rcp_factor, a, b, c, mscale)`` of ``rope_scaled_freq``: ``s = clamp(i c + b, 0, 1)`` (a = 0).
+
+        Worked example: theta 10000, head_dim 128, original 4096, betas 32 / 1: dims 20.9 and 45.0 -> low 20,
+        high 46 (c = -1/26, b = 1 + 20/26); frequencies 0..20 keep f_i, 46.. take f_i / factor."""
+        def dim_of(turns: float) -> float:
+            return head_dim * math.log(self.original_max_position / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001
+        span = high - low
+        return 1.0 / self.factor, 0.0, 1.0 + low / span, -1.0 / span, self.mscale()
+
+
+ROPE_SCALINGS = (Llama31Scaling, YaRNScaling)
+NO_SCALING = (1.0, 0.0, 1.0, 0.0, 1.0)  # rope_terms of plain RoPE: f_i unchanged, no attention factor
+
+
+@dataclass(frozen=True)
 class RoPE:
     """Llama-style rotary embedding applied in the kernel to q and k by absolute position.
 
     ``theta`` and ``scale`` (position interpolation: positions are divided by ``scale``) are runtime values.
+    ``scaling``: None, ``Llama31Scaling(...)`` or ``YaRNScaling(...)`` (its kind changes code, its numbers are
+    runtime values). ``k_rotated=True``: the cache already holds rotated K (as vLLM and most engines store it,
+    e.g. written by ``flashgen.append_kv(rope=...)``), so attention rotates q only.
     """
 
     theta: float = 10000.0
     scale: float = 1.0
+    scaling: object | None = None
+    k_rotated: bool = False
 
     def __post_init__(self) -> None:
         plain_fields(self, "theta", "scale")
@@ -224,8 +329,25 @@ class RoPE:
     def validate(self) -> None:
         check_positive(self.theta, "pos_encoding.theta")
         check_positive(self.scale, "pos_encoding.scale")
+        if self.scaling is not None:
+            if not isinstance(self.scaling, ROPE_SCALINGS):
+                raise SpecError(f"pos_encoding.scaling: got {self.scaling!r}, expected None, Llama31Scaling(...) "
+                                "or YaRNScaling(...)")
+            self.scaling.validate()
+        if not isinstance(self.k_rotated, bool):
+            raise SpecError(f"pos_encoding.k_rotated: got {self.k_rotated!r}, expected True or False")
 
-    uri = "rope"
+    @property
+    def uri(self) -> str:
+        """``rope``, then the scaling's kind (``l31``, ``yarn``) and ``krot`` when set: plain RoPE keeps its name."""
+        return "rope" + ("" if self.scaling is None else self.scaling.uri) + ("krot" if self.k_rotated else "")
+
+    def rope_terms(self, head_dim: int, theta: float | None = None) -> tuple[float, float, float, float, float]:
+        """The scaling's ``(rcp_factor, a, b, c, mscale)`` (``NO_SCALING`` without one) at ``theta`` (default: the
+        spec's)."""
+        if self.scaling is None:
+            return NO_SCALING
+        return self.scaling.rope_terms(self.theta if theta is None else theta, head_dim)
 
 
 @dataclass(frozen=True)

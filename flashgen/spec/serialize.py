@@ -6,16 +6,16 @@ from dataclasses import fields
 
 from .append import AppendSpec
 from .attention import AttentionSpec, MergeSpec
-from .parts import KV_LAYOUTS, MASKS, POS_ENCODINGS, SpecError
+from .parts import KV_LAYOUTS, MASKS, POS_ENCODINGS, ROPE_SCALINGS, SpecError
 
-_PARTS = {cls.__name__: cls for cls in (*KV_LAYOUTS, *MASKS, *POS_ENCODINGS)}
+_PARTS = {cls.__name__: cls for cls in (*KV_LAYOUTS, *MASKS, *POS_ENCODINGS, *ROPE_SCALINGS)}
 _SPECS = {cls.__name__: cls for cls in (AttentionSpec, AppendSpec, MergeSpec)}
 
 
 def _part_to_dict(part: object) -> object:
     if part is None or not hasattr(part, "__dataclass_fields__"):
         return part
-    return {"type": type(part).__name__, **{f.name: getattr(part, f.name) for f in fields(part)}}
+    return {"type": type(part).__name__, **{f.name: _part_to_dict(getattr(part, f.name)) for f in fields(part)}}
 
 
 def spec_to_dict(spec: object) -> dict:
@@ -30,7 +30,7 @@ def _part_from_dict(field: str, value: object) -> object:
     if kind not in _PARTS:
         raise SpecError(f"{field}.type: got {kind!r}, expected one of {', '.join(sorted(_PARTS))}")
     try:
-        return _PARTS[kind](**{k: v for k, v in value.items() if k != "type"})
+        return _PARTS[kind](**{k: _part_from_dict(f"{field}.{k}", v) for k, v in value.items() if k != "type"})
     except TypeError as exc:
         raise SpecError(f"{field}: {exc}") from exc
 

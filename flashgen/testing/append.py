@@ -11,7 +11,7 @@ import math
 import numpy as np
 import torch
 
-from flashgen.spec import Llama31Scaling, RoPE
+from flashgen.spec import Llama31Scaling, RoPE, YaRNScaling
 
 # one unit in the last place, relative (rtol), and the smallest subnormal (atol), per cache dtype
 _ULP = {torch.float16: (2.0**-10, 2.0**-24), torch.bfloat16: (2.0**-7, 2.0**-133)}
@@ -20,9 +20,10 @@ for _name, _ulp in (("float8_e4m3fn", (2.0**-3, 2.0**-9)), ("float8_e5m2", (2.0*
         _ULP[getattr(torch, _name)] = _ulp
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Llama31Scaling | None = None) -> torch.Tensor:
-    """fp64 ``[head_dim / 2]`` inverse frequencies ``theta^(-2i/head_dim)``, with Llama-3.1 scaling when given
-    (Hugging Face's ``_compute_llama3_parameters``, written out with its wavelengths).
+def rope_inv_freq(head_dim: int, theta: float, scaling: Llama31Scaling | YaRNScaling | None = None) -> torch.Tensor:
+    """fp64 ``[head_dim / 2]`` inverse frequencies ``theta^(-2i/head_dim)``, with Llama-3.1 scaling (Hugging
+    Face's ``_compute_llama3_parameters``, written out with its wavelengths) or YaRN's (``_compute_yarn_parameters``,
+    with its correction range) when given.
 
     >>> rope_inv_freq(4, 100.0).tolist()
     [1.0, 0.1]
@@ -30,6 +31,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Llama31Scaling | None = 
     inv = theta ** (-torch.arange(head_dim // 2, dtype=torch.float64) * 2.0 / head_dim)
     if scaling is None:
         return inv
+    if isinstance(scaling, YaRNScaling):
+        def correction_dim(turns):
+            return (head_dim * math.log(scaling.original_max_position / (turns * 2 * math.pi))) / (2 * math.log(theta))
+
+        low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+        if scaling.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        return inv / scaling.factor * (1 - extrapolation) + inv * extrapolation
     low_wavelen = scaling.original_max_position / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -37,6 +51,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Llama31Scaling | None = 
         scaling.high_freq_factor - scaling.low_freq_factor)
     blended = (1 - smooth) * inv / scaling.factor + smooth * inv
     return torch.where(wavelen < high_wavelen, inv, torch.where(wavelen > low_wavelen, inv / scaling.factor, blended))
+
+
+def rope_attention_factor(scaling) -> float:
+    """YaRN's attention factor (cos and sin multiplied by it): ``attention_factor``, else ``0.1 ln(factor) + 1``;
+    1 for other scalings."""
+    if not isinstance(scaling, YaRNScaling):
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+    return 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
 
 
 def cos_sin_table(max_position: int, head_dim: int, theta: float = 10000.0, scale: float = 1.0,
@@ -78,9 +102,11 @@ def _rotate(k: torch.Tensor, pos: np.ndarray, valid: np.ndarray, rope, rope_scal
         rows = table[torch.from_numpy(np.where(valid, pos, 0))]
         cos, sin = rows[:, :half], rows[:, half:]
     else:
+        scaling = rope_scaling if rope_scaling is not None else rope.scaling
         angle = torch.from_numpy(pos).double()[:, None] / rope.scale * rope_inv_freq(k.shape[-1], rope.theta,
-                                                                                     rope_scaling)[None, :]
-        cos, sin = angle.cos(), angle.sin()
+                                                                                     scaling)[None, :]
+        mscale = rope_attention_factor(scaling)
+        cos, sin = angle.cos() * mscale, angle.sin() * mscale
     cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = k[..., :half], k[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1), valid

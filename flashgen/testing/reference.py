@@ -5,7 +5,8 @@ plain dense math, in this order, for query ``i`` of a request at absolute positi
 ``q_pos = kv_len - qo_len + i`` and key ``j`` at ``k_pos = j`` (or at explicit positions: ``q_pos`` per query
 token and ``kv_page_pos`` per page-table entry, ``explicit_positions``):
 
-1. RoPE (Llama, non-interleaved halves): q and k rotated by ``pos / rope_scale`` with ``rope_theta``.
+1. RoPE (Llama, non-interleaved halves): q and k rotated by ``pos / rope_scale`` with ``rope_theta`` (and the
+   spec's Llama-3.1 / YaRN scaling); with ``RoPE(k_rotated=True)`` the cache holds rotated K and q alone turns.
 2. ``logits = q . k * sm_scale`` (``sm_scale`` defaults to ``1 / sqrt(head_dim)``); GQA: q head ``h``
    uses kv head ``h // (num_qo_heads // num_kv_heads)``.
 3. ALiBi: ``logits += slope[h] * (k_pos - q_pos)`` (standard slopes, any head count).
@@ -28,6 +29,7 @@ import torch
 from flashgen.plan.page_table import validate_indptr
 from flashgen.spec import ALiBi, AttentionSpec, BlockSparse, Causal, CustomMask, Ragged, RoPE, SlidingWindow  # noqa: F401
 
+from .append import rope_attention_factor, rope_inv_freq
 from .layouts import request_kv
 
 
@@ -83,16 +85,18 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float64)
 
 
-def apply_rope(x: torch.Tensor, pos: torch.Tensor, theta: float, scale: float) -> torch.Tensor:
-    """Llama rotary embedding (non-interleaved halves) of ``x [n, heads, dim]`` at positions ``pos [n]``.
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, theta: float, scale: float, scaling=None) -> torch.Tensor:
+    """Llama rotary embedding (non-interleaved halves) of ``x [n, heads, dim]`` at positions ``pos [n]``, with the
+    frequencies and attention factor of ``scaling`` (``RoPE.scaling``: Llama-3.1 or YaRN; ``testing.append``).
 
     Computed in fp64 (or fp32 for lower dtypes) and returned in ``x.dtype``.
     """
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2.0 / x.shape[-1])
+    inv_freq = rope_inv_freq(x.shape[-1], theta, scaling).to(x.device)
     angle = (pos.to(x.device, torch.float64)[:, None] / scale) * inv_freq[None, :]
-    cos, sin = angle.cos().to(work)[:, None, :], angle.sin().to(work)[:, None, :]
+    mscale = rope_attention_factor(scaling)
+    cos, sin = (angle.cos() * mscale).to(work)[:, None, :], (angle.sin() * mscale).to(work)[:, None, :]
     x1, x2 = x[..., :half].to(work), x[..., half:].to(work)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -123,9 +127,11 @@ def attend(spec: AttentionSpec, params: RuntimeParams, q: torch.Tensor, k: torch
     """
     q_pos, k_pos = q_pos.to(q.device), k_pos.to(q.device)
     group = q.shape[1] // k.shape[1]
-    if isinstance(spec.pos_encoding, RoPE):
-        q = apply_rope(q, q_pos, params.rope_theta, params.rope_scale)
-        k = apply_rope(k, k_pos, params.rope_theta, params.rope_scale)
+    if isinstance(spec.pos_encoding, RoPE):  # k_rotated: the cache holds rotated K, q alone turns
+        rope = spec.pos_encoding
+        q = apply_rope(q, q_pos, params.rope_theta, params.rope_scale, rope.scaling)
+        if not rope.k_rotated:
+            k = apply_rope(k, k_pos, params.rope_theta, params.rope_scale, rope.scaling)
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     work = torch.float32 if low_precision else torch.float64
     logits = torch.einsum("qhd,khd->hqk", q, k).to(work) * params.sm_scale

@@ -1,4 +1,4 @@
-// The KV-cache write: new tokens' K and V into their pages, K optionally rotated (RoPE at the token's position),
+// The KV-cache write: new tokens' K and V into their pages, K optionally rotated (RoPE at the token's position, Llama-3.1 or YaRN scaled),
 // both optionally quantised to fp8 (cache = fp8(x / scale)).
 //
 // Work: one row = (token, kv head) of HEAD_DIM elements, THREADS_PER_ROW threads a row. A thread owns ELEMS
@@ -93,15 +93,8 @@ __device__ __forceinline__ bool append_rotate(const Params& p, int token, int fi
       rope_pair(lo[4 * q + 3], hi[4 * q + 3], cq.w, sq.w);
     }
   } else {
-    const float scaled = float(pos) * p.rope_rcp_scale;
 #pragma unroll
-    for (int j = 0; j < C::ELEMS; ++j) {
-      const float f = rope_llama31(rope_inv_freq(first + j, C::HEAD_DIM, p.rope_log2_theta), p.rope_rcp_factor,
-                                   p.rope_smooth_a, p.rope_smooth_b);
-      float s, c;
-      sincosf(scaled * f, &s, &c);
-      rope_pair(lo[j], hi[j], c, s);
-    }
+    for (int j = 0; j < C::ELEMS; ++j) rope_rotate_scaled(lo[j], hi[j], float(pos), first + j, C::HEAD_DIM, p);
   }
   return true;
 }

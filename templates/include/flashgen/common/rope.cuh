@@ -1,9 +1,11 @@
 // Rotary position embedding math (Llama halves: the pair (x[i], x[i + dim/2]) turns by pos * f_i), shared by the
 // attention kernels (q and K rotated on the fly) and the KV-cache write (K rotated on the way into its page).
 //   f_i = theta^(-2i/dim)                     (rope_inv_freq; `rope_log2_theta` = log2(theta))
-//   Llama-3.1: f_i -> (1 - s) f_i / factor + s f_i, s = clamp(f_i a + b, 0, 1)   (rope_llama31; factor 1, a 0,
-//   b 1 give f_i back exactly, so one code path serves plain RoPE too)
+//   scaled: f_i -> (1 - s) f_i / factor + s f_i, s = clamp(f_i a + i c + b, 0, 1)   (rope_scaled_freq)
+//     Llama-3.1: c = 0 (a blend by wavelength); YaRN: a = 0 (a ramp over the index i); factor 1, a 0, b 1, c 0
+//     give f_i back exactly, so one code path serves plain RoPE too (spec/parts.py: rope_terms)
 //   angle = pos / scale * f_i                 (`rope_rcp_scale` = 1 / scale)
+//   YaRN's attention factor multiplies the rotated pair (cos and sin) by `rope_mscale` (1 otherwise).
 #pragma once
 #include <cmath>
 
@@ -13,8 +15,9 @@ __device__ __forceinline__ float rope_inv_freq(int i, int dim, float rope_log2_t
   return exp2f(-2.f * float(i) / float(dim) * rope_log2_theta);
 }
 
-__device__ __forceinline__ float rope_llama31(float inv_freq, float rcp_factor, float smooth_a, float smooth_b) {
-  const float s = fminf(fmaxf(inv_freq * smooth_a + smooth_b, 0.f), 1.f);
+__device__ __forceinline__ float rope_scaled_freq(float inv_freq, int i, float rcp_factor, float smooth_a,
+                                                  float smooth_b, float smooth_c) {
+  const float s = fminf(fmaxf(inv_freq * smooth_a + float(i) * smooth_c + smooth_b, 0.f), 1.f);
   return (1.f - s) * inv_freq * rcp_factor + s * inv_freq;
 }
 
@@ -32,6 +35,23 @@ __device__ __forceinline__ void rope_rotate(float& lo, float& hi, float pos, int
   float s, c;
   sincosf(pos * rope_rcp_scale * inv_freq, &s, &c);
   rope_pair(lo, hi, c, s);
+}
+
+// the same with the params' scaling (rope_rcp_factor, rope_smooth_a/b/c) and attention factor (rope_mscale)
+template <class Params>
+__device__ __forceinline__ void rope_rotate_scaled(float& lo, float& hi, float pos, int i, int dim, const Params& p) {
+  const float f = rope_scaled_freq(rope_inv_freq(i, dim, p.rope_log2_theta), i, p.rope_rcp_factor, p.rope_smooth_a,
+                                   p.rope_smooth_b, p.rope_smooth_c);
+  float s, c;
+  sincosf(pos * p.rope_rcp_scale * f, &s, &c);
+  rope_pair(lo, hi, c * p.rope_mscale, s * p.rope_mscale);
+}
+
+// an attention kernel's rotation: scaled where its spec's RoPE has a scaling (SCALED), plain otherwise
+template <bool SCALED, class Params>
+__device__ __forceinline__ void rope_rotate_by(float& lo, float& hi, float pos, int i, int dim, const Params& p) {
+  if constexpr (SCALED) rope_rotate_scaled(lo, hi, pos, i, dim, p);
+  else rope_rotate(lo, hi, pos, i, dim, p.rope_rcp_scale, p.rope_log2_theta);
 }
 
 }  // namespace flashgen

@@ -14,7 +14,11 @@
 // (k_scale into sm_scale) and at the output (v_scale).
 //
 // Config (rendered by codegen): DTypeQ, DTypeKV, DTypeMMA, DTypeO, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS,
-// STAGES, SMEM_BYTES, PAGED, ROPE, ALIBI, SOFT_CAP, WINDOW, POSITIONS.
+// STAGES, SMEM_BYTES, PAGED, ROPE (q turns), ROPE_K (K turns as it is read; false where the cache holds rotated
+// K), ROPE_SCALING (Llama-3.1 / YaRN frequencies), ALIBI, SOFT_CAP, WINDOW, POSITIONS, APPEND, ROPE_K_ON_WRITE.
+//
+// APPEND (decode/append.cuh): the new token's k_new / v_new row is written into its cache slot and attended in
+// the same launch.
 //
 // POSITIONS (common/positions.cuh): the query sits at q_pos[token] and key t at its page's kv_page_pos entry +
 // its offset in the page; the window then masks keys element by element (kv_start is not moved), and RoPE and
@@ -29,6 +33,7 @@
 #include <flashgen/common/positions.cuh>
 #include <flashgen/decode/tiles.cuh>
 #include <flashgen/decode/epilogue.cuh>
+#include <flashgen/decode/append.cuh>
 
 namespace flashgen::decode {
 
@@ -122,7 +127,11 @@ __device__ __forceinline__ void run(const Params& p) {
   };
   auto store_offset = [&](int tile, int32_t page_id) {
     const int pos = kv_start + tile * TILE + tid;
-    if (tid < TILE) row_offsets[(tile & 1) * TILE + tid] = (tile < num_tiles && pos < kv_end) ? rows.offset(pos, page_id) : -1;
+    if constexpr (C::APPEND) {  // the new row comes from registers (inject): no copy of its slot
+      if (tid < TILE) row_offsets[(tile & 1) * TILE + tid] = (tile < num_tiles && pos < kv_end && pos != kv_len - 1) ? rows.offset(pos, page_id) : -1;
+    } else {
+      if (tid < TILE) row_offsets[(tile & 1) * TILE + tid] = (tile < num_tiles && pos < kv_end) ? rows.offset(pos, page_id) : -1;
+    }
   };
   // Each thread copies one fixed 16-byte column chunk of every (THREADS / CHUNKS)-th row of a tile: its
   // source column and (rows stepping by a multiple of 8) its swizzled destination are per-thread constants,
@@ -150,6 +159,18 @@ __device__ __forceinline__ void run(const Params& p) {
   for (int tile = 0; tile <= S; ++tile) first_pages[tile] = page_of(tile);
 
   stage_q<C>(p, q_smem, token, q_head0, rows_valid, q_pos, p.sm_scale);
+
+  // APPEND: the items whose chunk ends at the new token hold its row; qo tile 0's writes it into the cache
+  NewRow<C> new_row;
+  int new_tile = -1, new_row_in_tile = 0;
+  if constexpr (C::APPEND) {
+    if (kv_end == kv_len && kv_end > kv_start) {
+      new_row.compute(p, token, kv_head, q_pos);
+      new_tile = (kv_len - 1 - kv_start) / TILE;
+      new_row_in_tile = (kv_len - 1 - kv_start) % TILE;
+      if (p.qo_tile_idx[item] == 0) new_row.write(p, kv_head, rows.offset(kv_len - 1, rows.page(kv_len - 1)));
+    }
+  }
 
   // prologue: tiles 0 .. S-2 in flight, offsets of tile S-1 stored, page ids of tile S in registers
 #pragma unroll
@@ -193,6 +214,12 @@ __device__ __forceinline__ void run(const Params& p) {
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<S - 2>();
     __syncthreads();
+    if constexpr (C::APPEND) {  // the tile has landed (its new row zero-filled): the row from registers
+      if (tile == new_tile) {
+        new_row.inject(k_smem + (tile % S) * TILE * D, v_smem + (tile % S) * TILE * DV, new_row_in_tile);
+        __syncthreads();
+      }
+    }
     issue(tile + S - 1);
     store_offset(tile + S, next_page);
     next_page = page_of(tile + S + 1);
@@ -204,7 +231,7 @@ __device__ __forceinline__ void run(const Params& p) {
     // S = Q K^T for 16 q rows x 16 kv rows
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     const int mat = lane / 8, mrow = lane % 8;
-    if constexpr (L::FP8 && C::ROPE) {
+    if constexpr (L::FP8 && C::ROPE_K) {
       // x4: n-tiles 0 and 1 of k-step j (regs 0, 1) and of its rotation partner j + D/32 (regs 2, 3)
       float pos[2] = {float(kv_start + tile * TILE + n0 + g), float(kv_start + tile * TILE + n0 + 8 + g)};
       if constexpr (C::POSITIONS) {  // rows past kv_end (masked below) take the last key's position
@@ -227,8 +254,8 @@ __device__ __forceinline__ void run(const Params& p) {
           for (int b = 0; b < 2; ++b) {  // lo[b]: head-dim columns d, d + 1 with d = 16j + 4 t4 + 2b
             float2 x = unpack2<DTypeMMA>(lo[b]), y = unpack2<DTypeMMA>(hi[b]);
             const int d = 16 * j + 4 * t4 + 2 * b;
-            rope_rotate(x.x, y.x, pos[nt], d, D, p.rope_rcp_scale, p.rope_log2_theta);
-            rope_rotate(x.y, y.y, pos[nt], d + 1, D, p.rope_rcp_scale, p.rope_log2_theta);
+            rope_rotate_by<C::ROPE_SCALING>(x.x, y.x, pos[nt], d, D, p);
+            rope_rotate_by<C::ROPE_SCALING>(x.y, y.y, pos[nt], d + 1, D, p);
             lo[b] = pack2<DTypeMMA>(x.x, x.y);
             hi[b] = pack2<DTypeMMA>(y.x, y.y);
           }
@@ -254,7 +281,7 @@ __device__ __forceinline__ void run(const Params& p) {
           }
         }
       }
-    } else if constexpr (C::ROPE) {
+    } else if constexpr (C::ROPE_K) {
       const int kv_row_lo = n0 + g, kv_row_hi = n0 + 8 + g;
       float pos_lo = float(kv_start + tile * TILE + kv_row_lo), pos_hi = float(kv_start + tile * TILE + kv_row_hi);
       if constexpr (C::POSITIONS) {  // rows past kv_end (masked below) take the last key's position
@@ -273,8 +300,8 @@ __device__ __forceinline__ void run(const Params& p) {
           float2 lo = unpack2<DTypeMMA>(ka[r]), hi = unpack2<DTypeMMA>(kb[r]);
           const float pos = r < 2 ? pos_lo : pos_hi;
           const int d = 16 * j + 2 * t4 + 8 * (r % 2);
-          rope_rotate(lo.x, hi.x, pos, d, D, p.rope_rcp_scale, p.rope_log2_theta);
-          rope_rotate(lo.y, hi.y, pos, d + 1, D, p.rope_rcp_scale, p.rope_log2_theta);
+          rope_rotate_by<C::ROPE_SCALING>(lo.x, hi.x, pos, d, D, p);
+          rope_rotate_by<C::ROPE_SCALING>(lo.y, hi.y, pos, d + 1, D, p);
           ka[r] = pack2<DTypeMMA>(lo.x, lo.y);
           kb[r] = pack2<DTypeMMA>(hi.x, hi.y);
         }

@@ -2,7 +2,7 @@
 // swizzled tile indexing, the cp.async tile copy, the Q tile load (RoPE on the way) and fp8 K/V fragments
 // converted in registers.
 //
-// Config: DTypeQ, DTypeKV, DTypeMMA, HEAD_DIM, HEAD_DIM_VO, NUM_WARPS, STAGES, SMEM_BYTES, ROPE.
+// Config: DTypeQ, DTypeKV, DTypeMMA, HEAD_DIM, HEAD_DIM_VO, NUM_WARPS, STAGES, SMEM_BYTES, ROPE, ROPE_SCALING.
 #pragma once
 #include <type_traits>
 #include <flashgen/common/fp8.cuh>
@@ -146,7 +146,7 @@ __device__ __forceinline__ void stage_q(const Params& p, typename C::DTypeMMA* q
       }
       if constexpr (C::ROPE) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) rope_rotate(lo[i], hi[i], float(q_pos), c * 8 + i, D, p.rope_rcp_scale, p.rope_log2_theta);
+        for (int i = 0; i < 8; ++i) rope_rotate_by<C::ROPE_SCALING>(lo[i], hi[i], float(q_pos), c * 8 + i, D, p);
       }
       if constexpr (PRESCALE) {
 #pragma unroll

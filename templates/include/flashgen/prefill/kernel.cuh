@@ -22,7 +22,7 @@
 //
 // This header is the kernel's entry: the bounds of the work item, the pipelined main loop, the epilogue.
 // Config (rendered by codegen): DTypeQ, DTypeKV, DTypeO, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS, MMA_Q,
-// TILE_KV, STAGES, SMEM_BYTES, Q_IN_REGS, LATE_COPIES, PAGED, ROPE, ALIBI, SOFT_CAP, CAUSAL, WINDOW, CUSTOM_MASK,
+// TILE_KV, STAGES, SMEM_BYTES, Q_IN_REGS, LATE_COPIES, PAGED, ROPE, ROPE_K, ALIBI, SOFT_CAP, CAUSAL, WINDOW, CUSTOM_MASK,
 // POSITIONS.
 //
 // POSITIONS (common/positions.cuh): query token i sits at q_pos[i] and key t at its page's kv_page_pos entry +
@@ -179,7 +179,7 @@ __device__ __forceinline__ void run(const Params& p) {
   for (int tile = 0, more = src.num_tiles > 0; more; ++tile) {
     cp_async_wait<S - 2>();
     __syncthreads();
-    if constexpr (C::ROPE) {
+    if constexpr (C::ROPE_K) {  // K turns in shared memory, unless the cache holds rotated K
       pipe.rope_k(p, tile, C::POSITIONS ? page_pos : nullptr);
       __syncthreads();
     }

@@ -1,0 +1,108 @@
+// Fused append + decode (C::APPEND): the new token's K/V row, computed from k_new / v_new in registers, written
+// into its cache slot and handed to the attention without a read of that slot.
+//
+// The new token sits at place kv_len - 1 of its request (the plan counts it). Split-KV chunks partition
+// [0, kv_len), so only the work items whose chunk ends at kv_len see that place: the one of qo tile 0 writes the
+// row into the cache; every one of them (one per qo tile) zero-fills the row's cp.async (run: its row offset is
+// -1) and stores the row into its K/V tile in shared memory once that tile has landed (inject). So no CTA of the
+// launch reads the slot being written, and the attention sees exactly the bytes the cache receives: the same as
+// flashgen.append_kv, then decode.
+//
+// The row as append_kv writes it: K rotated when the cache holds rotated K (ROPE_K_ON_WRITE: the spec's RoPE has
+// k_rotated), each value times 1 / scale and cast to the cache's dtype (fp8: saturated). A thread owns a 16-byte
+// chunk of the cache's dtype in each half of the row (its RoPE pair): threads [0, K_PAIRS) K, the next V_PAIRS V.
+//
+// Config: DTypeQ, DTypeKV, HEAD_DIM, HEAD_DIM_VO, ROPE_K_ON_WRITE, ROPE_SCALING.
+#pragma once
+#include <flashgen/common/fp8.cuh>
+#include <flashgen/common/rope.cuh>
+#include <flashgen/common/vec.cuh>
+#include <flashgen/decode/tiles.cuh>
+
+namespace flashgen::decode {
+
+template <class C>
+struct NewRow {
+  using DTypeKV = typename C::DTypeKV;
+  using DTypeQ = typename C::DTypeQ;
+  using L = Layout<C>;
+  static constexpr int ELEMS = 16 / int(sizeof(DTypeKV));  // elements of a 16-byte cache chunk
+  static constexpr int K_PAIRS = L::K_CHUNKS / 2, V_PAIRS = L::V_CHUNKS / 2;
+  static_assert(K_PAIRS + V_PAIRS <= L::THREADS, "a thread per chunk pair");
+
+  bool active = false, is_k = false;
+  int chunk = 0;  // the low chunk; its pair is chunk + CHUNKS / 2
+  uint4 lo, hi;   // the row's bytes in the cache's dtype
+
+  // ELEMS elements of q's dtype as floats
+  static __device__ __forceinline__ void load(const DTypeQ* src, float (&x)[ELEMS]) {
+#pragma unroll
+    for (int v = 0; v < ELEMS / 8; ++v) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src) + v);
+      const DTypeQ* e = reinterpret_cast<const DTypeQ*>(&raw);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[8 * v + j] = Vec16<DTypeQ>::to_float(e[j]);
+    }
+  }
+
+  static __device__ __forceinline__ uint4 pack(const float (&x)[ELEMS]) {
+    if constexpr (L::FP8) {
+      return fp8x16_narrow<DTypeKV>(x);
+    } else {
+      uint4 out;
+      DTypeKV* e = reinterpret_cast<DTypeKV*>(&out);
+#pragma unroll
+      for (int j = 0; j < ELEMS; ++j) e[j] = Vec16<DTypeKV>::from_float(x[j]);
+      return out;
+    }
+  }
+
+  // this thread's chunk pair of the new row of (token, kv_head) at position pos
+  template <class Params>
+  __device__ __forceinline__ void compute(const Params& p, int token, int kv_head, int pos) {
+    const int tid = threadIdx.x;
+    is_k = tid < K_PAIRS;
+    active = tid < K_PAIRS + V_PAIRS;
+    if (!active) return;
+    chunk = is_k ? tid : tid - K_PAIRS;
+    const int half = is_k ? C::HEAD_DIM / 2 : C::HEAD_DIM_VO / 2;
+    const DTypeQ* src = is_k ? p.k_new + token * p.k_new_stride_token + kv_head * p.k_new_stride_head
+                             : p.v_new + token * p.v_new_stride_token + kv_head * p.v_new_stride_head;
+    src += chunk * ELEMS;
+    float a[ELEMS], b[ELEMS];
+    load(src, a);
+    load(src + half, b);
+    if constexpr (C::ROPE_K_ON_WRITE) {
+      if (is_k) {
+#pragma unroll
+        for (int j = 0; j < ELEMS; ++j) rope_rotate_by<C::ROPE_SCALING>(a[j], b[j], float(pos), chunk * ELEMS + j, C::HEAD_DIM, p);
+      }
+    }
+    const float mul = is_k ? p.k_rcp_scale : p.v_rcp_scale;  // 1 for a 16-bit cache
+#pragma unroll
+    for (int j = 0; j < ELEMS; ++j) a[j] *= mul, b[j] *= mul;
+    lo = pack(a);
+    hi = pack(b);
+  }
+
+  // into the cache: row_offset is the slot's element offset from the head's base (KVRows::offset)
+  template <class Params>
+  __device__ __forceinline__ void write(const Params& p, int kv_head, int64_t row_offset) const {
+    if (!active) return;
+    DTypeKV* base = const_cast<DTypeKV*>(is_k ? p.k : p.v) + int64_t(kv_head) * p.stride_head + row_offset;
+    const int half = is_k ? C::HEAD_DIM / 2 : C::HEAD_DIM_VO / 2;
+    *reinterpret_cast<uint4*>(base + chunk * ELEMS) = lo;
+    *reinterpret_cast<uint4*>(base + half + chunk * ELEMS) = hi;
+  }
+
+  // into row `row` of the K / V tiles of one stage (swizzled as copy_tile_rows writes them)
+  __device__ __forceinline__ void inject(DTypeKV* ks, DTypeKV* vs, int row) const {
+    if (!active) return;
+    const int chunks = is_k ? L::K_CHUNKS : L::V_CHUNKS;
+    DTypeKV* tile = is_k ? ks : vs;
+    *reinterpret_cast<uint4*>(tile + copy_index<DTypeKV>(row, chunk, chunks)) = lo;
+    *reinterpret_cast<uint4*>(tile + copy_index<DTypeKV>(row, chunk + chunks / 2, chunks)) = hi;
+  }
+};
+
+}  // namespace flashgen::decode
