@@ -124,6 +124,28 @@ def test_bad_scales_are_named(stubbed, spec, plan, message):
         _prefill(spec, **plan)
 
 
+def test_bench_kv_dtypes_option(monkeypatch):
+    """``--kv-dtypes``: fp8 rows of the portable kernel beside the bf16 ones; the ratios to peers are bf16's."""
+    import argparse
+
+    from flashgen.bench import prefill as bench
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.config(parser.parse_args([])).kv_dtypes == ["bf16"]
+    assert bench.config(parser.parse_args(["--kv-dtypes", "bf16,e4m3,e5m2"])).kv_dtypes == ["bf16", "e4m3", "e5m2"]
+    with pytest.raises(ValueError, match=r"^--kv-dtypes: unknown \['fp8'\]"):
+        bench.config(parser.parse_args(["--kv-dtypes", "fp8"]))
+    fp8 = bench.spec_for(128, "paged16", "causal", "e4m3")
+    assert fp8.kv_dtype == E4M3 and bench.runs(fp8, "portable") and not bench.runs(fp8, "sm90")
+    shape = {"head_dim": 128, "batch": 4, "seqlen": 4096, "mask": "causal", "layout": "ragged"}
+    rows = [{"peer": "flashgen-portable", "us": 1000.0, "kv_dtype": "bf16", **shape},
+            {"peer": "flashgen-portable-e4m3", "us": 500.0, "kv_dtype": "e4m3", **shape},
+            {"peer": "flashinfer", "us": 1200.0, **shape}]
+    assert bench.ratios({"rows": rows}) == [("d128 4x4k causal ragged", "flashinfer", 1.2)]
+
+
 # ------------------------------------------------------------------------------------------------ nvcc
 
 COMPILE = [AttentionSpec(d, dtype=dtype, kv_dtype=kv, kv_layout=layout, mask=mask)
