@@ -51,7 +51,11 @@ def positions_options(spec: AttentionSpec, backend: str, kernel_options: dict | 
 
 def check_prefill_spec(spec: AttentionSpec, backend: str, kernel_options: dict | None = None) -> None:
     """The prefill families' checks of head dims and dtypes (``SpecError``), before any plan fixes a page size:
-    the sm90 family's for ``backend="sm90"``, else the portable one's (which ``"auto"`` falls back to)."""
+    the sm90 family's for ``backend="sm90"``, else the portable one's (which ``"auto"`` falls back to). fp8 K/V
+    are refused: the block-sparse plans take no k_scale / v_scale yet."""
+    if spec.kv_dtype != spec.dtype:
+        raise SpecError(f"kv_dtype: block-sparse wrappers take K/V in q's dtype ({spec.dtype}), got {spec.kv_dtype} "
+                        "(their plan() takes no fp8 k_scale / v_scale yet; BatchPrefillWrapper does)")
     probe = spec.replace(kv_layout=Paged(16))
     if backend == "sm90":
         family("prefill_sm90").check(family("prefill_sm90").project(probe))

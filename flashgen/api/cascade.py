@@ -68,7 +68,7 @@ class LevelRecord(NamedTuple):
 
 def check_cascade_spec(spec: AttentionSpec) -> None:
     """``SpecError`` unless a cascade runs ``spec`` exactly: a paged layout; NoMask, Causal or SlidingWindow
-    (a custom mask's bits have no place in the levels)."""
+    (a custom mask's bits have no place in the levels); K/V in q's dtype."""
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
     if not isinstance(spec.kv_layout, Paged):
@@ -77,6 +77,9 @@ def check_cascade_spec(spec: AttentionSpec) -> None:
     if not isinstance(spec.mask, (NoMask, Causal, SlidingWindow)):
         raise SpecError(f"mask: CascadeWrapper takes NoMask(), Causal() or SlidingWindow(left), got {spec.mask!r} "
                         "(use BatchPrefillWrapper over the whole sequences for a custom mask)")
+    if spec.kv_dtype != spec.dtype:
+        raise SpecError(f"kv_dtype: CascadeWrapper takes K/V in q's dtype ({spec.dtype}), got {spec.kv_dtype} (its "
+                        "plan() takes no fp8 k_scale / v_scale yet; BatchPrefillWrapper and BatchDecodeWrapper do)")
 
 
 def needs_positions(spec: AttentionSpec) -> bool:

@@ -22,7 +22,7 @@ from .positions import Positions, refuse_positions, wants_positions
 from .portable import (HOST_ARRAYS_HINT, RUNTIME_FIELDS, SplitKVLaunch, host_ids_reserve, page_fields, split_kv_fields,
                        table_extras)
 from .staging import DeviceBuffer
-from .wrapper import Runtime, WrapperCore, graph_capacity, positive, resolve_device
+from .wrapper import Runtime, WrapperCore, fp8_scaled, graph_capacity, resolve_device
 
 
 class BatchDecodeWrapper:
@@ -120,9 +120,8 @@ class BatchDecodeWrapper:
                             "CUDA-graph capacity)")
         if self._core.page_ids is not None:
             self._core.page_ids.take(table, num_pages)
-        runtime = self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap)
-        if k_scale != 1.0 or v_scale != 1.0:
-            runtime = self._scaled(runtime, k_scale, v_scale)
+        runtime, v_scale = fp8_scaled(self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap),
+                                      self._fp8, k_scale, v_scale)
         positions = {}
         if self._positions is not None:
             self._positions.extras(positions, table.kv_indptr_host, batch, kv_page_pos, q_pos)
@@ -132,16 +131,6 @@ class BatchDecodeWrapper:
                         positions, float(k_scale))
         rows = batch if not self.use_cuda_graph else self.max_batch_size
         self._core.set_planned(rows, num_qo_heads, num_kv_heads, table)
-
-    def _scaled(self, runtime: Runtime, k_scale, v_scale) -> Runtime:
-        """``runtime`` with fp8 K's scale folded into sm_scale: q.(k * k_scale) = (q.k) * k_scale, before any
-        logits transform (V's is applied to the output by the kernel); both checked."""
-        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if value != 1.0 and not self._fp8:
-                raise PlanError(f"{name}: got {value!r}; per-tensor scales apply to fp8 K/V only (expected 1.0)")
-            positive(name, value)
-        return runtime._replace(sm_scale=positive("k_scale", runtime.sm_scale * float(k_scale),
-                                                  " (sm_scale * k_scale must be a finite fp32)"))
 
     def run(self, q: torch.Tensor, kv_cache, out: torch.Tensor | None = None, return_lse: bool = False, *,
             k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None):

@@ -111,6 +111,7 @@ class PortablePrefill(SplitKVLaunch):
         self._tmp_lse = DeviceBuffer(torch.float32, core.device, core.fixed)
         self._masks = DeviceBuffer(torch.uint8, core.device, True) if core.fixed else None  # graph mode: mask copies
         self._kernel = None
+        self._fp8 = self.spec.kv_dtype.startswith("float8")
         self._held = (None, None)  # a device page table and a device mask, read in place
         self.last_plan = None
 
@@ -124,9 +125,10 @@ class PortablePrefill(SplitKVLaunch):
 
     def plan(self, qo: np.ndarray, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime,
              custom_mask, enable_split: bool, split_policy: SplitPolicy | None = None,
-             positions: dict | None = None) -> int:
+             positions: dict | None = None, v_scale: float | None = None) -> int:
         """Plan and upload; returns the rows of q and out (total_q, or max_total_q in CUDA-graph mode).
-        ``positions``: the ``q_pos`` and ``kv_page_pos`` extras of a wrapper with explicit positions."""
+        ``positions``: the ``q_pos`` and ``kv_page_pos`` extras of a wrapper with explicit positions. ``v_scale``:
+        fp8 V's per-tensor scale (the params field of fp8 kernels; 1.0 when not given)."""
         core = self.core
         if self._kernel is None:
             self._load()
@@ -162,6 +164,8 @@ class PortablePrefill(SplitKVLaunch):
             fields.update(custom_mask=0, mask_offset=0, tile_indptr=0, tiles=0)
         if positions:
             fields.update(kv_page_pos=addresses["kv_page_pos"], q_pos=addresses["q_pos"])
+        if self._fp8:
+            fields["v_scale"] = 1.0 if v_scale is None else v_scale
         self._params.pack(fields)
         self._held = (page_held, mask_held)
         self._grid = (info.capacity * num_kv_heads, 1, 1)  # block x: item capacity - 1 - x / H, kv head x % H

@@ -22,7 +22,7 @@ from .page_ids import page_ids_for
 from .portable import PortablePrefill
 from .positions import Positions, refuse_positions, wants_positions
 from .sm90 import SM90Prefill
-from .wrapper import WrapperCore, graph_capacity, resolve_device
+from .wrapper import WrapperCore, fp8_scaled, graph_capacity, resolve_device
 
 
 class BatchPrefillWrapper:
@@ -88,6 +88,7 @@ class BatchPrefillWrapper:
         self.num_sms = self._core.num_sms
         self._impl = (SM90Prefill if self.backend == "sm90" else PortablePrefill)(self._core, kernel_options)
         self._positions = Positions(max_total_q if graph else None, max_num_pages) if positions else None
+        self._fp8 = self.spec.kv_dtype.startswith("float8")  # the portable backend's (sm90 refuses fp8 K/V)
         self._view = prefill_kv_view  # run()'s view of kv_cache (BlockSparseWrapper's inner wrappers set their own)
         self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 
@@ -97,7 +98,8 @@ class BatchPrefillWrapper:
              kv_last_page_len=None, block_table=None, seq_lens=None, custom_mask=None, sm_scale: float | None = None,
              rope_theta: float | None = None, rope_scale: float | None = None, window_left: int | None = None,
              soft_cap: float | None = None, num_pages: int | None = None, enable_split: bool = True,
-             split_policy: SplitPolicy | None = None, kv_page_pos=None, q_pos=None) -> None:
+             split_policy: SplitPolicy | None = None, kv_page_pos=None, q_pos=None, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
         """Plan a batch. ``qo_indptr [batch + 1]`` and the lengths (``kv_indptr``, ``kv_last_page_len``,
         ``seq_lens``) are host arrays: planning never synchronises with the GPU (unless ``check_indices``). Page
         ids (``kv_indices`` or ``block_table``) may be device int32 tensors (read in place; in CUDA-graph mode
@@ -112,7 +114,8 @@ class BatchPrefillWrapper:
         ``split_policy`` (``flashgen.plan.SplitPolicy``: how the portable backend's planner splits).
         ``kv_page_pos [>= kv_indptr[-1]]``, ``q_pos [qo_indptr[-1]]``: host int arrays, the true positions of each
         page's first token and of each query token, for a wrapper built with ``kernel_options={"positions":
-        True}`` (refused otherwise).
+        True}`` (refused otherwise). ``k_scale``/``v_scale``: per-tensor scales of fp8 K/V (the cache holds
+        K/k_scale and V/v_scale; 1.0 for other caches), as ``BatchDecodeWrapper.plan``'s.
         """
         check_heads(num_qo_heads, num_kv_heads)
         spec = self.spec
@@ -125,14 +128,16 @@ class BatchPrefillWrapper:
             raise PlanError("custom_mask: this spec's mask is not CustomMask()")
         if self._core.page_ids is not None:
             self._core.page_ids.take(table, num_pages)
-        runtime = self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap)
+        runtime, v_scale = fp8_scaled(self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap),
+                                      self._fp8, k_scale, v_scale)
         positions = {}
         if self._positions is not None:
             self._positions.extras(positions, table.kv_indptr_host, int(qo[-1]), kv_page_pos, q_pos)
         else:
             refuse_positions(kv_page_pos, q_pos)
         rows = self._impl.plan(qo, table, num_qo_heads, num_kv_heads, runtime, custom_mask, enable_split,
-                               split_policy, *((positions,) if positions else ()))
+                               split_policy, *((positions,) if positions else ()),
+                               **({"v_scale": v_scale} if self._fp8 else {}))
         self._core.set_planned(rows, num_qo_heads, num_kv_heads, table)
 
     # ------------------------------------------------------------------------------------------ run

@@ -110,6 +110,24 @@ def positive(name: str, value, note: str = "") -> float:
     return number
 
 
+def fp8_scaled(runtime: Runtime, fp8: bool, k_scale, v_scale) -> tuple[Runtime, float]:
+    """``(runtime, v_scale)`` with fp8 K's per-tensor scale folded into sm_scale (q.(k * k_scale) = (q.k) * k_scale,
+    before any logits transform; V's the kernel applies to its output). Both must be finite numbers > 0, and 1.0
+    unless the cache is fp8 (``fp8``); ``PlanError`` names the argument. O(1): called by every plan().
+
+    >>> fp8_scaled(runtime_values(AttentionSpec(128)), True, 0.5, 2.0)[0].sm_scale == 0.5 / math.sqrt(128)
+    True
+    """
+    if k_scale == 1.0 and v_scale == 1.0:
+        return runtime, 1.0
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if value != 1.0 and not fp8:
+            raise PlanError(f"{name}: got {value!r}; per-tensor scales apply to fp8 K/V only (expected 1.0)")
+        positive(name, value)
+    sm_scale = positive("k_scale", runtime.sm_scale * float(k_scale), " (sm_scale * k_scale must be a finite fp32)")
+    return runtime._replace(sm_scale=sm_scale), float(v_scale)
+
+
 def _window(spec: AttentionSpec, window_left) -> int:
     """``window_left`` for the kernels: the window's keys to the left of a query (0 without a window)."""
     windowed = isinstance(spec.mask, SlidingWindow)

@@ -12,8 +12,13 @@ drift by 5-10 % under sustained load). Every timed call follows an L2 flush (1 G
 calls is reported as TFLOP/s (4·b·h·sq·sk·d, halved
 for causal; visible pairs for window and document masks) and % of the bf16 matmul rate (8192³) measured in
 the same run. FlexAttention's compile time is reported separately. Output: JSON, markdown table, PNG.
+``--kv-dtypes bf16,e4m3,e5m2``: flashgen also over an fp8 cache (the bf16 K/V rounded, scale 1), rows
+``flashgen-<backend>-e4m3`` timed round-robin with the bf16 ones (the sm90 kernel takes no fp8 K/V, so the
+portable one runs them; the peers stay bf16).
 
     python3 benchmarks/bench_prefill.py --out benchmarks/results/prefill.json
+    python3 benchmarks/bench_prefill.py --head-dims 128 --shapes 4x4096 --masks causal --layouts ragged,paged16 \
+        --peers "" --backends portable --kv-dtypes bf16,e4m3,e5m2
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from ..testing.masks import doc_mask
 from .timing import commit, matmul_rate, page_cache, pyplot, save_results, timed_interleaved
 
 HQ, HKV, TOKENS, WINDOW, DOCS = 32, 8, 16384, 1024, 8
+KV_DTYPES = {"bf16": "bfloat16", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  # --kv-dtypes
 OPS = {"portable": "prefill", "sm90": "prefill_sm90"}  # the kernel family of each BatchPrefillWrapper backend
 
 
@@ -60,14 +66,14 @@ def visible_pairs(mask: str, seqlen: int) -> float:
     return DOCS * doc * (doc + 1) / 2
 
 
-def spec_for(d: int, layout: str, mask: str) -> AttentionSpec:
+def spec_for(d: int, layout: str, mask: str, kv: str = "bf16") -> AttentionSpec:
     kv_layout = Ragged() if layout == "ragged" else Paged(int(layout[5:]))
     m = {"none": NoMask(), "causal": Causal(), "window": SlidingWindow(WINDOW), "doc": CustomMask()}[mask]
-    return AttentionSpec(d, kv_layout=kv_layout, mask=m)
+    return AttentionSpec(d, kv_layout=kv_layout, mask=m, kv_dtype=KV_DTYPES[kv])
 
 
-def bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, backend):
-    spec = spec_for(d, layout, mask)
+def bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, backend, kv_dtype="bf16"):
+    spec = spec_for(d, layout, mask, kv_dtype)
     wrapper = BatchPrefillWrapper(spec, backend=backend)
     indptr = np.arange(batch + 1) * seqlen
     custom = None
@@ -78,9 +84,11 @@ def bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, backend):
     else:
         page = spec.kv_layout.page_size
         kv, table = page_cache(k, v, batch, seqlen, page, torch.randperm(batch * seqlen // page, generator=gen))
+    if kv_dtype != "bf16":
+        kv = tuple(x.to(getattr(torch, KV_DTYPES[kv_dtype])) for x in kv)  # values of N(0, 1): scale 1
     wrapper.plan(qo_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV, custom_mask=custom, **table)
     out = torch.empty_like(q)
-    return lambda: wrapper.run(q, kv, out=out)
+    return (lambda: wrapper.run(q, kv, out=out)), {"kv_dtype": kv_dtype}
 
 
 def bench_sdpa(q, k, v, batch, seqlen, d, causal, backend):
@@ -169,6 +177,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default=None,
                         help="flashgen backends, one row each (default: portable,sm90 on Hopper, else portable)")
     parser.add_argument("--masks", default=None, help="a subset of none,causal,window,doc (window, doc: d128 only)")
+    parser.add_argument("--kv-dtypes", default="bf16",
+                        help="flashgen's K/V dtypes, comma-separated: bf16, e4m3, e5m2 (fp8 rows: "
+                             "flashgen-<backend>-e4m3)")
     parser.add_argument("--commit", default="", help="the commit measured (the device copy has no .git)")
 
 
@@ -180,11 +191,15 @@ def config(args: argparse.Namespace) -> argparse.Namespace:
     unknown = set(backends) - set(OPS)
     if unknown:
         raise ValueError(f"--backends: unknown {sorted(unknown)}, expected some of {sorted(OPS)}")
+    kv_dtypes = getattr(args, "kv_dtypes", "bf16").split(",")
+    unknown = set(kv_dtypes) - set(KV_DTYPES)
+    if unknown:
+        raise ValueError(f"--kv-dtypes: unknown {sorted(unknown)}, expected some of {sorted(KV_DTYPES)}")
     return argparse.Namespace(
         reps=args.reps, head_dims=[int(x) for x in args.head_dims.split(",")],
         shapes=[tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")],
         layouts=args.layouts.split(","), peers=set(args.peers.split(",")) if args.peers else set(),
-        backends=backends, masks=set(args.masks.split(",")) if args.masks else None)
+        backends=backends, masks=set(args.masks.split(",")) if args.masks else None, kv_dtypes=kv_dtypes)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -210,7 +225,8 @@ def result(rows: list[dict], mm: float, commit_id: str) -> dict:
 def build(cfg: argparse.Namespace, progress_class=None) -> None:
     """Compile (or find in the cache) every flashgen kernel of the grid before anything is timed, in parallel;
     ``progress_class``: flashgen.progress.Progress, one step a kernel (else one line at the end)."""
-    specs = {spec_for(d, layout, mask) for d, _, _, mask in grid(cfg) for layout in cfg.layouts}
+    specs = {spec_for(d, layout, mask, kv) for d, _, _, mask in grid(cfg) for layout in cfg.layouts
+             for kv in cfg.kv_dtypes}
     jobs = [(s, OPS[b]) for s in specs for b in cfg.backends if runs(s, b)]
     start = time.perf_counter()
     progress = progress_class(len(jobs)) if progress_class is not None else None
@@ -263,10 +279,11 @@ def measure(cfg: argparse.Namespace, mm: float, progress=None) -> list[dict]:
                 write(f"{peer} {layout} failed: {exc!r}"[:300])
 
         for layout in cfg.layouts:
-            for backend in cfg.backends:
-                if runs(spec_for(d, layout, mask), backend):
-                    attempt(f"flashgen-{backend}", layout, lambda: bench_flashgen(q, k, v, batch, seqlen, d, layout,
-                                                                                  mask, gen, backend))
+            for backend, kv in ((b, kv) for kv in cfg.kv_dtypes for b in cfg.backends):
+                if runs(spec_for(d, layout, mask, kv), backend):
+                    peer = f"flashgen-{backend}" + ("" if kv == "bf16" else f"-{kv}")
+                    attempt(peer, layout, lambda: bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, backend,
+                                                                 kv))
             if "flashinfer" in cfg.peers and mask != "doc":
                 attempt("flashinfer", layout,
                         lambda: bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen))
@@ -351,7 +368,7 @@ def ratios(result: dict) -> list[tuple[str, str, float]]:
     rows = result["rows"]
     ours: dict[tuple, float] = {}
     for r in rows:
-        if r["peer"].startswith("flashgen"):
+        if r["peer"].startswith("flashgen") and r.get("kv_dtype", "bf16") == "bf16":  # the peers' K/V dtype
             key = (r["head_dim"], r["batch"], r["seqlen"], r["mask"], r["layout"])
             ours[key] = min(r["us"], ours.get(key, float("inf")))
     out = []

@@ -4,6 +4,18 @@ Python decides the tiles (``prefill_tiles``; the family option ``tiles`` picks a
 ``BatchPrefillWrapper(spec, kernel_options={"tiles": "kv32"})``): a CTA of ``NUM_WARPS`` warps, each owning
 ``16 * MMA_Q`` packed q rows (token x q head of one GQA group), streams KV tiles of ``TILE_KV`` tokens through a
 ``STAGES``-deep cp.async pipeline. The tiles are part of the uri.
+
+fp8 K/V (e4m3, e5m2; head dims of at least 128) stay fp8 in shared memory and are converted in registers after
+ldmatrix, as in decode (prefill/fp8.cuh): the mma runs in fp16, a bf16 q is multiplied by sm_scale and rounded
+to fp16 when staged, k_scale is folded into sm_scale on the host and v_scale applied at the output. A stage takes
+half the bytes, so ``prefill_stages`` fits one more (kv64 at d=128: 3 stages, 81 KB); the CTAs an SM stay two,
+which the register file (4 warps x ~255 registers), not shared memory, bounds.
+
+Floor, 4 x 4096 causal, 32 q heads, d=128 (the benchmark's count, 4 b h sq sk d / 2): 0.550 TFLOP of mma, 0.70 ms
+at the ~790 TFLOP/s bf16 mma.sync peak the H200 measures (flashgen bench); K/V are 4 x 4096 x 8 heads x 2 x 256 B
+= 64 MiB in bf16, 32 MiB in fp8, 14-7 us at 4.8 TB/s. fp8 halves K/V's bytes, which are not
+the limit (the kernel is compute-bound): the goal is the bf16 rate, with the conversions (one cvt a pair for e4m3
+to fp16, a byte move for e5m2: one per mma at 32 rows a warp) hidden under the mma.
 """
 
 from __future__ import annotations
@@ -13,8 +25,11 @@ from dataclasses import dataclass
 from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
 from .family import POSITION_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, positions_option, split_kv_struct
 
-CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float8_e4m3fn": "__nv_fp8_e4m3",
+             "float8_e5m2": "__nv_fp8_e5m2"}
+KV_BYTES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 PREFILL_HEAD_DIMS = (64, 128, 192, 256)  # rows of whole 128-byte lines (the swizzle needs 8k chunks)
+FP8_HEAD_DIMS = (128, 256)  # the same in one-byte elements
 
 
 def _flag(value: bool) -> str:
@@ -109,11 +124,13 @@ def prefill_tile_q(head_dim: int, head_dim_vo: int, tiles: str | None = None) ->
     return num_warps * 16 * mma_q
 
 
-def prefill_smem_bytes(head_dim: int, head_dim_vo: int, stages: int, elem: int = 2, tiles: str | None = None) -> int:
-    """Dynamic shared memory of one CTA: the Q tile, ``stages`` K/V tiles, two rings of KV row offsets (Layout)."""
+def prefill_smem_bytes(head_dim: int, head_dim_vo: int, stages: int, kv_bytes: int = 2,
+                       tiles: str | None = None) -> int:
+    """Dynamic shared memory of one CTA: the 16-bit Q tile, ``stages`` K/V tiles of ``kv_bytes`` elements (fp8
+    tiles stay fp8), two rings of KV row offsets (Layout)."""
     tile_kv = prefill_tiles(head_dim, head_dim_vo, tiles)[2]
-    return (prefill_tile_q(head_dim, head_dim_vo, tiles) * head_dim * elem
-            + stages * tile_kv * (head_dim + head_dim_vo) * elem + 2 * tile_kv * 8)
+    return (prefill_tile_q(head_dim, head_dim_vo, tiles) * head_dim * 2
+            + stages * tile_kv * (head_dim + head_dim_vo) * kv_bytes + 2 * tile_kv * 8)
 
 
 def prefill_static_smem_bytes(head_dim: int, head_dim_vo: int, tiles: str | None = None) -> int:
@@ -130,7 +147,7 @@ def prefill_ctas_per_sm(head_dim: int, head_dim_vo: int, tiles: str | None = Non
     return tiles_for(head_dim, head_dim_vo, tiles).ctas
 
 
-def prefill_stages(head_dim: int, head_dim_vo: int, tiles: str | None = None) -> int:
+def prefill_stages(head_dim: int, head_dim_vo: int, tiles: str | None = None, kv_bytes: int = 2) -> int:
     """Pipeline depth: 3 stages when they fit the CTAs of one SM (227 KB, 1 KB reserved per CTA, the static
     shared memory), else 2.
 
@@ -138,13 +155,18 @@ def prefill_stages(head_dim: int, head_dim_vo: int, tiles: str | None = None) ->
     3 x 16 KB = 81 KB -> 3; with 64-token KV tiles Q 32 KB + 3 x 32 KB = 129 KB -> 2 (97 KB). head_dim 64:
     Q 16 KB + 3 x 8 KB = 41 KB -> 3. head_dim 192, one 8-warp CTA: Q 48 KB + 3 x 40 KB = 169 KB -> 3.
     head_dim 256, two CTAs: Q 32 KB + 3 x 32 KB = 129 KB -> 2 (97 KB).
+    fp8 K/V (``kv_bytes`` 1) halve a stage: head_dim 128 with 64-token tiles, Q 32 KB + 3 x 16 KB = 81 KB -> 3;
+    head_dim 256, Q 32 KB + 3 x 16 KB -> 3. The CTAs an SM do not change (registers bound them, not shared
+    memory), so the room goes to a deeper pipeline: more loads in flight, and the fp8 tiles' extra ALU work
+    (the conversions) has a tile more of slack before a warp waits on a copy. A fourth stage (97 KB) would
+    also fit; decode measured deeper fp8 pipelines no faster (37323de), and the prologue grows with it.
     """
     stages = tiles_for(head_dim, head_dim_vo, tiles).stages
     if stages is not None:
         return stages
     budget = ((227 * 1024) // prefill_ctas_per_sm(head_dim, head_dim_vo, tiles) - 1024
               - prefill_static_smem_bytes(head_dim, head_dim_vo, tiles))
-    return 3 if prefill_smem_bytes(head_dim, head_dim_vo, 3, tiles=tiles) <= budget else 2
+    return 3 if prefill_smem_bytes(head_dim, head_dim_vo, 3, kv_bytes, tiles) <= budget else 2
 
 
 def prefill_q_in_regs(head_dim: int, head_dim_vo: int, tiles: str | None = None) -> bool:
@@ -171,10 +193,10 @@ def prefill_late_copies(spec: AttentionSpec) -> bool:
             and spec.head_dim == spec.head_dim_vo == 128)
 
 
-def _tiles_tag(head_dim: int, head_dim_vo: int, tiles: str | None = None) -> str:
+def _tiles_tag(head_dim: int, head_dim_vo: int, tiles: str | None = None, kv_bytes: int = 2) -> str:
     """``w4r32kv64s2c2``: the tiles as the uri names them (warps, rows a warp, KV tile, stages, CTAs/SM)."""
     warps, mma_q, tile_kv = prefill_tiles(head_dim, head_dim_vo, tiles)
-    return (f"w{warps}r{16 * mma_q}kv{tile_kv}s{prefill_stages(head_dim, head_dim_vo, tiles)}"
+    return (f"w{warps}r{16 * mma_q}kv{tile_kv}s{prefill_stages(head_dim, head_dim_vo, tiles, kv_bytes)}"
             f"c{prefill_ctas_per_sm(head_dim, head_dim_vo, tiles)}")
 
 
@@ -205,14 +227,14 @@ class PrefillFamily(AttentionFamily):
         return PrefillFamily(tiles, positions_option(self.op, options))
 
     def uri(self, spec: AttentionSpec) -> str:
-        tag = _tiles_tag(spec.head_dim, spec.head_dim_vo, self.tiles)
+        tag = _tiles_tag(spec.head_dim, spec.head_dim_vo, self.tiles, KV_BYTES[spec.kv_dtype])
         return f"{self.op}_{spec.uri}_{tag}{'_pos' if self.positions else ''}"
 
     def launch(self, spec: AttentionSpec) -> LaunchConfig:
-        d, dv, tiles = spec.head_dim, spec.head_dim_vo, self.tiles
+        d, dv, tiles, kv_bytes = spec.head_dim, spec.head_dim_vo, self.tiles, KV_BYTES[spec.kv_dtype]
         num_warps, _, tile_kv = prefill_tiles(d, dv, tiles)
-        stages = prefill_stages(d, dv, tiles)
-        return LaunchConfig(block=(num_warps * 32, 1, 1), smem_bytes=prefill_smem_bytes(d, dv, stages, tiles=tiles),
+        stages = prefill_stages(d, dv, tiles, kv_bytes)
+        return LaunchConfig(block=(num_warps * 32, 1, 1), smem_bytes=prefill_smem_bytes(d, dv, stages, kv_bytes, tiles),
                             tile_q=prefill_tile_q(d, dv, tiles), tile_kv=tile_kv,
                             ctas_per_sm=prefill_ctas_per_sm(d, dv, tiles), stages=stages)
 
@@ -220,9 +242,18 @@ class PrefillFamily(AttentionFamily):
         for name in ("head_dim", "head_dim_vo"):
             if getattr(spec, name) not in PREFILL_HEAD_DIMS:
                 raise SpecError(f"{name}: got {getattr(spec, name)}, prefill supports {PREFILL_HEAD_DIMS}")
-        if spec.kv_dtype != spec.dtype:
-            raise SpecError(f"kv_dtype: got {spec.kv_dtype}, prefill supports kv_dtype == dtype ({spec.dtype}) "
-                            "so far; fp8 KV is not implemented yet")
+        fp8 = KV_BYTES[spec.kv_dtype] == 1
+        if not fp8 and spec.kv_dtype != spec.dtype:
+            raise SpecError(f"kv_dtype: got {spec.kv_dtype}, prefill takes kv_dtype == dtype ({spec.dtype}) or fp8 "
+                            "(float8_e4m3fn, float8_e5m2)")
+        if fp8 and not {spec.head_dim, spec.head_dim_vo} <= set(FP8_HEAD_DIMS):
+            raise SpecError(f"kv_dtype: fp8 K/V need head dims in {FP8_HEAD_DIMS} (rows of whole 128-byte lines), "
+                            f"got {spec.head_dim}/{spec.head_dim_vo}")
+        if fp8 and prefill_tiles(spec.head_dim, spec.head_dim_vo, self.tiles)[2] % 32:
+            raise SpecError(f"kernel_options['tiles']: fp8 K/V need KV tiles of 32 or 64 tokens, got {self.tiles!r}")
+        if fp8 and isinstance(spec.pos_encoding, RoPE):
+            raise SpecError("pos_encoding: RoPE with fp8 K/V is not supported by the prefill (it rotates K in shared "
+                            "memory, in K's dtype); store K rotated and use pos_encoding=None, or 16-bit K/V")
         if not isinstance(spec.kv_layout, (Paged, Ragged)):
             raise SpecError(f"kv_layout: got {spec.kv_layout!r}, prefill supports Paged(...) or Ragged()")
         if not isinstance(spec.mask, (NoMask, Causal, SlidingWindow, CustomMask)):
@@ -243,6 +274,8 @@ class PrefillFamily(AttentionFamily):
         return {
             "DTypeQ": CPP_TYPES[spec.dtype],
             "DTypeKV": CPP_TYPES[spec.kv_dtype],
+            # fp8 K/V convert to fp16 in one instruction a pair (bf16: three), so the mma runs in fp16 there
+            "DTypeMMA": "__half" if KV_BYTES[spec.kv_dtype] == 1 else CPP_TYPES[spec.dtype],
             "DTypeO": CPP_TYPES[spec.dtype],
             "HEAD_DIM": d,
             "HEAD_DIM_VO": dv,
@@ -270,6 +303,7 @@ class PrefillFamily(AttentionFamily):
         i32 = "const int32_t*"
         mask = (("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"), (i32, "tile_indptr"),
                 (i32, "tiles"))
+        v_scale = (("float", "v_scale"),) if KV_BYTES[spec.kv_dtype] == 1 else ()  # fp8 V's per-tensor scale
         prefill = split_kv_struct("PrefillParams", CPP_TYPES[spec.dtype], CPP_TYPES[spec.kv_dtype],
-                                  before_strides=mask, after=POSITION_FIELDS if self.positions else ())
+                                  before_strides=mask, after=v_scale + (POSITION_FIELDS if self.positions else ()))
         return (EntryPoint("prefill", prefill),)

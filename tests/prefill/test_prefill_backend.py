@@ -111,7 +111,7 @@ def test_wrapper_backend_follows_the_device(monkeypatch, capability, expected):
 def test_auto_keeps_the_portable_errors_for_specs_neither_runs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     with pytest.raises(SpecError, match="^kv_dtype"):
-        flashgen.BatchPrefillWrapper(AttentionSpec(128, kv_dtype="float8_e4m3fn"), device=CUDA0, num_sms=132)
+        flashgen.BatchPrefillWrapper(AttentionSpec(128, kv_dtype="float16"), device=CUDA0, num_sms=132)
     with pytest.raises(SpecError, match="^head_dim"):
         flashgen.BatchPrefillWrapper(AttentionSpec(96), device=CUDA0, num_sms=132)
 

@@ -48,6 +48,26 @@ __device__ __forceinline__ uint32_t fp8_pair(uint32_t w) {
   }
 }
 
+// K: the B fragments (b0, b1) of one n-tile and k-step from one ldmatrix register of an fp8 K tile (lane (g, t4)
+// holds columns 4 t4 .. 4 t4 + 3 of key g; they take the mma's slots 2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9, and Q is
+// staged in that column order: decode/tiles.cuh fp8_k_slot, prefill/tiles.cuh load_q_fp8)
+template <typename T, typename FP8>
+__device__ __forceinline__ void fp8_k_frag(uint32_t word, uint32_t& b0, uint32_t& b1) {
+  b0 = fp8_pair<T, FP8, 0, 1>(word);
+  b1 = fp8_pair<T, FP8, 2, 3>(word);
+}
+
+// V: from the ldmatrix.trans registers of keys 0-7 (lo) and 8-15 (hi) of one 16-byte column chunk, the B
+// fragments of the chunk's even columns (n-tile 2c: bytes 0 and 2, keys 2 t4 and 2 t4 + 1) and odd columns
+// (n-tile 2c + 1: bytes 1 and 3); the epilogue puts the columns back in order
+template <typename T, typename FP8>
+__device__ __forceinline__ void fp8_v_frags(uint32_t lo, uint32_t hi, uint32_t (&even)[2], uint32_t (&odd)[2]) {
+  even[0] = fp8_pair<T, FP8, 0, 2>(lo);
+  odd[0] = fp8_pair<T, FP8, 1, 3>(lo);
+  even[1] = fp8_pair<T, FP8, 0, 2>(hi);
+  odd[1] = fp8_pair<T, FP8, 1, 3>(hi);
+}
+
 // 16 floats -> 16 fp8 values (one 16-byte chunk), each rounded to nearest even and saturated to the largest
 // finite value (cvt.rn.satfinite on sm_89+, the same rounding in software before)
 template <typename FP8>

@@ -100,23 +100,8 @@ __device__ __forceinline__ uint32_t& q_smem_pair(T* q_smem, int row, int col, in
   return *reinterpret_cast<uint32_t*>(q_smem + tile_index(row, col / 8, chunks) + col % 8);
 }
 
-// K: the B fragments (b0, b1) of one n-tile and k-step from one ldmatrix register of an fp8 K tile
-template <typename T, typename FP8>
-__device__ __forceinline__ void fp8_k_frag(uint32_t word, uint32_t& b0, uint32_t& b1) {
-  b0 = fp8_pair<T, FP8, 0, 1>(word);
-  b1 = fp8_pair<T, FP8, 2, 3>(word);
-}
-
-// V: from the ldmatrix.trans registers of keys 0-7 (lo) and 8-15 (hi) of one 16-byte column chunk, the B
-// fragments of the chunk's even columns (n-tile 2c: bytes 0 and 2, keys 2 t4 and 2 t4 + 1) and odd columns
-// (n-tile 2c + 1: bytes 1 and 3)
-template <typename T, typename FP8>
-__device__ __forceinline__ void fp8_v_frags(uint32_t lo, uint32_t hi, uint32_t (&even)[2], uint32_t (&odd)[2]) {
-  even[0] = fp8_pair<T, FP8, 0, 2>(lo);
-  odd[0] = fp8_pair<T, FP8, 1, 3>(lo);
-  even[1] = fp8_pair<T, FP8, 0, 2>(hi);
-  odd[1] = fp8_pair<T, FP8, 1, 3>(hi);
-}
+// fp8_k_frag and fp8_v_frags (common/fp8.cuh): the B fragments from one ldmatrix register of a K tile, and from
+// the ldmatrix.trans registers of a V chunk
 
 // Q: 16 rows (padded with zeros) into shared memory in the mma's type, RoPE applied on the way; where the mma's
 // type is not q's (fp8 K/V under a bf16 q run the mma in fp16), q is multiplied by `scale` (sm_scale) first and

@@ -1,5 +1,6 @@
 // Prefill epilogue: normalise each warp's rows and write them (output, or an fp32 partial of a split
-// request), and the split-KV merge by the last CTA of a tile.
+// request), and the split-KV merge by the last CTA of a tile. fp8 V: O's columns are put back in order (o[2c]
+// holds chunk c's even columns, o[2c + 1] its odd ones: prefill/fp8.cuh) and scaled by v_scale.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -33,22 +34,41 @@ __device__ __forceinline__ void write_rows(const Params& p, const TileRows& tr, 
       const int prow = tr.row0 + warp * L::WARP_ROWS + mq * 16 + g + 8 * h;
       if (prow >= tr.rows_total) continue;
       const float lv = l[mq][h];
-      const float inv = lv > 0.f ? 1.f / lv : 0.f;
+      float inv = lv > 0.f ? 1.f / lv : 0.f;
+      if constexpr (L::FP8) inv *= p.v_scale;  // fp8 V: its per-tensor scale
       const float lse = lv > 0.f ? (m[mq][h] + log2f(lv)) * LN2 : -INFINITY;
       const int64_t token = tr.token(prow), head = tr.head(prow);
       if (chunk >= 0) {
         const int64_t row = (p.merge_indptr[token] + chunk) * int64_t(p.num_qo_heads) + head;
-        float* dst = p.tmp_o + row * DV + 2 * t4;
+        if constexpr (L::FP8) {  // columns 16 c + 4 t4 .. + 3
+          float* dst = p.tmp_o + row * DV + 4 * t4;
 #pragma unroll
-        for (int j = 0; j < DV / 8; ++j)
-          *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[mq][j][2 * h] * inv, o[mq][j][2 * h + 1] * inv);
+          for (int c = 0; c < DV / 16; ++c)
+            *reinterpret_cast<float4*>(dst + 16 * c) = make_float4(o[mq][2 * c][2 * h] * inv, o[mq][2 * c + 1][2 * h] * inv,
+                                                                   o[mq][2 * c][2 * h + 1] * inv, o[mq][2 * c + 1][2 * h + 1] * inv);
+        } else {
+          float* dst = p.tmp_o + row * DV + 2 * t4;
+#pragma unroll
+          for (int j = 0; j < DV / 8; ++j)
+            *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[mq][j][2 * h] * inv, o[mq][j][2 * h + 1] * inv);
+        }
         if (t4 == 0) p.tmp_lse[row] = lse;
       } else {
         const int64_t row = token * p.num_qo_heads + head;
-        typename C::DTypeO* dst = p.o + row * DV + 2 * t4;
+        using DTypeO = typename C::DTypeO;
+        if constexpr (L::FP8) {
+          DTypeO* dst = p.o + row * DV + 4 * t4;
 #pragma unroll
-        for (int j = 0; j < DV / 8; ++j)
-          *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack2<typename C::DTypeO>(o[mq][j][2 * h] * inv, o[mq][j][2 * h + 1] * inv);
+          for (int c = 0; c < DV / 16; ++c)
+            *reinterpret_cast<uint2*>(dst + 16 * c) =
+                make_uint2(pack2<DTypeO>(o[mq][2 * c][2 * h] * inv, o[mq][2 * c + 1][2 * h] * inv),
+                           pack2<DTypeO>(o[mq][2 * c][2 * h + 1] * inv, o[mq][2 * c + 1][2 * h + 1] * inv));
+        } else {
+          DTypeO* dst = p.o + row * DV + 2 * t4;
+#pragma unroll
+          for (int j = 0; j < DV / 8; ++j)
+            *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack2<DTypeO>(o[mq][j][2 * h] * inv, o[mq][j][2 * h + 1] * inv);
+        }
         if (t4 == 0 && p.lse != nullptr) p.lse[row] = lse;
       }
     }

@@ -21,9 +21,14 @@
 // zero).
 //
 // This header is the kernel's entry: the bounds of the work item, the pipelined main loop, the epilogue.
-// Config (rendered by codegen): DTypeQ, DTypeKV, DTypeO, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS, MMA_Q,
+// Config (rendered by codegen): DTypeQ, DTypeKV, DTypeMMA, DTypeO, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS, MMA_Q,
 // TILE_KV, STAGES, SMEM_BYTES, Q_IN_REGS, LATE_COPIES, PAGED, ROPE, ROPE_K, ALIBI, SOFT_CAP, CAUSAL, WINDOW, CUSTOM_MASK,
 // POSITIONS.
+//
+// fp8 K/V (e4m3, e5m2) stay fp8 in shared memory and are converted in registers after ldmatrix (prefill/fp8.cuh)
+// to fp16, the mma's type then; Q is staged in fp16 with its columns in the K fragments' order, a bf16 q multiplied
+// by sm_scale on the way (so the scores are scaled by 1 here); k_scale is folded into sm_scale on the host and
+// v_scale applied at the output (write_rows).
 //
 // POSITIONS (common/positions.cuh): query token i sits at q_pos[i] and key t at its page's kv_page_pos entry +
 // its offset in the page. Keys need not be contiguous in position, so the KV range is not clipped by the mask:
@@ -31,6 +36,7 @@
 #pragma once
 #include <flashgen/prefill/tiles.cuh>
 #include <flashgen/prefill/math.cuh>
+#include <flashgen/prefill/fp8.cuh>
 #include <flashgen/prefill/epilogue.cuh>
 
 namespace flashgen::prefill {
@@ -38,8 +44,9 @@ namespace flashgen::prefill {
 template <class C, class Params>
 __device__ __forceinline__ void run(const Params& p) {
   using L = Layout<C>;
-  using DTypeQ = typename C::DTypeQ;
   using DTypeKV = typename C::DTypeKV;
+  using DTypeMMA = typename C::DTypeMMA;  // q's dtype; fp16 for fp8 K/V (a bf16 q pre-scaled: load_q_fp8)
+  constexpr bool Q_PRESCALED = !std::is_same_v<DTypeMMA, typename C::DTypeQ>;
   constexpr int S = C::STAGES, MQ = C::MMA_Q, QR = C::Q_IN_REGS ? L::D / 16 : 1;
 
   // items are listed by request, q tiles ascending: block x takes item capacity - 1 - x / H of kv head x % H, so
@@ -87,14 +94,14 @@ __device__ __forceinline__ void run(const Params& p) {
   __shared__ int chunk_saved;
   __shared__ const int32_t* page_pos;  // POSITIONS: the request's kv_page_pos entries
   extern __shared__ __align__(128) uint8_t smem[];
-  DTypeQ* q_smem = reinterpret_cast<DTypeQ*>(smem);
+  DTypeMMA* q_smem = reinterpret_cast<DTypeMMA*>(smem);
   // Ragged: Q's copies first (its rows are read once, from DRAM: the longest wait of the CTA's start), then every
   // thread builds the KV source (the same loads, broadcast) and issues the prologue's KV copies now, not after
   // thread 0's stores and the barrier below; thread 0 also keeps the source in shared memory for the loop. The
   // CTA's first tile then lands ~1000 cycles after its Q. Paged keeps the order below: built this way, its
   // variants lost 2-4 % (their main loop's code moved; measured 2026-11-30).
   if constexpr (!C::PAGED) {
-    load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
+    if constexpr (!L::FP8) load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
     const KVRows<C::PAGED, C::PAGE_SIZE> kv_rows(p, request);
     const int64_t head_row0 = int64_t(kv_head) * p.stride_head + kv_rows.offset(0, 0);  // + the first row
     const KVSource<C> mine{kv_rows, p.k + head_row0, p.v + KVPipeline<C>::v_offset(head_row0), tiles, kv_lo, kv_hi,
@@ -104,6 +111,8 @@ __device__ __forceinline__ void run(const Params& p) {
                               reinterpret_cast<int64_t*>(smem + L::ROW_OFFSETS)};
     for (int tile = 0; tile < S - 1; ++tile) early.issue(tile);
     if (threadIdx.x == 0) src = mine;
+    // fp8: Q goes through registers (converted, its columns reordered), after the KV copies are in flight
+    if constexpr (L::FP8) load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
   } else if (threadIdx.x == 0) {
     const KVRows<C::PAGED, C::PAGE_SIZE> rows(p, request);
     const int64_t head_row0 = int64_t(kv_head) * p.stride_head + rows.offset(0, 0);
@@ -170,8 +179,9 @@ __device__ __forceinline__ void run(const Params& p) {
     for (int mq = 0; mq < MQ; ++mq) m[mq][0] = m[mq][1] = -INFINITY, l[mq][0] = l[mq][1] = 0.f;
     ri.store_stats(m, l);
   }
-  LogitsTransform<C::ALIBI, C::SOFT_CAP> transform{p.sm_scale, p.soft_cap, p.soft_cap > 0.f ? 1.f / p.soft_cap : 0.f, 0.f};
-  const float scale_log2 = p.sm_scale * LOG2E;
+  const float sm_scale = Q_PRESCALED ? 1.f : p.sm_scale;
+  LogitsTransform<C::ALIBI, C::SOFT_CAP> transform{sm_scale, p.soft_cap, p.soft_cap > 0.f ? 1.f / p.soft_cap : 0.f, 0.f};
+  const float scale_log2 = sm_scale * LOG2E;
 
   // The loop's shared-memory reads (the tile count, the warp's boundary range) are issued at the top, so that
   // their latency passes under Q K^T: read where they were used, at the loop's end and before the softmax, each
@@ -187,7 +197,8 @@ __device__ __forceinline__ void run(const Params& p) {
     const bool boundary = ri.boundary(warp, tile, e, t0);
     more = tile + 1 < src.num_tiles;
     float s[MQ][L::TILE_KV / 8][4];
-    scores<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
+    if constexpr (L::FP8) scores_fp8<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
+    else scores<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
     // the next tile's copies after this tile's K ldmatrix (not at the loop top: there they were a chain of shared
     // loads, branches and 16 cp.async between the barrier and the first mma of every warp), or with LATE_COPIES
     // after the softmax, where ptxas interleaves them with the exp2 and P V
@@ -203,7 +214,8 @@ __device__ __forceinline__ void run(const Params& p) {
     // barrier. With RoPE (its sincos frame) m and l held across P V spill (paged5 window + soft-cap: 8 bytes):
     // stored before it there.
     if constexpr (C::ROPE) ri.store_stats(m, l);
-    accumulate_pv<C>(o, s, pipe.v_tile(tile), lane);
+    if constexpr (L::FP8) accumulate_pv_fp8<C>(o, s, pipe.v_tile(tile), lane);
+    else accumulate_pv<C>(o, s, pipe.v_tile(tile), lane);
     if constexpr (!C::ROPE) ri.store_stats(m, l);
     // paged: the row offsets of tile + S into the ring slot issue(tile) read; issue(tile + S) reads them after
     // the next barrier, and every warp is past issue(tile) (it ran before this iteration's barrier)

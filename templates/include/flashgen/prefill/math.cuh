@@ -2,7 +2,7 @@
 // slopes, softmax statistics), S = Q K^T by mma.sync, the logits transform, the element mask on boundary
 // tiles, the online softmax and O += P V.
 //
-// Config: DTypeQ, DTypeKV, HEAD_DIM, HEAD_DIM_VO, NUM_WARPS, MMA_Q, TILE_KV, Q_IN_REGS, CAUSAL, WINDOW, CUSTOM_MASK,
+// Config: DTypeQ, DTypeKV, DTypeMMA, HEAD_DIM, HEAD_DIM_VO, NUM_WARPS, MMA_Q, TILE_KV, Q_IN_REGS, CAUSAL, WINDOW, CUSTOM_MASK,
 // ALIBI, SOFT_CAP (and what prefill/tiles.cuh reads).
 #pragma once
 #include <flashgen/common/positions.cuh>
@@ -102,7 +102,7 @@ __device__ __forceinline__ uint64_t mask_window(const MaskInfo& mi, int64_t bit_
 // S = Q K^T for the warp's 16 * MMA_Q rows and the TILE_KV keys of the tile
 template <class C, int QR>
 __device__ __forceinline__ void scores(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const uint32_t (&q_regs)[C::MMA_Q][QR][4],
-                                       const typename C::DTypeQ* q_smem, const typename C::DTypeKV* ks, int warp, int lane) {
+                                       const typename C::DTypeMMA* q_smem, const typename C::DTypeKV* ks, int warp, int lane) {
   using L = Layout<C>;
   // every ldmatrix row of a lane is lane % 8 modulo 8, so its swizzle is (2j + b) ^ (lane % 8) = 2j ^ x with a
   // per-lane x: the addresses are a per-lane base plus compile-time offsets

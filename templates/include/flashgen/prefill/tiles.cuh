@@ -1,8 +1,10 @@
-// Prefill data movement: the shared-memory layout, the Q tile load (RoPE on the way), the KV pipeline
-// (page ids prefetched, cp.async into swizzled tiles) and the in-place RoPE pass over a K tile.
+// Prefill data movement: the shared-memory layout, the Q tile load (RoPE on the way; for fp8 K/V in the fp8
+// fragments' column order), the KV pipeline (page ids prefetched, cp.async into swizzled tiles) and the in-place
+// RoPE pass over a K tile.
 //
-// Config: DTypeQ, DTypeKV, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS, MMA_Q, TILE_KV, STAGES, SMEM_BYTES, PAGED.
+// Config: DTypeQ, DTypeKV, DTypeMMA, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS, MMA_Q, TILE_KV, STAGES, SMEM_BYTES, PAGED.
 #pragma once
+#include <type_traits>
 #include <flashgen/common/kv_rows.cuh>
 #include <flashgen/common/logits.cuh>
 #include <flashgen/common/mma.cuh>
@@ -15,15 +17,18 @@ template <class C>
 struct Layout {
   using DTypeQ = typename C::DTypeQ;
   using DTypeKV = typename C::DTypeKV;
+  using DTypeMMA = typename C::DTypeMMA;  // Q's type in shared memory: q's, or fp16 for fp8 K/V
+  // fp8 K/V: tiles stay fp8 in shared memory (half the bytes); fragments are converted in registers (prefill/fp8.cuh)
+  static constexpr bool FP8 = sizeof(DTypeKV) == 1;
   static constexpr int D = C::HEAD_DIM, DV = C::HEAD_DIM_VO;
   static constexpr int WARP_ROWS = 16 * C::MMA_Q;
   static constexpr int TILE_Q = C::NUM_WARPS * WARP_ROWS;
   static constexpr int TILE_KV = C::TILE_KV;
   static constexpr int THREADS = C::NUM_WARPS * 32;
-  static constexpr int Q_CHUNKS = D * int(sizeof(DTypeQ)) / 16;  // 16-byte chunks per row
+  static constexpr int Q_CHUNKS = D * int(sizeof(DTypeMMA)) / 16;  // 16-byte chunks per row
   static constexpr int K_CHUNKS = D * int(sizeof(DTypeKV)) / 16;
   static constexpr int V_CHUNKS = DV * int(sizeof(DTypeKV)) / 16;
-  static constexpr int Q_BYTES = TILE_Q * D * int(sizeof(DTypeQ));
+  static constexpr int Q_BYTES = TILE_Q * D * int(sizeof(DTypeMMA));
   static constexpr int K_STAGE = TILE_KV * D * int(sizeof(DTypeKV));
   static constexpr int V_STAGE = TILE_KV * DV * int(sizeof(DTypeKV));
   static constexpr int K_OFFSET = Q_BYTES;
@@ -34,10 +39,20 @@ struct Layout {
   static_assert(Q_CHUNKS % 8 == 0 && K_CHUNKS % 8 == 0 && V_CHUNKS % 8 == 0, "rows of whole 128-byte lines (swizzle)");
   static_assert(TILE_KV % 16 == 0 && TILE_KV <= THREADS, "one KV row offset per thread");
   static_assert(C::STAGES >= 2, "at least double buffering");
+  static_assert(FP8 || std::is_same_v<DTypeKV, DTypeQ>, "16-bit K/V must have q's dtype");
+  static_assert(sizeof(DTypeMMA) == 2 && (FP8 || std::is_same_v<DTypeMMA, DTypeQ>),
+                "a 16-bit mma type, q's unless K/V are fp8");
+  static_assert(!FP8 || !C::ROPE, "RoPE rotates K in shared memory, in 16-bit tiles only");
 };
 
 // element index of (row, 16-byte chunk) in a swizzled tile whose rows have `chunks` chunks of 8 elements
 __device__ __forceinline__ int tile_index(int row, int chunk, int chunks) { return row * chunks * 8 + swizzle(row, chunk) * 8; }
+// the same in a K/V tile of T (16 / sizeof(T) elements a chunk: 8, or 16 for fp8)
+template <typename T>
+__device__ __forceinline__ int kv_index(int row, int chunk, int chunks) {
+  constexpr int E = 16 / int(sizeof(T));
+  return row * chunks * E + swizzle(row, chunk) * E;
+}
 
 // 8 + 8 elements (the two halves of RoPE pairs i and i + dim/2) rotated by `pos`, in place, in 16-bit storage
 template <typename T>
@@ -55,12 +70,51 @@ __device__ __forceinline__ void rope_chunk_pair(uint4& a, uint4& b, float pos, i
   }
 }
 
+// fp8 K/V: the Q tile in the mma's type (fp16), each 16-column k-step's columns in the order of the fp8 K
+// fragments (decode/tiles.cuh: fp8_k_slot). Column pair i (columns 2i, 2i + 1) of k-step j goes to pair i / 2 +
+// 4 (i % 2): chunk 2j of the tile holds pairs 0, 2, 4, 6 of the k-step and chunk 2j + 1 pairs 1, 3, 5, 7, two
+// 16-byte stores a k-step. A bf16 q is multiplied by sm_scale first (the kernel then scales its scores by 1)
+// and held to fp16's finite range; an fp16 q is moved as it is. Rows past the request's end are zeros.
+template <class C, class Params>
+__device__ __forceinline__ void load_q_fp8(const Params& p, typename C::DTypeMMA* q_smem, int token0, int row0,
+                                           int rows_total, int kv_head) {
+  using L = Layout<C>;
+  using DTypeQ = typename C::DTypeQ;
+  using DTypeMMA = typename C::DTypeMMA;
+  constexpr bool PRESCALE = !std::is_same_v<DTypeMMA, DTypeQ>;
+  constexpr int STEPS = C::HEAD_DIM / 16;
+  const float scale = p.sm_scale;
+  for (int job = threadIdx.x; job < L::TILE_Q * STEPS; job += L::THREADS) {
+    const int r = job / STEPS, j = job % STEPS, prow = row0 + r;
+    uint4 a = make_uint4(0, 0, 0, 0), b = a;
+    if (prow < rows_total) {
+      const int token = prow / p.group_size, head = kv_head * p.group_size + prow % p.group_size;
+      const DTypeQ* src = p.q + (int64_t(token0 + token) * p.num_qo_heads + head) * C::HEAD_DIM + 16 * j;
+      a = *reinterpret_cast<const uint4*>(src);
+      b = *reinterpret_cast<const uint4*>(src + 8);
+      if constexpr (PRESCALE) {
+        uint32_t* w[2] = {reinterpret_cast<uint32_t*>(&a), reinterpret_cast<uint32_t*>(&b)};
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 x = unpack2<DTypeQ>(w[h][i]);
+            w[h][i] = pack2<DTypeMMA>(fminf(fmaxf(x.x * scale, -65504.f), 65504.f),
+                                      fminf(fmaxf(x.y * scale, -65504.f), 65504.f));
+          }
+      }
+    }
+    *reinterpret_cast<uint4*>(q_smem + tile_index(r, 2 * j, L::Q_CHUNKS)) = make_uint4(a.x, a.z, b.x, b.z);
+    *reinterpret_cast<uint4*>(q_smem + tile_index(r, 2 * j + 1, L::Q_CHUNKS)) = make_uint4(a.y, a.w, b.y, b.w);
+  }
+}
+
 // The CTA's Q tile: packed row r = token (r + row0) / group, q head kv_head * group + (r + row0) % group;
 // rows past the request's end are zeros. RoPE at q_pos = q_base + token (through registers); without RoPE by
 // cp.async, in the commit group of the first KV tile, so the CTA does not wait for Q before issuing its KV.
 template <class C, class Params>
-__device__ __forceinline__ void load_q(const Params& p, typename C::DTypeQ* q_smem, int token0, int row0, int rows_total,
-                                       int kv_head, int q_base) {
+__device__ __forceinline__ void load_q_16bit(const Params& p, typename C::DTypeQ* q_smem, int token0, int row0,
+                                             int rows_total, int kv_head, int q_base) {
   using L = Layout<C>;
   constexpr int ROWS_Q = L::THREADS / L::Q_CHUNKS;  // rows a pass when every thread keeps one chunk column
   if constexpr (!C::ROPE && !C::PAGED && L::THREADS % L::Q_CHUNKS == 0 && L::TILE_Q % ROWS_Q == 0) {
@@ -114,6 +168,14 @@ __device__ __forceinline__ void load_q(const Params& p, typename C::DTypeQ* q_sm
   }
 }
 
+// The CTA's Q tile in shared memory, in the mma's type: load_q_16bit, or load_q_fp8 for fp8 K/V
+template <class C, class Params>
+__device__ __forceinline__ void load_q(const Params& p, typename C::DTypeMMA* q_smem, int token0, int row0, int rows_total,
+                                       int kv_head, int q_base) {
+  if constexpr (Layout<C>::FP8) load_q_fp8<C>(p, q_smem, token0, row0, rows_total, kv_head);
+  else load_q_16bit<C>(p, q_smem, token0, row0, rows_total, kv_head, q_base);
+}
+
 // The CTA's K/V source: where its rows live in global memory and its num_tiles tiles, clipped at kv_hi.
 // Tile t starts at kv_lo + t * TILE_KV, or, with a custom mask, where entry t of the item's tile list says
 // (tile_entry.cuh; planned on the host: fully masked tiles are not listed; kv_lo = 0). Thread 0 writes it to
@@ -145,7 +207,6 @@ template <class C>
 struct KVPipeline {
   using L = Layout<C>;
   using DTypeKV = typename C::DTypeKV;
-  static_assert(sizeof(DTypeKV) == 2, "8 elements a 16-byte chunk");
   // Whole K rows a pass: thread t copies chunk t % K_CHUNKS of rows t / K_CHUNKS + i * ROWS (i < PASSES). Paged:
   // its rows' offsets sit side by side in the ring (slot), so it reads them with PASSES / 2 16-byte loads, ahead
   // of its copies; V reuses them when its rows have K's chunks.
@@ -213,13 +274,13 @@ struct KVPipeline {
                                               const int64_t (&off)[PASSES], bool live, int left) const {
     const bool past = I * ROWS >= left;
     if constexpr (ROWS % 8 != 0) {
-      if constexpr (PARTS & K_PART) copy(smem_addr(kt + tile_index(r0 + I * ROWS, c, L::K_CHUNKS)), k + off[I], live, past);
-      if constexpr (PARTS & V_PART) copy(smem_addr(vt + tile_index(r0 + I * ROWS, c, L::V_CHUNKS)), v + off[I], live, past);
+      if constexpr (PARTS & K_PART) copy(smem_addr(kt + kv_index<DTypeKV>(r0 + I * ROWS, c, L::K_CHUNKS)), k + off[I], live, past);
+      if constexpr (PARTS & V_PART) copy(smem_addr(vt + kv_index<DTypeKV>(r0 + I * ROWS, c, L::V_CHUNKS)), v + off[I], live, past);
     } else {
       if constexpr (PARTS & K_PART)
-        copy<I * ROWS * L::K_CHUNKS * 16>(smem_addr(kt + tile_index(r0, c, L::K_CHUNKS)), k + off[I], live, past);
+        copy<I * ROWS * L::K_CHUNKS * 16>(smem_addr(kt + kv_index<DTypeKV>(r0, c, L::K_CHUNKS)), k + off[I], live, past);
       if constexpr (PARTS & V_PART)
-        copy<I * ROWS * L::V_CHUNKS * 16>(smem_addr(vt + tile_index(r0, c, L::V_CHUNKS)), v + off[I], live, past);
+        copy<I * ROWS * L::V_CHUNKS * 16>(smem_addr(vt + kv_index<DTypeKV>(r0, c, L::V_CHUNKS)), v + off[I], live, past);
     }
     if constexpr (I + 1 < PASSES) copy_passes<PARTS, I + 1>(kt, vt, r0, c, k, v, off, live, left);
   }
@@ -234,7 +295,7 @@ struct KVPipeline {
       const int r = job / CHUNKS, c = job % CHUNKS;
       const int64_t k_off = C::PAGED ? offsets[slot(r)] : ragged_offset(t0 + r);
       const int64_t off = IS_V ? v_offset(k_off) : k_off;
-      copy(smem_addr(dst + tile_index(r, c, CHUNKS)), reinterpret_cast<const char*>(head) + off + c * 16, live,
+      copy(smem_addr(dst + kv_index<DTypeKV>(r, c, CHUNKS)), reinterpret_cast<const char*>(head) + off + c * 16, live,
            t0 + r >= src.kv_hi);
     }
   }
@@ -290,6 +351,7 @@ struct KVPipeline {
   // RoPE over a landed K tile in shared memory (once per CTA, before any warp reads it)
   template <class Params>
   __device__ __forceinline__ void rope_k(const Params& p, int tile, const int32_t* page_pos = nullptr) const {
+    static_assert(!L::FP8, "RoPE over 16-bit K tiles");
     constexpr int HALF = L::K_CHUNKS / 2;
     DTypeKV* ks = k_tile(tile);
     const int t0 = src.start(src.entry(tile));
