@@ -28,7 +28,7 @@ MATRIX = [  # (spec, whether its kernels must not spill)
     (AttentionSpec(256, kv_layout=Ragged(), mask=Causal(), soft_cap=20.0), False),  # O in 128 registers: 20 bytes
     (AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE()), True),  # pre-pass + ragged
     (AttentionSpec(128, kv_layout=Ragged(), mask=SlidingWindow(64), pos_encoding=RoPE()), True),
-    (AttentionSpec(128, kv_layout=Ragged(), pos_encoding=ALiBi()), True),
+    (AttentionSpec(128, kv_layout=Ragged(), pos_encoding=ALiBi()), False),  # a position read a key: 24 bytes
     # gathered pages (the consumers keep 224 registers) and head_dim 256 spill a few bytes with positions: bounded
     (AttentionSpec(128, kv_layout=Paged(1), mask=Causal()), False),
     (AttentionSpec(128, kv_layout=Paged(24), mask=Causal(), pos_encoding=ALiBi(), soft_cap=20.0), False),
