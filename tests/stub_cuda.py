@@ -67,7 +67,9 @@ def _copy_to_device_async(dst: int, src: int, nbytes: int, stream: int) -> None:
 def stubbed_cuda():
     """Wrappers on the CPU: pinned buffers become plain ones, the plan upload a memmove, events and streams
     no-ops, 132 SMs, kernels fakes (so run() and merge check their arguments and launch nothing, given
-    ``DeviceTensor`` q, caches and states); the CUDA-graph page-id buffer a ``DeviceTensor``."""
+    ``DeviceTensor`` q, caches and states); the CUDA-graph page-id buffer a ``DeviceTensor``; a compute-capability
+    8.0 device, so ``backend="auto"`` picks the portable kernel (patch ``torch.cuda.get_device_capability`` to
+    ``(9, 0)`` inside this context for the Hopper one)."""
     real_empty = torch.empty
 
     def empty(*args, pin_memory=False, **kwargs):
@@ -84,6 +86,7 @@ def stubbed_cuda():
             mock.patch.object(staging.driver, "copy_to_device_async", _copy_to_device_async), \
             mock.patch.object(staging, "current_stream", lambda index: 0), \
             mock.patch.object(torch.cuda, "current_stream", lambda device=None: None), \
+            mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (8, 0)), \
             mock.patch.object(jit, "build", fake_build), \
             mock.patch.object(portable, "current_stream", lambda index: 0), \
             mock.patch.object(wrapper, "device_sms", lambda index: 132), \

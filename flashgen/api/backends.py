@@ -52,9 +52,10 @@ def kernels_for(spec: AttentionSpec, backend: str) -> tuple[tuple[str, Attention
     return (("prefill_sm90", spec),)
 
 
-def check_sm90(spec: AttentionSpec, graph: bool = False) -> None:
-    """Raise ``SpecError`` unless the sm90 backend runs ``spec`` (every kernel of ``kernels_for``; ``graph``:
-    in CUDA-graph mode, where the RoPE pre-pass is refused: its grid and totals depend on the plan)."""
+def check_sm90(spec: AttentionSpec, graph: bool = False, options: dict | None = None) -> None:
+    """Raise ``SpecError`` unless the sm90 backend runs ``spec`` (every kernel of ``kernels_for``, with kernel
+    ``options``, e.g. ``{"positions": True}``; ``graph``: in CUDA-graph mode, where the RoPE pre-pass is
+    refused: its grid and totals depend on the plan)."""
     if graph and isinstance(spec.pos_encoding, RoPE):
         raise SpecError("pos_encoding: RoPE on the sm90 backend is not CUDA-graph safe yet (use_cuda_graph=True); "
                         "backend='portable' runs it in a graph")
@@ -64,17 +65,18 @@ def check_sm90(spec: AttentionSpec, graph: bool = False) -> None:
                         "RoPE, so k_rotated=True and Llama-3.1 / YaRN scaling are not implemented there yet; "
                         "backend='portable' runs k_rotated")
     for op, kernel_spec in kernels_for(spec, "sm90"):
-        family(op).check(family(op).project(kernel_spec))
+        fam = family(op, options)
+        fam.check(fam.project(kernel_spec))
 
 
 def select(spec: AttentionSpec, backend: str, capability: tuple[int, int] | Callable[[], tuple[int, int]],
-           graph: bool = False) -> str:
+           graph: bool = False, options: dict | None = None) -> str:
     """The prefill backend that runs ``spec``: ``"portable"`` or ``"sm90"``. ``capability``: the device's
     compute capability ``(major, minor)``, or a function returning it (called only when the answer depends
     on it).
 
     ``"auto"`` picks sm90 on a compute-capability 9.0 device when ``check_sm90`` accepts the spec (``graph``:
-    in CUDA-graph mode), else portable. ``"sm90"`` on a spec it cannot run raises ``SpecError``, on another
+    in CUDA-graph mode; ``options``: the sm90 kernels' options), else portable. ``"sm90"`` on a spec it cannot run raises ``SpecError``, on another
     device ``ValueError``; both messages name ``backend`` and say why.
 
     >>> select(AttentionSpec(128, kv_layout=Ragged(), mask=Causal()), "auto", (9, 0))
@@ -87,7 +89,7 @@ def select(spec: AttentionSpec, backend: str, capability: tuple[int, int] | Call
     if backend == "portable":
         return backend
     try:
-        check_sm90(spec, graph)
+        check_sm90(spec, graph, options)
     except SpecError as exc:
         if backend == "auto":
             return "portable"

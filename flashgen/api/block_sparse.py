@@ -17,7 +17,8 @@ from ..plan import PlanError, bsr_page_table
 from ..plan.host import check_heads, check_int
 from ..spec import AttentionSpec, BlockSparse, CustomMask, Paged, Ragged, SpecError
 from . import handles
-from .backends import BACKENDS
+from .backends import BACKENDS, check_sm90
+from .positions import wants_positions
 from .checks import check_count
 from .kv_inputs import KVView
 from .prefill import BatchPrefillWrapper, prefill_kv_view
@@ -37,28 +38,25 @@ def sm90_reads_whole_pages(spec: AttentionSpec) -> bool:
 
 def positions_options(spec: AttentionSpec, backend: str, kernel_options: dict | None, what: str) -> dict | None:
     """The inner wrapper's kernel options: ``kernel_options`` as given for a position-free spec, else with
-    explicit positions on (``SpecError`` for a custom mask, which has no positions, or ``backend="sm90"``, which
-    takes none yet)."""
+    explicit positions on (``SpecError`` for a custom mask, which has no positions)."""
     if position_free(spec):
         return kernel_options
     if isinstance(spec.mask, CustomMask):
         raise SpecError(f"mask: {what} takes NoMask(), Causal() or SlidingWindow(left), got {spec.mask!r}")
-    if backend == "sm90":
-        raise SpecError(f"backend: 'sm90' takes no explicit positions yet, which {what} needs for {spec.mask!r} / "
-                        f"{spec.pos_encoding!r}; backend='auto' runs them on the portable kernel")
     return {**(kernel_options or {}), "positions": True}
 
 
 def check_prefill_spec(spec: AttentionSpec, backend: str, kernel_options: dict | None = None) -> None:
     """The prefill families' checks of head dims and dtypes (``SpecError``), before any plan fixes a page size:
-    the sm90 family's for ``backend="sm90"``, else the portable one's (which ``"auto"`` falls back to). fp8 K/V
-    are refused: the block-sparse plans take no k_scale / v_scale yet."""
+    the sm90 backend's for ``backend="sm90"`` (with explicit positions where ``kernel_options`` asks for them),
+    else the portable one's (which ``"auto"`` falls back to). fp8 K/V are refused: the block-sparse plans take no
+    k_scale / v_scale yet."""
     if spec.kv_dtype != spec.dtype:
         raise SpecError(f"kv_dtype: block-sparse wrappers take K/V in q's dtype ({spec.dtype}), got {spec.kv_dtype} "
                         "(their plan() takes no fp8 k_scale / v_scale yet; BatchPrefillWrapper does)")
     probe = spec.replace(kv_layout=Paged(16))
     if backend == "sm90":
-        family("prefill_sm90").check(family("prefill_sm90").project(probe))
+        check_sm90(probe, options={"positions": True} if wants_positions(kernel_options) else None)
     else:
         family("prefill", kernel_options).check(family("prefill").project(probe))
 
@@ -122,9 +120,8 @@ class BlockSparseWrapper:
     Masks and positions: query row ``i`` sits at position ``i`` and key row ``j`` at ``j`` (block index x C +
     offset), so ``Causal()`` (key ``j <= i``, aligned at the top left of the M x N matrix), ``SlidingWindow(left)``
     (``i - left <= j <= i``), ``RoPE()`` and ``ALiBi()`` apply inside the kept blocks as over the dense matrix;
-    such specs run the portable kernel with explicit positions (``kernel_options["positions"]``; ``"sm90"``
-    raises ``SpecError``), position-free ones (NoMask, no encoding; soft-cap and ``sm_scale`` allowed) any
-    backend. ``CustomMask`` raises ``SpecError``. ``spec.kv_layout`` is not read (K and V are dense), except that
+    such specs run with explicit positions (``kernel_options["positions"]``) on either backend, as do
+    position-free ones (NoMask, no encoding; soft-cap and ``sm_scale`` allowed). ``CustomMask`` raises ``SpecError``. ``spec.kv_layout`` is not read (K and V are dense), except that
     a ``BlockSparse(R, C)`` layout fixes R and C: plan() checks that it is given those.
 
     Backends (``backend``, as ``BatchPrefillWrapper``'s): the pattern runs as a paged prefill with one request
@@ -158,7 +155,7 @@ class BlockSparseWrapper:
         kernel_options = positions_options(spec, backend, kernel_options, "BlockSparseWrapper")
         self._positions = not position_free(spec)
         self._q_pos = np.zeros(0, np.int32)  # 0 .. M-1, kept for the next plan of the same M
-        check_prefill_spec(spec, "portable" if self._positions else backend, kernel_options)
+        check_prefill_spec(spec, backend, kernel_options)
         self.spec, self._backend, self._kernel_options = spec, backend, kernel_options
         self.num_sms = check_count("num_sms", num_sms)
         self.use_cuda_graph = use_cuda_graph
@@ -221,7 +218,7 @@ class BlockSparseWrapper:
         inner = self._inner.get((C, N % C == 0))
         if inner is None:
             spec = self.spec.replace(kv_layout=Paged(C, "NHD"))
-            backend = "portable" if self._positions else inner_backend(spec, self._backend, N, C)
+            backend = inner_backend(spec, self._backend, N, C)
             graph = {}
             if self.use_cuda_graph:
                 most = num_blocks if self.max_num_blocks is None else self.max_num_blocks

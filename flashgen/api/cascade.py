@@ -17,7 +17,7 @@ SMs) on a compute-capability 9.0 GPU that runs the spec; else the portable kerne
 portable kernel (the choice may not change between plans) unless ``"sm90"`` is forced.
 
 Positions: a spec with RoPE, ALiBi or a sliding window runs every level with explicit true positions
-(``kernel_options={"positions": True}`` on the inner wrappers, the portable prefill kernel and decode): each
+(``kernel_options={"positions": True}`` on the inner wrappers: either prefill kernel, and decode): each
 level's pages start where its tokens' keys of the earlier levels end and each query sits at its place in its
 whole sequence (``plan.cascade.level_positions``), so the answer is flat attention's over the whole sequence;
 a window then also masks the shared levels. NoMask / Causal specs without an encoding keep the position-free
@@ -40,7 +40,7 @@ from ..plan.page_table import block_table_to_csr
 from ..spec import ALiBi, AttentionSpec, Causal, NoMask, Paged, RoPE, SlidingWindow, SpecError
 from . import handles
 from . import wrapper as core
-from .backends import BACKENDS, select
+from .backends import BACKENDS, kernels_for, select
 from .checks import check_count
 from .decode import BatchDecodeWrapper
 from .kv_inputs import TORCH_DTYPES
@@ -110,8 +110,8 @@ class CascadeWrapper:
     Specs: paged (any page size, NHD / HND), NoMask, Causal or SlidingWindow (a causal plan needs every shared key
     before each request's first query: last-level ``kv_len >= qo_len - 1``, which derived levels satisfy by
     construction), RoPE, ALiBi, soft-cap and sm_scale. RoPE, ALiBi and windows run every level with true
-    positions (module docstring) on the portable prefill kernel and decode (``prefill_backend="sm90"`` raises
-    ``SpecError`` for them), the same answer as flat attention over each whole sequence; their levels take CSR
+    positions (module docstring) on the prefill kernels (the Hopper one included) and decode, the same answer as
+    flat attention over each whole sequence; their levels take CSR
     page tables (not block tables). ``plan()`` takes their runtime values (``window_left``, ``rope_theta``,
     ``rope_scale``) as ``BatchPrefillWrapper.plan`` does. CustomMask raises ``SpecError``.
 
@@ -137,9 +137,6 @@ class CascadeWrapper:
         self._shared_spec = spec if isinstance(spec.mask, SlidingWindow) else spec.replace(mask=NoMask())
         self._positions = needs_positions(spec)
         self._options = {"positions": True} if self._positions else None
-        if self._positions and prefill_backend == "sm90":
-            raise SpecError("prefill_backend: 'sm90' takes no explicit positions yet, which a cascade of RoPE, ALiBi "
-                            "or a sliding window needs ('auto' runs such levels on the portable kernel)")
         prefill = family("prefill")
         prefill.check(prefill.project(spec))
         try:
@@ -166,7 +163,7 @@ class CascadeWrapper:
         self._capability = lambda: torch.cuda.get_device_capability(self.device)
         if prefill_backend == "sm90":  # raises now where it cannot run
             for s in (self._shared_spec, spec):
-                select(s, "sm90", self._capability, graph=use_cuda_graph)
+                select(s, "sm90", self._capability, graph=use_cuda_graph, options=self._options)
         self._decode_graph = use_cuda_graph and max_total_q == max_batch_size and self._decode_ok
         self._tile_rows = launch_config(self._shared_spec, "prefill").tile_q
         self._kv_bytes = TORCH_DTYPES[spec.kv_dtype].itemsize
@@ -277,12 +274,13 @@ class CascadeWrapper:
 
     def _backend(self, table: LevelTable, spec: AttentionSpec, num_qo_heads: int, num_kv_heads: int) -> str:
         """The prefill kernel of a level: the Hopper one where its unsplit grid fills the SMs (module docstring)."""
-        if self.use_cuda_graph or self.prefill_backend != "auto" or self._positions:
+        if self.use_cuda_graph or self.prefill_backend != "auto":
             return "sm90" if self.prefill_backend == "sm90" else "portable"
         tile = self._sm90.get(spec)
         if tile is None:
-            runs = select(spec, "auto", self._capability) == "sm90"
-            tile = self._sm90[spec] = launch_config(spec, "prefill_sm90").tile_q if runs else 0
+            runs = select(spec, "auto", self._capability, options=self._options) == "sm90"
+            kernel_spec = kernels_for(spec, "sm90")[-1][1]  # RoPE: the kernel of its ragged twin
+            tile = self._sm90[spec] = launch_config(kernel_spec, "prefill_sm90", self._options).tile_q if runs else 0
         if not tile:
             return "portable"
         tiles = -(-(np.diff(table.qo_indptr) * (num_qo_heads // num_kv_heads)) // tile)

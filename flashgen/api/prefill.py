@@ -13,7 +13,7 @@ import torch
 from ..kernels import family
 from ..plan import PlanError, SplitPolicy, host_array
 from ..plan.host import check_heads
-from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Ragged, SpecError
+from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Ragged
 from . import handles
 from .backends import select
 from .checks import check_count, check_tensor
@@ -53,7 +53,7 @@ class BatchPrefillWrapper:
     graphs), else the ``"portable"`` kernel; naming one forces it (an ``"sm90"`` it cannot honour raises).
     ``wrapper.backend`` says which runs. ``kernel_options``: the portable kernel's options, e.g.
     ``{"tiles": "kv32"}`` (its tile preset; part of the kernel's uri), or ``{"positions": True}``: keys and
-    queries at explicit true positions (the portable kernel; every plan() then takes ``kv_page_pos`` and ``q_pos``,
+    queries at explicit true positions (either backend; every plan() then takes ``kv_page_pos`` and ``q_pos``,
     ``flashgen.api.positions``, with a CSR page table; causal / window masks, RoPE and ALiBi use them).
     """
 
@@ -64,15 +64,12 @@ class BatchPrefillWrapper:
                  max_pages_per_request: int | None = None, check_indices: bool | None = None):
         self.spec = family("prefill").project(spec)
         positions = wants_positions(kernel_options)
-        if positions and backend == "sm90":
-            raise SpecError("backend: 'sm90' takes no explicit positions (kernel_options['positions']) yet; "
-                            "backend='auto' or 'portable' runs them on the portable kernel")
-        self.backend = "portable" if positions else select(self.spec, backend, lambda: torch.cuda.get_device_capability(resolve_device(device)),
-                              graph=use_cuda_graph)
+        self.backend = select(self.spec, backend, lambda: torch.cuda.get_device_capability(resolve_device(device)),
+                              graph=use_cuda_graph, options={"positions": True} if positions else None)
         if self.backend == "portable":
             family("prefill", kernel_options).check(self.spec)
-        elif kernel_options:
-            raise ValueError(f"kernel_options: the sm90 backend takes none, got {kernel_options!r}")
+        elif set(kernel_options or ()) - {"positions"}:
+            raise ValueError(f"kernel_options: the sm90 backend takes only 'positions', got {kernel_options!r}")
         max_batch_size = check_count("max_batch_size", max_batch_size)
         max_total_q = check_count("max_total_q", max_total_q)
         if use_cuda_graph and not (max_batch_size and max_total_q):

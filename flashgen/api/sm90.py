@@ -27,6 +27,7 @@ from .custom_mask import custom_mask_bits, device_mask, mask_extras
 from .device import current_stream
 from .fastdiv import fast_div
 from .kv_inputs import TORCH_DTYPES, KVView, PageTable
+from .positions import wants_positions
 from .portable import HOST_ARRAYS_HINT, host_ids_reserve, page_fields, table_extras
 from .staging import DeviceBuffer
 from .wrapper import Runtime, WrapperCore
@@ -118,6 +119,10 @@ class SM90Prefill:
     def __init__(self, core: WrapperCore, options: dict | None = None):
         spec = core.spec
         self.core, self.spec, self.device, self.num_sms = core, spec, core.device, core.num_sms
+        # explicit positions (kernel_options={"positions": True}): both kernels take them; with RoPE the pre-pass
+        # also writes each scratch key's position, which the kernel reads as a ragged cache's kv_page_pos
+        self.positions = wants_positions(options)
+        self._options = {"positions": True} if self.positions else None
         self.last_plan = None
         self.max_batch_size = core.max_batch_size
         # RoPE: the rope_gather pre-pass writes rotated q, rotated K and V (ragged) into scratch, and the kernel of
@@ -126,6 +131,7 @@ class SM90Prefill:
         self._kernels = dict(kernels_for(spec, "sm90"))  # {"prefill_sm90": its spec[, "rope_gather": spec]}
         self.kernel_spec = self._kernels["prefill_sm90"]
         self._scratch = DeviceBuffer(TORCH_DTYPES[spec.dtype], core.device, False) if self.rope else None
+        self._key_pos = DeviceBuffer(torch.int32, core.device, False) if self.rope and self.positions else None
         self._maps: dict[tuple, bytes] = {}  # q / out tensor maps (_qo_map)
         self._heads: dict[tuple, tuple] = {}  # (num_qo_heads, num_kv_heads) -> _head_fields
         self._kernel = None
@@ -139,11 +145,11 @@ class SM90Prefill:
 
         index = self.device.index
         if self.rope:
-            rope = build(self._kernels["rope_gather"], "rope_gather", device=index)
+            rope = build(self._kernels["rope_gather"], "rope_gather", device=index, options=self._options)
             self._rope_fn, self._rope_block = rope["rope_gather"], rope.launch_config.block
             self._rope_params = rope.params["rope_gather"].bind(
                 ("q", "k", "v", "stride_page", "stride_token", "stride_head"))
-        self._kernel = build(self.kernel_spec, "prefill_sm90", device=index)
+        self._kernel = build(self.kernel_spec, "prefill_sm90", device=index, options=self._options)
         self._fn = self._kernel["prefill_sm90"]
         cfg = self._launch = self._kernel.launch_config
         self.gather, self._o_staged, self._tile_kv = cfg.gather, cfg.o_staged, cfg.tile_kv
@@ -152,10 +158,10 @@ class SM90Prefill:
         self._params = layout.bind(names[: names.index("lse") + 1])  # tensor maps, K / V, q, o, lse: at run()
 
     def plan(self, qo: np.ndarray, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime,
-             custom_mask, enable_split: bool, split_policy=None) -> int:
+             custom_mask, enable_split: bool, split_policy=None, positions: dict | None = None) -> int:
         """Plan unsplit (``enable_split`` and ``split_policy`` are ignored) and upload; returns the rows of q and
         out (total_q, or max_total_q in CUDA-graph mode). ``custom_mask``: CustomMask specs only (the wrapper
-        checked)."""
+        checked). ``positions``: the ``q_pos`` and ``kv_page_pos`` extras of a wrapper with explicit positions."""
         core = self.core
         if self._kernel is None:
             self._load()
@@ -170,18 +176,20 @@ class SM90Prefill:
         if self.rope:  # the kernel reads the ragged scratch; the pre-pass reads the cache through its own table
             extras = {"kv_indptr": _ragged_indptr(table.kv_lens, extras["kv_indptr"].size),
                       "src_indptr": extras["kv_indptr"]}
+        if positions:
+            extras.update(positions)  # before the page ids, which may grow in a CUDA-graph buffer
         custom = isinstance(self.spec.mask, CustomMask)
         if custom:
             extras = self._mask_extras(plan, qo, table.kv_lens, custom_mask, extras, pages_host)
         elif pages_host is not None:
             extras["pages"] = pages_host
-        hint = HOST_ARRAYS_HINT if len(extras) > ("kv_indptr" in extras) + ("src_indptr" in extras) else \
-            "raise max_batch_size"
+        fixed = ("kv_indptr" in extras) + ("src_indptr" in extras) + 2 * bool(positions)
+        hint = HOST_ARRAYS_HINT if len(extras) > fixed else "raise max_batch_size"
         addresses = core.upload(plan, extras, hint, host_ids_reserve(core, table, pages_host))
         tables, self._page_ids_held = page_fields(table, core.device, addresses)
         if self.rope:
             self._plan_rope(addresses, int(qo[-1]), int(table.kv_lens.sum()), int(table.kv_lens.size), num_qo_heads,
-                            num_kv_heads, runtime, tables)
+                            num_kv_heads, runtime, tables, positions)
             tables.update(kv_indices=0, block_table=0, block_table_stride=0)  # the kernel's KV: the ragged scratch
         tables["kv_indptr"] = addresses["kv_indptr"]
         # persistent CTAs, one an SM, walk the capacity x num_kv_heads work items (the kernel strides over them)
@@ -199,6 +207,9 @@ class SM90Prefill:
         fields.update(custom_mask=(self._mask_held.data_ptr() if self._mask_held is not None else base) if custom else 0,
                       mask_offset=addresses["mask_offset"] if custom else 0,
                       tile_indptr=addresses["tile_indptr"] if custom else 0, tiles=base if custom else 0)
+        if positions:  # with RoPE the keys' positions are the pre-pass's, one a scratch row
+            fields.update(kv_page_pos=self._key_pos_at if self.rope else addresses["kv_page_pos"],
+                          q_pos=addresses["q_pos"])
         self._params.pack(fields)
         return plan.info.max_total_q
 
@@ -222,8 +233,9 @@ class SM90Prefill:
         return mask_extras(plan.numel, bits, indptr, entries, extras, pages_host, self.max_batch_size)
 
     def _plan_rope(self, addresses: Mapping[str, int], total_q: int, total_kv: int, batch: int, num_qo_heads: int,
-                   num_kv_heads: int, runtime: Runtime, tables: dict) -> None:
-        """Scratch for rotated q, K and V; the scratch K / V tensor maps; the pre-pass's plan-time params."""
+                   num_kv_heads: int, runtime: Runtime, tables: dict, positions: dict | None = None) -> None:
+        """Scratch for rotated q, K and V (and with ``positions`` the scratch keys' positions); the scratch K / V
+        tensor maps; the pre-pass's plan-time params."""
         d = self.spec.head_dim
         q_n, kv_n = total_q * num_qo_heads * d, max(total_kv, 1) * num_kv_heads * d
         flat = self._scratch.get(q_n + 2 * kv_n + 64, "rope scratch")  # 64: 128-byte alignment of each part
@@ -237,6 +249,11 @@ class SM90Prefill:
         self._scratch_maps = (kv_tensor_map(self.kernel_spec, view, k_out, self._tile_kv),
                               kv_tensor_map(self.kernel_spec, view, v_out, self._tile_kv))
         pairs = (total_q * num_qo_heads + total_kv * num_kv_heads) * (d // 2)
+        extra = {}
+        if positions:
+            self._key_pos_at = self._key_pos.address_of(max(total_kv, 1), "rope key positions")
+            extra = {"kv_page_pos": addresses["kv_page_pos"], "q_pos": addresses["q_pos"],
+                     "kv_pos_out": self._key_pos_at}
         self._rope_grid = (max(1, -(-pairs // self._rope_block[0])), 1, 1)
         self._rope_params.pack({
             "q_out": self._q_out.data_ptr(), "k_out": k_out.data_ptr(), "v_out": v_out.data_ptr(),
@@ -245,7 +262,7 @@ class SM90Prefill:
             "kv_out_indptr": addresses["kv_indptr"], "total_q": total_q, "total_kv_out": total_kv,
             "block_table_stride": tables["block_table_stride"], "batch": batch, "num_qo_heads": num_qo_heads,
             "num_kv_heads": num_kv_heads, "rope_rcp_scale": runtime.rope_rcp_scale,
-            "rope_log2_theta": runtime.rope_log2_theta})
+            "rope_log2_theta": runtime.rope_log2_theta, **extra})
 
     def kv_args(self, kv: KVView) -> tuple:
         """The TMA descriptors of K and V, bounded by the tensors' own size (the wrapper memoises them); for a

@@ -140,7 +140,7 @@ class VariableBlockSparseWrapper:
     (``k.stride(0) == Hkv * k.stride(1)``).
 
     Masks and positions as ``BlockSparseWrapper``: query row ``i`` at position ``i``, key row ``j`` at ``j``, so
-    Causal, SlidingWindow and RoPE apply inside the kept blocks (the portable kernel, with explicit positions).
+    Causal, SlidingWindow and RoPE apply inside the kept blocks (with explicit positions, on either kernel).
     ALiBi raises ``SpecError`` (each head's problem runs with the group's q heads only, so the slopes of the
     global head numbers are not known to it), as does CustomMask.
     Backend: the pages overlap in memory, which the Hopper kernel's TMA maps cannot describe, so ``"auto"`` runs the
@@ -160,7 +160,7 @@ class VariableBlockSparseWrapper:
                             "problem, so ALiBi's per-head slopes are not supported; use BlockSparseWrapper")
         self._options = positions_options(spec, backend, None, "VariableBlockSparseWrapper")
         self._positions = not position_free(spec)
-        check_prefill_spec(spec, "portable" if self._positions else backend, self._options)
+        check_prefill_spec(spec, backend, self._options)
         self.spec, self._backend, self.num_sms = spec, backend, num_sms
         self.device = resolve_device(device)
         self._inner: dict[tuple[int, int], BatchPrefillWrapper] = {}  # by page size and kv heads
@@ -201,7 +201,7 @@ class VariableBlockSparseWrapper:
         inner = self._inner.get(key)
         if inner is None:
             spec = self.spec.replace(kv_layout=Paged(page_size, "NHD"))
-            backend = "portable" if self._positions else overlapping_pages_backend(spec, self._backend)
+            backend = overlapping_pages_backend(spec, self._backend)
             inner = BatchPrefillWrapper(spec, device=self.device, num_sms=self.num_sms, backend=backend,
                                         kernel_options=self._options)
             inner._view = head_pages(page_size, num_kv_heads)

@@ -5,9 +5,11 @@ head_dim_vo`` in {64, 128, 256}, ``Ragged()`` KV or ``Paged(page_size)`` NHD / H
 a page per box where pages are multiples of 8 that divide the KV tile or are divided by it (8 ... 256 and beyond
 at d <= 128), the K and V producer warps gather other page sizes row by row with cp.async (``sm90_gather``),
 ``NoMask()``, ``Causal()``, ``SlidingWindow()`` or ``CustomMask()`` (planned tile lists: fully masked KV tiles
-are skipped, fully visible ones run without the element mask), no positional encoding or ``ALiBi()`` (not RoPE
-yet), soft-cap, any GQA group (packed rows), unsplit plans (``enable_split=False``: every item covers its whole
-KV).
+are skipped, fully visible ones run without the element mask), no positional encoding or ``ALiBi()`` (RoPE runs
+as the ``rope_gather`` pre-pass and this kernel over its output), soft-cap, any GQA group (packed rows), unsplit
+plans (``enable_split=False``: every item covers its whole KV). Option ``positions`` (bool, as the portable
+prefill's): keys and queries at explicit true positions (``kv_page_pos``, ``q_pos`` params after the others;
+``family.positions_option``), not with a custom mask; the uri ends in ``_pos``.
 The kernel is ``templates/include/flashgen/sm90/kernel.cuh`` (its parts by role beside it); the runner
 ``flashgen.api.sm90``. Its two consumer warpgroups always take turns issuing their GEMMs (the ping-pong;
 ``PINGPONG`` stays a template constant, always true).
@@ -16,7 +18,7 @@ The kernel is ``templates/include/flashgen/sm90/kernel.cuh`` (its parts by role 
 from __future__ import annotations
 
 from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError
-from .family import AttentionFamily, EntryPoint, LaunchConfig, struct
+from .family import POSITION_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, positions_option, struct
 from .prefill import CPP_TYPES  # fp16 / bf16, as the portable prefill
 
 SM90_HEAD_DIMS = (64, 128, 256)
@@ -130,6 +132,19 @@ class PrefillSM90Family(AttentionFamily):
     op = "prefill_sm90"
     template = "prefill_sm90.cu.j2"
 
+    def __init__(self, positions: bool = False):
+        self.positions = positions
+        self.options = (("positions", "true"),) if positions else ()
+
+    def configure(self, options: dict) -> "PrefillSM90Family":
+        unknown = set(options) - {"positions"}
+        if unknown:
+            raise SpecError(f"kernel_options: got {sorted(unknown)}, prefill_sm90 takes 'positions' (True or False)")
+        return PrefillSM90Family(positions_option(self.op, options))
+
+    def uri(self, spec: AttentionSpec) -> str:
+        return f"{self.op}_{spec.uri}{'_pos' if self.positions else ''}"
+
     def check(self, spec: AttentionSpec) -> None:
         if spec.head_dim not in SM90_HEAD_DIMS or spec.head_dim_vo != spec.head_dim:
             raise SpecError(f"head_dim: got {spec.head_dim} (head_dim_vo {spec.head_dim_vo}), prefill_sm90 supports "
@@ -145,6 +160,9 @@ class PrefillSM90Family(AttentionFamily):
                             "CustomMask()")
         if spec.pos_encoding is not None and not isinstance(spec.pos_encoding, ALiBi):
             raise SpecError(f"pos_encoding: got {spec.pos_encoding!r}, prefill_sm90 supports None or ALiBi() so far")
+        if self.positions and isinstance(spec.mask, CustomMask):
+            raise SpecError("mask: CustomMask() takes no explicit positions (kernel_options['positions']): its bits "
+                            "are indexed by (query, key) places, not positions")
 
     def context(self, spec: AttentionSpec) -> dict:
         d = spec.head_dim
@@ -178,6 +196,7 @@ class PrefillSM90Family(AttentionFamily):
             "O_STAGED": "true" if sm90_o_staged(d, _gathered(spec)) else "false",
             "UNIFORM_WG": "true" if sm90_uniform_wg(d) else "false",
             "PINGPONG": "true",
+            "POSITIONS": "true" if self.positions else "false",
         }
 
     def launch(self, spec: AttentionSpec) -> LaunchConfig:
@@ -213,6 +232,7 @@ class PrefillSM90Family(AttentionFamily):
             # custom mask: the bits, each request's bit offset into them, each item's tile list (entries
             # tiles[tile_indptr[item] ..]: tile * 2 + partial); null without one
             ("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"), (i32, "tile_indptr"), (i32, "tiles"),
+            *(POSITION_FIELDS if self.positions else ()),
         )
         return (EntryPoint("prefill_sm90", params),)
 

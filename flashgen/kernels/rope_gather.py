@@ -13,15 +13,32 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..spec import AttentionSpec, NoMask, Paged, Ragged, RoPE, SpecError
-from .family import EntryPoint, KernelFamily, LaunchConfig, struct
+from .family import POSITION_FIELDS, EntryPoint, KernelFamily, LaunchConfig, positions_option, struct
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 BLOCK_THREADS = 256
 
 
 class RopeGatherFamily(KernelFamily):
+    """Option ``positions`` (bool): q rotated by ``q_pos`` and K by the keys' ``kv_page_pos`` positions (the
+    ``family.positions_option`` params), each scratch key's position written to ``kv_pos_out`` (the sm90
+    kernel's ragged ``kv_page_pos``); the uri ends in ``_pos``."""
+
     op = "rope_gather"
     template = "rope_gather.cu.j2"
+
+    def __init__(self, positions: bool = False):
+        self.positions = positions
+        self.options = (("positions", "true"),) if positions else ()
+
+    def configure(self, options: dict) -> "RopeGatherFamily":
+        unknown = set(options) - {"positions"}
+        if unknown:
+            raise SpecError(f"kernel_options: got {sorted(unknown)}, rope_gather takes 'positions' (True or False)")
+        return RopeGatherFamily(positions_option(self.op, options))
+
+    def uri(self, spec: AttentionSpec) -> str:
+        return f"{self.op}_{spec.uri}{'_pos' if self.positions else ''}"
 
     def project(self, spec: object) -> AttentionSpec:
         """Only what the pass depends on: dtypes, head dims, the KV layout (RoPE's theta / scale are runtime)."""
@@ -42,7 +59,8 @@ class RopeGatherFamily(KernelFamily):
     def context(self, spec: AttentionSpec) -> dict:
         paged = isinstance(spec.kv_layout, Paged)
         return {"DType": CPP_TYPES[spec.dtype], "HEAD_DIM": spec.head_dim, "PAGED": "true" if paged else "false",
-                "PAGE_SIZE": spec.kv_layout.page_size if paged else 1, "BLOCK_THREADS": BLOCK_THREADS}
+                "PAGE_SIZE": spec.kv_layout.page_size if paged else 1, "BLOCK_THREADS": BLOCK_THREADS,
+                "POSITIONS": "true" if self.positions else "false"}
 
     def launch(self, spec: AttentionSpec) -> LaunchConfig:
         """``BLOCK_THREADS`` threads, one (row, rotation pair) a thread: the grid covers the pairs of q and K."""
@@ -60,6 +78,7 @@ class RopeGatherFamily(KernelFamily):
             ("int64_t", "total_q"), ("int64_t", "total_kv_out"),
             ("int32_t", "block_table_stride"), ("int32_t", "batch"), ("int32_t", "num_qo_heads"),
             ("int32_t", "num_kv_heads"), ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"),
+            *((*POSITION_FIELDS, ("int32_t*", "kv_pos_out")) if self.positions else ()),
         )
         return (EntryPoint("rope_gather", params),)
 

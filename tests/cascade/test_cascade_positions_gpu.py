@@ -13,10 +13,12 @@ import torch
 import flashgen
 from cascade_batches import csr, last_page_lens, shared_cache, tree_pages
 from flashgen import ALiBi, AttentionSpec, Causal, CascadePolicy, NoMask, Paged, RoPE, SlidingWindow
+from flashgen.api.backends import kernels_for
 from flashgen.testing.check import check_attention
 from graph_replay import fill_pools, reference_check, replay_after_replanning
 
 pytestmark = pytest.mark.cuda
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 HEADS, GROUP, PAGE = 2, 4, 16
 NEVER = CascadePolicy(fold="never")  # every level with KV runs
@@ -38,6 +40,8 @@ def compiled():
     for spec in specs:
         shared = spec if isinstance(spec.mask, SlidingWindow) else spec.replace(mask=NoMask())
         jobs += [(shared, "prefill"), (spec, "prefill"), (spec, "decode")]
+        if HOPPER:  # the sm90 backend's kernels (RoPE: the pre-pass and the ragged twin)
+            jobs += [(ks, op) for s in (shared, spec) for op, ks in kernels_for(s, "sm90")]
     with ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(lambda job: flashgen.ensure_compiled(*job, options={"positions": True}), jobs))
 
@@ -70,6 +74,27 @@ def test_levels_with_positions_match_flat_attention(name, shape):
         runs = [r.runs for r in wrapper.levels]
         assert runs[-1] == ("decode" if shape == "decode" else "portable")
         assert all(r in ("portable", "decode", "empty") for r in runs)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the sm90 backend needs a compute-capability 9.0 GPU")
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("shape", ["decode", "prefill"])
+def test_levels_with_positions_on_sm90(name, shape):
+    """Every prefill level on the Hopper kernel with explicit positions (its shared levels' keys start past the
+    earlier levels', its queries at their places in the whole sequence)."""
+    spec = SPECS[name]
+    wrapper = flashgen.CascadeWrapper(spec, prefill_backend="sm90")
+    for seed, depth in ((20, 0), (21, 1), (22, 2)):
+        rng = np.random.default_rng(seed)
+        qo_lens = np.ones(7, np.int64) if shape == "decode" else rng.integers(0, 40, 7)
+        q, kv, table, qo = tree_case(seed, 7, depth, qo_lens)
+        wrapper.plan(qo_indptr=qo, **table, num_qo_heads=HEADS * GROUP, num_kv_heads=HEADS, policy=NEVER)
+        q_gpu, kv_gpu = q.cuda(), tuple(x.cuda() for x in kv)
+        check_attention(lambda out: wrapper.run(q_gpu, kv_gpu, out=out, return_lse=True), spec, q, kv,
+                        qo_indptr=qo, **table)
+        runs = [r.runs for r in wrapper.levels]
+        assert runs[-1] == ("decode" if shape == "decode" else "sm90")
+        assert all(r in ("sm90", "decode", "empty") for r in runs)
 
 
 def test_runtime_window_and_rope_values_reach_every_level():

@@ -35,9 +35,9 @@ def test_kernels_with_positions_compile_for_sm90a(shared_cache):
         assert_sound_cubin(entry, report, [e.name for e in fam.entry_points(fam.project(spec))])
 
 
-@pytest.mark.parametrize("op", ["decode", "prefill"])
+@pytest.mark.parametrize("op", ["decode", "prefill", "prefill_sm90"])
 def test_the_option_names_its_kernel_and_adds_the_position_params(op):
-    spec = AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE())
+    spec = AttentionSpec(128, kv_layout=Paged(16), pos_encoding=ALiBi() if op == "prefill_sm90" else RoPE())
     plain, pos = family(op), family(op, POS)
     assert pos.uri(spec) == plain.uri(spec) + "_pos" and pos.options == (("positions", "true"),)
     names = [f.name for f in pos.entry_points(spec)[0].params.fields]
@@ -54,8 +54,10 @@ def test_bad_options_are_refused():
         family("decode", {"tiles": "kv32"})
     with pytest.raises(SpecError, match=r"^mask: CustomMask\(\) takes no explicit positions"):
         family("prefill", POS).check(AttentionSpec(128, kv_layout=Paged(16), mask=CustomMask()))
-    with pytest.raises(SpecError, match=r"^backend: 'sm90' takes no explicit positions"):
-        flashgen.BatchPrefillWrapper(AttentionSpec(128, kv_layout=Paged(16)), backend="sm90", kernel_options=POS)
+    with pytest.raises(SpecError, match=r"^backend: 'sm90' cannot run this spec \(mask: CustomMask\(\) takes no "
+                                        r"explicit positions"):
+        flashgen.BatchPrefillWrapper(AttentionSpec(128, kv_layout=Paged(16), mask=CustomMask()), backend="sm90",
+                                     kernel_options=POS)
 
 
 TABLE = dict(kv_indptr=[0, 2, 3], kv_indices=[4, 1, 0], kv_last_page_len=[3, 16])

@@ -13,11 +13,14 @@ import torch
 
 import flashgen
 from flashgen import ALiBi, AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, SlidingWindow
+from flashgen.api.backends import kernels_for
 from flashgen.spec import BlockSparse
 from flashgen.testing.check import assert_matches_reference, check_attention
 from flashgen.testing.layouts import random_batch
 
 pytestmark = pytest.mark.cuda
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+SM90_BLOCKS = (1, 16, 24, 64)  # C: gathered (1, 24) and TMA pages (16, 64)
 
 BSR_SPECS = {
     "causal_rope": AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), pos_encoding=RoPE()),
@@ -32,6 +35,9 @@ def compiled():
     jobs = [(s.replace(kv_layout=Paged(c)), "prefill") for s in BSR_SPECS.values() for c in (1, 8, 16, 64)]
     jobs += [(AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE()), "prefill")]
     jobs += [(s, "decode") for s in DECODE_SPECS.values()]
+    if HOPPER:  # the sm90 backend's kernels (RoPE: the pre-pass and the ragged twin)
+        jobs += [(ks, op) for s in BSR_SPECS.values() for c in SM90_BLOCKS
+                 for op, ks in kernels_for(s.replace(kv_layout=Paged(c)), "sm90")]
     with ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(lambda job: flashgen.ensure_compiled(*job, options={"positions": True}), jobs))
 
@@ -61,9 +67,28 @@ def test_block_sparse_with_positions(name, r, c, m, n):
     spec = BSR_SPECS[name]
     indptr, indices = pattern(-(-m // r), -(-n // c), 0.4, np.random.default_rng(r + c + m))
     q, k, v = dense(spec, m, n, 8, 2, r * c + n)
-    wrapper = flashgen.BlockSparseWrapper(spec)
+    wrapper = flashgen.BlockSparseWrapper(spec, backend="portable")
     wrapper.plan(indptr, indices, m, n, r, c, 8, 2)
     assert wrapper.backend == "portable"
+    qg, kg, vg = q.cuda(), k.cuda(), v.cuda()
+    check_attention(lambda out: wrapper.run(qg, kg, vg, out=out, return_lse=True),
+                    spec.replace(kv_layout=BlockSparse(r, c)), qg, (kg, vg),
+                    **bsr_reference_kwargs(indptr, indices, m, n))
+
+
+@pytest.mark.skipif(not HOPPER, reason="the sm90 backend needs a compute-capability 9.0 GPU")
+@pytest.mark.parametrize("name", sorted(BSR_SPECS))
+@pytest.mark.parametrize("r, c, m, n", [(16, 16, 100, 128), (64, 64, 150, 256), (1, 64, 37, 192), (32, 1, 70, 41),
+                                        (128, 24, 300, 100), (16, 16, 400, 512)])
+def test_block_sparse_with_positions_on_sm90(name, r, c, m, n):
+    """The Hopper kernel with explicit positions: TMA pages (N a multiple of C) and gathered ones, key tiles of
+    non-contiguous kept blocks, several q tiles a block row."""
+    spec = BSR_SPECS[name]
+    indptr, indices = pattern(-(-m // r), -(-n // c), 0.4, np.random.default_rng(r + c + m + 1))
+    q, k, v = dense(spec, m, n, 8, 2, r * c + n + 1)
+    wrapper = flashgen.BlockSparseWrapper(spec, backend="sm90")
+    wrapper.plan(indptr, indices, m, n, r, c, 8, 2)
+    assert wrapper.backend == "sm90"
     qg, kg, vg = q.cuda(), k.cuda(), v.cuda()
     check_attention(lambda out: wrapper.run(qg, kg, vg, out=out, return_lse=True),
                     spec.replace(kv_layout=BlockSparse(r, c)), qg, (kg, vg),

@@ -12,6 +12,7 @@
 #include <flashgen/sm90/epilogue.cuh>
 #include <flashgen/sm90/layout.cuh>
 #include <flashgen/sm90/named_barrier.cuh>
+#include <flashgen/sm90/positions.cuh>
 #include <flashgen/sm90/softmax.cuh>
 #include <flashgen/sm90/tile_scheduler.cuh>
 #include <flashgen/sm90/tma.cuh>
@@ -146,7 +147,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     const int prow = w.row0 + wg * 64 + warp * 16 + lane / 4 + 8 * h;
     int token, head;
     group.divmod(prow, token, head);
-    rs.q_pos[h] = w.q_base + token;
+    rs.q_pos[h] = query_position<C>(p, w, token, C::POSITIONS ? group.div(w.rows_total) : 0);
     rs.slope[h] = C::ALIBI ? alibi_slope(w.kv_head * group.d + head, p.num_qo_heads) * pre : 0.f;
   }
   const LogitsParams lg{p.sm_scale * pre, p.soft_cap * LOG2E, w.kv_hi, p.window_left};
@@ -154,8 +155,10 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   const uint32_t k_base = smem_base + L::K_OFFSET, v_base = smem_base + L::V_OFFSET;
   const PingPong<C> turn{wg};
   const int n = w.num_tiles;
+  const KeyPositions<C, Params> kp(p, w);
   auto masked = [&](int t0, bool partial) {
     bool m = partial || t0 + C::TILE_KV > w.kv_hi;
+    if constexpr (C::CAUSAL && C::POSITIONS) m = true;  // every tile: keys need not be contiguous in position
     if constexpr (C::CAUSAL) m = m || t0 + C::TILE_KV - 1 > wq_min;
     if constexpr (C::WINDOW) m = m || t0 < wq_max - lg.window_left;
     return m;
@@ -202,7 +205,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   wgmma_wait<1>();
   fence_operands(sc);
   mbarrier_arrive(bars.empty_k(stage(0)));
-  softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits);
+  softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits, kp);
   wgmma_wait<0>();  // the P V (pending or dummy) read pa, and o holds its rows
   // the item's last Q K^T is done, and the dummy P V has read the Q buffer: the producer may load the next Q
   if (n == 1) mbarrier_arrive(bars.q_empty(qb));
@@ -226,7 +229,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     fence_operands(sc);
     mbarrier_arrive(bars.empty_k(stage(t)));
     if (t == n - 1) mbarrier_arrive(bars.q_empty(qb));
-    softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits);
+    softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits, kp);
     if (t + 1 < n) wait_kv<C>(bars.full_k(stage(t + 1)), phase(t + 1));  // see above the loop
     wgmma_wait<0>();
     fence_operands(o);

@@ -4,10 +4,13 @@
 // head (Llama halves, logits.cuh's rope_rotate); a K pair's thread also copies V's elements i and i + D/2.
 //   flat index j < total_q * Hq * D/2:        q token, q head, pair
 //   then j < ... + total_kv_out * Hkv * D/2:  kv token of the scratch, kv head, pair
-// Query position: kv_len - qo_len + (token - qo_indptr[b]); key position: token - kv_out_indptr[b].
+// Query position: kv_len - qo_len + (token - qo_indptr[b]); key position: token - kv_out_indptr[b]. With
+// C::POSITIONS (common/positions.cuh): q_pos[token], and key t of request b at its kv_page_pos entry + offset,
+// which the thread of pair 0, head 0 also writes to kv_pos_out[token of the scratch].
 #pragma once
 #include <flashgen/common/kv_rows.cuh>
 #include <flashgen/common/logits.cuh>
+#include <flashgen/common/positions.cuh>
 #include <flashgen/common/vec.cuh>
 
 namespace flashgen {
@@ -34,7 +37,9 @@ __device__ __forceinline__ void rope_gather(const Params& p) {
     const int i = j % HALF;
     const int64_t row = j / HALF, token = row / p.num_qo_heads;  // row = token * Hq + head
     const int b = request_of(p.qo_indptr, p.batch, token);
-    const int pos = p.kv_len[b] - (p.qo_indptr[b + 1] - p.qo_indptr[b]) + int(token - p.qo_indptr[b]);
+    int pos;
+    if constexpr (C::POSITIONS) pos = __ldg(p.q_pos + token);
+    else pos = p.kv_len[b] - (p.qo_indptr[b + 1] - p.qo_indptr[b]) + int(token - p.qo_indptr[b]);
     float lo = V::to_float(p.q[row * C::HEAD_DIM + i]), hi = V::to_float(p.q[row * C::HEAD_DIM + i + HALF]);
     rope_rotate(lo, hi, float(pos), i, C::HEAD_DIM, p.rope_rcp_scale, p.rope_log2_theta);
     p.q_out[row * C::HEAD_DIM + i] = V::from_float(lo);
@@ -51,7 +56,13 @@ __device__ __forceinline__ void rope_gather(const Params& p) {
   const int64_t src = rows.offset(pos, rows.page(pos)) + int64_t(head) * p.stride_head;
   const int64_t dst = (token * p.num_kv_heads + head) * C::HEAD_DIM;
   float lo = V::to_float(p.k[src + i]), hi = V::to_float(p.k[src + i + HALF]);
-  rope_rotate(lo, hi, float(pos), i, C::HEAD_DIM, p.rope_rcp_scale, p.rope_log2_theta);
+  float k_pos = float(pos);
+  if constexpr (C::POSITIONS) {
+    const int true_pos = key_position<C::PAGE_SIZE>(request_page_pos(p, b), pos);
+    if (i == 0 && head == 0) p.kv_pos_out[token] = true_pos;
+    k_pos = float(true_pos);
+  }
+  rope_rotate(lo, hi, k_pos, i, C::HEAD_DIM, p.rope_rcp_scale, p.rope_log2_theta);
   p.k_out[dst + i] = V::from_float(lo);
   p.k_out[dst + i + HALF] = V::from_float(hi);
   p.v_out[dst + i] = p.v[src + i];

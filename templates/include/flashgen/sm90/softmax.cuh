@@ -6,6 +6,7 @@
 #include <flashgen/common/logits.cuh>
 #include <flashgen/common/mma.cuh>
 #include <flashgen/sm90/custom_mask.cuh>
+#include <flashgen/sm90/positions.cuh>
 
 namespace flashgen::sm90 {
 
@@ -33,13 +34,35 @@ struct LogitsParams {
 // logit is S * scale_log2, folded into the exponent (sm_scale > 0, checked at plan time: the max of raw S is
 // then the max logit). Masked tiles hide (row, key) pairs past kv_hi, after the row's query position (causal),
 // before its window or whose custom-mask bit is clear. o_scale is the factor O must be multiplied by before
-// P V is added (applied by the caller once the previous P V has completed).
-template <class C>
+// P V is added (applied by the caller once the previous P V has completed). With explicit positions (kp) the
+// ALiBi bias and the causal / window tests take each key's true position (kv_hi still bounds places).
+template <class C, class KP>
 __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs, float (&o_scale)[2],
-                                        const LogitsParams& lg, bool masked, int t0, const MaskBits<C>& bits) {
+                                        const LogitsParams& lg, bool masked, int t0, const MaskBits<C>& bits,
+                                        const KP& kp) {
   constexpr bool RAW = !C::ALIBI && !C::SOFT_CAP;
   const int q4 = threadIdx.x % 4;
-  if constexpr (!RAW) {
+  if constexpr (C::POSITIONS) {
+    // one pass: each key's position read once for the bias and the mask (two passes held 32 of them between)
+#pragma unroll
+    for (int i = 0; i < C::TILE_KV / 2; ++i) {
+      const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, q_pos = rs.q_pos[(i / 2) % 2];
+      const int pos = C::ALIBI || C::CAUSAL ? kp.at(t0, i) : place;
+      float x = s[i];
+      if constexpr (!RAW) {
+        x *= lg.mul;
+        if constexpr (C::ALIBI) x = fmaf(rs.slope[(i / 2) % 2], float(pos - q_pos), x);
+        if constexpr (C::SOFT_CAP) x = lg.cap_log2 * tanh_fast(x);
+      }
+      if (masked) {  // always under causal / window (mainloop.cuh), else for tiles past kv_hi
+        bool ok = place < lg.kv_hi;
+        if constexpr (C::CAUSAL) ok = ok && pos <= q_pos;
+        if constexpr (C::WINDOW) ok = ok && pos >= q_pos - lg.window_left;
+        if (!ok) x = -INFINITY;
+      }
+      s[i] = x;
+    }
+  } else if constexpr (!RAW) {
     float bias[2];  // ALiBi: the bias of the thread's first key of the tile in each row, then + slope per key
 #pragma unroll
     for (int h = 0; h < 2; ++h) bias[h] = C::ALIBI ? rs.slope[h] * float(t0 + 2 * q4 - rs.q_pos[h]) : 0.f;
@@ -51,7 +74,7 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
       s[i] = x;
     }
   }
-  if (masked) {
+  if (!C::POSITIONS && masked) {
     typename MaskBits<C>::Words words;
     bits.select(words);
     if (C::CUSTOM_MASK && !C::CAUSAL && t0 + C::TILE_KV <= lg.kv_hi) {

@@ -51,8 +51,9 @@ __device__ __forceinline__ Work work_of(const Params& p, int x) {
   w.q_base = kv_len - qo_len;
   w.kv_lo = p.kv_start[item];
   w.kv_hi = p.kv_end[item];
-  if constexpr (C::CAUSAL) w.kv_hi = min(w.kv_hi, w.q_base + group.div(w.last_row) + 1);
-  if constexpr (C::WINDOW) {  // keys before the first row's window: whole tiles skipped, the start tile-aligned
+  // explicit positions (C::POSITIONS): keys need not be contiguous in position, so the range is not clipped
+  if constexpr (C::CAUSAL && !C::POSITIONS) w.kv_hi = min(w.kv_hi, w.q_base + group.div(w.last_row) + 1);
+  if constexpr (C::WINDOW && !C::POSITIONS) {  // keys before the first row's window: whole tiles skipped, the start tile-aligned
     const int first = w.q_base + group.div(w.row0) - p.window_left;
     if (first > w.kv_lo) w.kv_lo += (first - w.kv_lo) / C::TILE_KV * C::TILE_KV;
   }
