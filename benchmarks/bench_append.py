@@ -8,9 +8,10 @@ prefill chunk of one request. Every timed call follows an L2 flush; the median o
 fused FlashInfer op also rotates and quantises q: its row carries q's bytes too.
 
 Then fused append + decode (``BatchDecodeWrapper(kernel_options={"append": True}).run(..., k_new=, v_new=)``)
-against append_kv followed by a plain decode run, at B=64 and 256 requests of L=4096 tokens (the new one
-included), 32 q / 8 kv heads, page 16, a bf16 or fp8 cache holding rotated K (RoPE(500000, k_rotated=True),
-Llama-3.1 scaling): flashgen only (FlashInfer has no fused decode). Prints tables; writes nothing.
+against append_kv followed by a plain decode run, and the plain decode alone (what fusing can at best reach), at
+B=64 and 256 requests of L=4096 tokens (the new one included), 32 q / 8 kv heads, page 16, a bf16 or fp8 cache
+holding rotated K (RoPE(500000, k_rotated=True), Llama-3.1 scaling): flashgen only (FlashInfer has no fused
+decode). Prints tables; writes nothing.
 
     python3 benchmarks/bench_append.py                 # both tables
     python3 benchmarks/bench_append.py --only fused
@@ -124,7 +125,8 @@ def fused_rows(reps: int, gen: torch.Generator) -> None:
                 plain.run(q, cache)
 
             rows = [("append_kv, then decode", sequential),
-                    ("fused append + decode", lambda: fused.run(q, cache, k_new=k_new, v_new=v_new))]
+                    ("fused append + decode", lambda: fused.run(q, cache, k_new=k_new, v_new=v_new)),
+                    ("decode alone (the floor)", lambda: plain.run(q, cache))]
             for _, fn in rows:
                 fn()
             times = timed_interleaved([fn for _, fn in rows], reps)  # A/B interleaved: same clocks, same L2 state

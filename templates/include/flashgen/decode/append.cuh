@@ -9,8 +9,9 @@
 // flashgen.append_kv, then decode.
 //
 // The row as append_kv writes it: K rotated when the cache holds rotated K (ROPE_K_ON_WRITE: the spec's RoPE has
-// k_rotated), each value times 1 / scale and cast to the cache's dtype (fp8: saturated). A thread owns a 16-byte
-// chunk of the cache's dtype in each half of the row (its RoPE pair): threads [0, K_PAIRS) K, the next V_PAIRS V.
+// k_rotated), each value times 1 / scale and cast to the cache's dtype (fp8: saturated). A thread owns 8 elements
+// in each half of the row (its RoPE pairs; 16 bytes of a 16-bit cache, 8 of an fp8 one, so an fp8 row spreads over
+// as many threads as a bf16 one): threads [0, K_PAIRS) K, the next V_PAIRS V.
 //
 // Config: DTypeQ, DTypeKV, HEAD_DIM, HEAD_DIM_VO, ROPE_K_ON_WRITE, ROPE_SCALING.
 #pragma once
@@ -26,35 +27,43 @@ struct NewRow {
   using DTypeKV = typename C::DTypeKV;
   using DTypeQ = typename C::DTypeQ;
   using L = Layout<C>;
-  static constexpr int ELEMS = 16 / int(sizeof(DTypeKV));  // elements of a 16-byte cache chunk
-  static constexpr int K_PAIRS = L::K_CHUNKS / 2, V_PAIRS = L::V_CHUNKS / 2;
-  static_assert(K_PAIRS + V_PAIRS <= L::THREADS, "a thread per chunk pair");
+  static constexpr int ELEMS = 8;  // elements of a thread's piece in each half of the row
+  using Bits = std::conditional_t<L::FP8, uint2, uint4>;  // a piece in the cache's dtype
+  static constexpr int K_PAIRS = C::HEAD_DIM / (2 * ELEMS), V_PAIRS = C::HEAD_DIM_VO / (2 * ELEMS);
+  static constexpr int CHUNK_ELEMS = 16 / int(sizeof(DTypeKV));  // elements of a 16-byte shared-memory chunk
+  static_assert(K_PAIRS + V_PAIRS <= L::THREADS, "a thread per piece pair");
+  static_assert(C::HEAD_DIM % (2 * ELEMS) == 0 && C::HEAD_DIM_VO % (2 * ELEMS) == 0, "whole pieces in each half");
 
   bool active = false, is_k = false;
-  int chunk = 0;  // the low chunk; its pair is chunk + CHUNKS / 2
-  uint4 lo, hi;   // the row's bytes in the cache's dtype
+  int piece = 0;  // the low piece; its pair is piece + K_PAIRS (K) or + V_PAIRS (V)
+  Bits lo, hi;    // the row's bytes in the cache's dtype
 
   // ELEMS elements of q's dtype as floats
   static __device__ __forceinline__ void load(const DTypeQ* src, float (&x)[ELEMS]) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
+    const DTypeQ* e = reinterpret_cast<const DTypeQ*>(&raw);
 #pragma unroll
-    for (int v = 0; v < ELEMS / 8; ++v) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src) + v);
-      const DTypeQ* e = reinterpret_cast<const DTypeQ*>(&raw);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) x[8 * v + j] = Vec16<DTypeQ>::to_float(e[j]);
-    }
+    for (int j = 0; j < 8; ++j) x[j] = Vec16<DTypeQ>::to_float(e[j]);
   }
 
-  static __device__ __forceinline__ uint4 pack(const float (&x)[ELEMS]) {
+  static __device__ __forceinline__ Bits pack(const float (&x)[ELEMS]) {
+    Bits out;
     if constexpr (L::FP8) {
-      return fp8x16_narrow<DTypeKV>(x);
+      constexpr __nv_fp8_interpretation_t kind = std::is_same_v<DTypeKV, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
+      __nv_fp8x2_storage_t* pairs = reinterpret_cast<__nv_fp8x2_storage_t*>(&out);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pairs[i] = __nv_cvt_float2_to_fp8x2(make_float2(x[2 * i], x[2 * i + 1]), __NV_SATFINITE, kind);
     } else {
-      uint4 out;
       DTypeKV* e = reinterpret_cast<DTypeKV*>(&out);
 #pragma unroll
       for (int j = 0; j < ELEMS; ++j) e[j] = Vec16<DTypeKV>::from_float(x[j]);
-      return out;
     }
+    return out;
+  }
+
+  // the element offset in shared memory of element `e` of row `row` (swizzled as copy_tile_rows writes them)
+  static __device__ __forceinline__ int smem_index(int row, int e, int chunks) {
+    return copy_index<DTypeKV>(row, e / CHUNK_ELEMS, chunks) + e % CHUNK_ELEMS;
   }
 
   // this thread's chunk pair of the new row of (token, kv_head) at position pos
@@ -64,18 +73,18 @@ struct NewRow {
     is_k = tid < K_PAIRS;
     active = tid < K_PAIRS + V_PAIRS;
     if (!active) return;
-    chunk = is_k ? tid : tid - K_PAIRS;
+    piece = is_k ? tid : tid - K_PAIRS;
     const int half = is_k ? C::HEAD_DIM / 2 : C::HEAD_DIM_VO / 2;
     const DTypeQ* src = is_k ? p.k_new + token * p.k_new_stride_token + kv_head * p.k_new_stride_head
                              : p.v_new + token * p.v_new_stride_token + kv_head * p.v_new_stride_head;
-    src += chunk * ELEMS;
+    src += piece * ELEMS;
     float a[ELEMS], b[ELEMS];
     load(src, a);
     load(src + half, b);
     if constexpr (C::ROPE_K_ON_WRITE) {
       if (is_k) {
 #pragma unroll
-        for (int j = 0; j < ELEMS; ++j) rope_rotate_by<C::ROPE_SCALING>(a[j], b[j], float(pos), chunk * ELEMS + j, C::HEAD_DIM, p);
+        for (int j = 0; j < ELEMS; ++j) rope_rotate_by<C::ROPE_SCALING>(a[j], b[j], float(pos), piece * ELEMS + j, C::HEAD_DIM, p);
       }
     }
     const float mul = is_k ? p.k_rcp_scale : p.v_rcp_scale;  // 1 for a 16-bit cache
@@ -91,17 +100,18 @@ struct NewRow {
     if (!active) return;
     DTypeKV* base = const_cast<DTypeKV*>(is_k ? p.k : p.v) + int64_t(kv_head) * p.stride_head + row_offset;
     const int half = is_k ? C::HEAD_DIM / 2 : C::HEAD_DIM_VO / 2;
-    *reinterpret_cast<uint4*>(base + chunk * ELEMS) = lo;
-    *reinterpret_cast<uint4*>(base + half + chunk * ELEMS) = hi;
+    *reinterpret_cast<Bits*>(base + piece * ELEMS) = lo;
+    *reinterpret_cast<Bits*>(base + half + piece * ELEMS) = hi;
   }
 
-  // into row `row` of the K / V tiles of one stage (swizzled as copy_tile_rows writes them)
+  // into row `row` of the K / V tiles of one stage
   __device__ __forceinline__ void inject(DTypeKV* ks, DTypeKV* vs, int row) const {
     if (!active) return;
     const int chunks = is_k ? L::K_CHUNKS : L::V_CHUNKS;
+    const int half = is_k ? C::HEAD_DIM / 2 : C::HEAD_DIM_VO / 2;
     DTypeKV* tile = is_k ? ks : vs;
-    *reinterpret_cast<uint4*>(tile + copy_index<DTypeKV>(row, chunk, chunks)) = lo;
-    *reinterpret_cast<uint4*>(tile + copy_index<DTypeKV>(row, chunk + chunks / 2, chunks)) = hi;
+    *reinterpret_cast<Bits*>(tile + smem_index(row, piece * ELEMS, chunks)) = lo;
+    *reinterpret_cast<Bits*>(tile + smem_index(row, half + piece * ELEMS, chunks)) = hi;
   }
 };
 

@@ -160,7 +160,18 @@ __device__ __forceinline__ void run(const Params& p) {
 
   stage_q<C>(p, q_smem, token, q_head0, rows_valid, q_pos, p.sm_scale);
 
-  // APPEND: the items whose chunk ends at the new token hold its row; qo tile 0's writes it into the cache
+  // prologue: tiles 0 .. S-2 in flight, offsets of tile S-1 stored, page ids of tile S in registers
+#pragma unroll
+  for (int tile = 0; tile < S - 1; ++tile) {
+    store_offset(tile, first_pages[tile]);
+    __syncthreads();
+    issue(tile);
+  }
+  store_offset(S - 1, first_pages[S - 1]);
+  int32_t next_page = first_pages[S];
+
+  // APPEND: the items whose chunk ends at the new token hold its row; qo tile 0's writes it into the cache.
+  // After the prologue, so that the row's loads and rotation run while the first tiles are in flight.
   NewRow<C> new_row;
   int new_tile = -1, new_row_in_tile = 0;
   if constexpr (C::APPEND) {
@@ -171,16 +182,6 @@ __device__ __forceinline__ void run(const Params& p) {
       if (p.qo_tile_idx[item] == 0) new_row.write(p, kv_head, rows.offset(kv_len - 1, rows.page(kv_len - 1)));
     }
   }
-
-  // prologue: tiles 0 .. S-2 in flight, offsets of tile S-1 stored, page ids of tile S in registers
-#pragma unroll
-  for (int tile = 0; tile < S - 1; ++tile) {
-    store_offset(tile, first_pages[tile]);
-    __syncthreads();
-    issue(tile);
-  }
-  store_offset(S - 1, first_pages[S - 1]);
-  int32_t next_page = first_pages[S];
 
   // Q as mma A fragments: held in registers up to head_dim 128 (loaded once; the prologue's barriers made
   // the Q tile visible), re-read from shared memory for each tile above that, where registers run out
