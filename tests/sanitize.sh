@@ -9,7 +9,9 @@
 # K_MERGE): decode (every page size and order, RoPE / ALiBi / soft-cap / window, head dims 64 / 256, fp8 K/V, ragged,
 # split-KV merges, CUDA-graph replay), portable prefill (layouts and masks, options, head dims, split plans, host and
 # device custom masks), sm90 prefill (ragged TMA, paged TMA and gathered page sizes, head dims, logits transforms,
-# custom masks, the rope_gather pre-pass) and merge (every merge kernel).
+# custom masks, the rope_gather pre-pass), merge (every merge kernel), append (append_kv and the fused append +
+# decode), fp8prefill (the portable prefill over fp8 K/V) and positions (explicit positions: sparse decode,
+# block-sparse on the portable and the sm90 kernels).
 #
 # The selections first run once without a sanitizer (kernels compile into $FLASHGEN_CACHE_DIR, the tests must pass);
 # then each tool runs over each family, JOBS (default 4) families at a time. Logs go to $LOGDIR (default
@@ -22,7 +24,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} FLASHGEN_CACHE_DIR=${FLASHGEN_
 OUT=${OUT:-/tmp/out}
 LOGDIR=${LOGDIR:-/tmp/sanitize-logs}
 TOOLS=${TOOLS:-memcheck racecheck synccheck}
-FAMILIES=${FAMILIES:-decode portable sm90 merge}
+FAMILIES=${FAMILIES:-decode portable sm90 merge append fp8prefill positions}
 JOBS=${JOBS:-4}
 RACECHECK_REPORT=${RACECHECK_REPORT:-hazard}  # every hazard on its own (compute-sanitizer: all, hazard or analysis)
 mkdir -p "$OUT" "$LOGDIR"
@@ -44,6 +46,14 @@ or (test_layouts_and_head_dims and doc) or test_prefill_sm90_rope.py or (test_pr
 and test_gathered_cuda_graph_replay_after_replanning and 5)"}
 FILES_merge="tests/merge/test_merge.py"
 K_merge=${K_MERGE:-"not test_bad_arguments"}
+FILES_append="tests/append/test_append_gpu.py tests/decode/test_fused_append_gpu.py"
+K_append=${K_APPEND:-"not refused"}
+FILES_fp8prefill="tests/prefill/test_prefill_fp8.py"
+K_fp8prefill=${K_FP8PREFILL:-"(test_fp8_layouts_and_masks and bfloat16) or test_fp8_split_plans \
+or test_fp8_head_dims_and_options"}
+FILES_positions="tests/sparse/test_positions_gpu.py"
+K_positions=${K_POSITIONS:-"test_sparse_decode or test_variable_blocks or graph_replay or (test_block_sparse_with_positions \
+and not sm90 and (16-16 or 32-1)) or (test_block_sparse_with_positions_on_sm90 and causal_rope)"}
 
 pytest_args() {  # the pytest arguments of family $1
   local files="FILES_$1" k="K_$1"
@@ -53,7 +63,7 @@ pytest_args() {  # the pytest arguments of family $1
 
 for family in $FAMILIES; do
   if ! declare -p "FILES_$family" >/dev/null 2>&1; then
-    echo "sanitize: unknown family '$family' (expected decode, portable, sm90, merge)"; exit 2
+    echo "sanitize: unknown family '$family' (expected decode, portable, sm90, merge, append, fp8prefill, positions)"; exit 2
   fi
 done
 
