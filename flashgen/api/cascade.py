@@ -18,7 +18,8 @@ keys: ``plan.cascade_split.choose_chunks`` cuts each group's pages into S chunks
 ``CascadePolicy.min_chunk_tokens`` keys each) so that q tiles x kv heads x S fills one or two waves, each chunk
 attended by the group's queries as a request of its own (q copied S times into a buffer the wrapper keeps), and
 the S chunk states merge into the other levels' in one launch (``merge_states_in_place``). Where no split of at
-least 2 chunks fills ``SPLIT_MIN_FILL`` of the SMs (short prefixes), the portable kernel runs the level. The
+least 2 chunks fills ``SPLIT_MIN_FILL`` of the SMs (short prefixes), the portable kernel runs the level
+(``CascadePolicy.chunks`` fixes the count instead, 1 never splitting). The
 last level never splits. A split takes a CSR level with host page ids, or one group (device ids are then
 re-cut, not gathered). ``prefill_backend="sm90"`` splits the same way, whatever the fill. CUDA-graph wrappers
 run the portable kernel (the choice may not change between plans) unless ``"sm90"`` is forced, and never split
@@ -42,7 +43,7 @@ import torch
 from ..kernels import family, launch_config
 from ..plan import PlanError
 from ..plan.cascade import LevelTable, check_causal, check_levels, derive_levels, empty_level, level_positions
-from ..plan.cascade_cost import Shape, check_policy, choose_levels
+from ..plan.cascade_cost import CascadePolicy, Shape, check_policy, choose_levels
 from ..plan.cascade_split import SPLIT_MIN_FILL, choose_chunks, split_level, splittable
 from ..plan.host import check_heads
 from ..plan.page_table import block_table_to_csr
@@ -239,19 +240,18 @@ class CascadeWrapper:
         positions = self._level_positions([t for _, t in shared] + [last])
         runs, split, ran = [], [], {}
         for slot, (index, table) in enumerate(shared):
-            backend, chunks = self._backend(table, self._shared_spec, num_qo_heads, num_kv_heads,
-                                            policy.min_chunk_tokens)
-            place = positions[slot]
+            backend, chunks = self._backend(table, self._shared_spec, num_qo_heads, num_kv_heads, policy)
+            place, runs_over = positions[slot], table
             if chunks > 1:
                 chunked = split_level(table, chunks, page_size)
-                table = chunked.table
+                runs_over = chunked.table
                 if place:
                     place = dict(zip(("kv_page_pos", "q_pos"), chunked.positions(place["kv_page_pos"],
                                                                                   place["q_pos"])))
-            inner = self._planned(("shared", slot, backend), self._shared_spec, backend, index, derived, table,
+            inner = self._planned(("shared", slot, backend), self._shared_spec, backend, index, derived, runs_over,
                                   {**common, **place})
             if chunks > 1:
-                split.append(self._chunked_run(slot, inner, chunks))
+                split.append(self._chunked_run(slot, inner, table, chunked, place))
             else:
                 runs.append(inner)
             ran[index] = (backend, chunks)
@@ -298,9 +298,9 @@ class CascadeWrapper:
         return one_each and self._decode_ok
 
     def _backend(self, table: LevelTable, spec: AttentionSpec, num_qo_heads: int, num_kv_heads: int,
-                 min_chunk_tokens: int | None = None) -> tuple[str, int]:
+                 policy: CascadePolicy | None = None) -> tuple[str, int]:
         """``(prefill kernel, chunks)`` of a level: the Hopper kernel where its unsplit grid fills the SMs or, for a
-        shared level (``min_chunk_tokens`` given), where a split over its keys does (module docstring)."""
+        shared level (``policy`` given), where a split over its keys does (module docstring)."""
         forced = self.prefill_backend == "sm90"
         if self.use_cuda_graph or self.prefill_backend == "portable":
             return ("sm90" if forced else "portable"), 1
@@ -314,21 +314,26 @@ class CascadeWrapper:
         tiles = int((-(-(np.diff(table.qo_indptr) * (num_qo_heads // num_kv_heads)) // tile)).sum())
         sms = self._num_sms or core.device_sms(self.device.index)
         chunks = 1
-        if min_chunk_tokens is not None and splittable(table):
-            max_pages = int(np.diff(table.kv_indptr).max(initial=0))
-            chunks = choose_chunks(tiles, num_kv_heads, max_pages, self.spec.kv_layout.page_size, sms,
-                                   min_chunk_tokens=min_chunk_tokens, min_fill=0.0 if forced else SPLIT_MIN_FILL)
+        if policy is not None and splittable(table):
+            if policy.chunks is not None:
+                chunks = int(policy.chunks)
+            else:
+                max_pages = int(np.diff(table.kv_indptr).max(initial=0))
+                chunks = choose_chunks(tiles, num_kv_heads, max_pages, self.spec.kv_layout.page_size, sms,
+                                       min_chunk_tokens=policy.min_chunk_tokens,
+                                       min_fill=0.0 if forced else SPLIT_MIN_FILL)
         if forced or chunks > 1 or tiles * num_kv_heads >= sms:
             return "sm90", chunks
         return "portable", 1
 
-    def _chunked_run(self, slot: int, inner, chunks: int) -> "ChunkedRun":
+    def _chunked_run(self, slot: int, inner, source: LevelTable, chunked, positions: dict) -> "ChunkedRun":
         """The kept ``ChunkedRun`` of shared slot ``slot`` (its buffers reused from plan to plan), set to ``inner``
-        and ``chunks``."""
+        planned over ``chunked`` (the ``ChunkedLevel`` of ``source``) at ``positions`` (its plan arguments, or
+        empty)."""
         run = self._chunked.get(slot)
         if run is None:
             run = self._chunked[slot] = ChunkedRun()
-        run.inner, run.chunks = inner, chunks
+        run.inner, run.chunks, run.source, run.level, run.positions = inner, chunked.chunks, source, chunked, positions
         return run
 
     def _planned(self, key: tuple, spec: AttentionSpec, backend: str, index: int | None, derived: bool,
@@ -401,10 +406,12 @@ class ChunkedRun:
     """A shared level split over its keys into ``chunks`` (``plan.cascade_split``), planned in ``inner`` (a
     ``BatchPrefillWrapper`` on the Hopper kernel) as ``chunks x groups`` requests over q repeated ``chunks``
     times. ``run`` copies q into a buffer kept from run to run (``[chunks, total_q, heads, head_dim]``), attends,
-    and merges the ``chunks`` states into ``(out, lse)`` in one launch."""
+    and merges the ``chunks`` states into ``(out, lse)`` in one launch. ``source`` (the level's table), ``level``
+    (its ``ChunkedLevel``) and ``positions`` (``kv_page_pos`` / ``q_pos``, or empty) record what ``inner`` was
+    planned over."""
 
     def __init__(self):
-        self.inner, self.chunks = None, 1
+        self.inner, self.chunks, self.source, self.level, self.positions = None, 1, None, None, {}
         self._q: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
 

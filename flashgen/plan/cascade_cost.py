@@ -34,6 +34,8 @@ class CascadePolicy(NamedTuple):
     decode or prefill). Rates: ``copy_gbps`` (bytes read plus written per second, GB/s), ``matrix_tflops``
     (the prefill's rate), ``launch_us`` (GPU time a launch adds). ``min_chunk_tokens``: the fewest keys a chunk
     of a shared level split for the Hopper kernel holds (``cascade_split.choose_chunks``; whole pages).
+    ``chunks``: None (the rule decides), or the chunks every shared level the Hopper kernel can split is cut
+    into (1: none split; more: also where the rule would keep the portable kernel).
     """
 
     fold: str = "cost"
@@ -41,6 +43,7 @@ class CascadePolicy(NamedTuple):
     matrix_tflops: float = 300.0
     launch_us: float = 5.0
     min_chunk_tokens: int = 2048
+    chunks: int | None = None
 
 
 def check_policy(policy: object) -> CascadePolicy:
@@ -61,6 +64,9 @@ def check_policy(policy: object) -> CascadePolicy:
     chunk = policy.min_chunk_tokens
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise PlanError(f"policy.min_chunk_tokens: got {chunk!r}, expected an int >= 1")
+    chunks = policy.chunks
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1):
+        raise PlanError(f"policy.chunks: got {chunks!r}, expected None or an int >= 1")
     return policy
 
 

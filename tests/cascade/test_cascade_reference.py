@@ -211,14 +211,14 @@ def test_the_hopper_kernel_runs_a_level_only_where_its_grid_fills_the_gpu():
     with stubbed((9, 0)):
         wrapper = flashgen.CascadeWrapper(spec, num_sms=132)
         assert wrapper._backend(derive_levels(np.arange(129), **table, page_size=16)[0], wrapper._shared_spec, 32,
-                                8, 2048) == ("portable", 1)
+                                8, CascadePolicy()) == ("portable", 1)
         prefill = derive_levels(np.arange(129) * 64, **table, page_size=16)
-        assert wrapper._backend(prefill[0], wrapper._shared_spec, 32, 8, 2048) == ("sm90", 1)
+        assert wrapper._backend(prefill[0], wrapper._shared_spec, 32, 8, CascadePolicy()) == ("sm90", 1)
         assert flashgen.CascadeWrapper(spec, prefill_backend="portable")._backend(
-            prefill[0], wrapper._shared_spec, 32, 8, 2048) == ("portable", 1)
+            prefill[0], wrapper._shared_spec, 32, 8, CascadePolicy()) == ("portable", 1)
     with stubbed((8, 0)):
         wrapper = flashgen.CascadeWrapper(spec, num_sms=132)
-        assert wrapper._backend(prefill[0], wrapper._shared_spec, 32, 8, 2048) == ("portable", 1)
+        assert wrapper._backend(prefill[0], wrapper._shared_spec, 32, 8, CascadePolicy()) == ("portable", 1)
 
 
 @pytest.mark.parametrize("spec, message", [
