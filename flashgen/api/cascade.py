@@ -13,17 +13,16 @@ Which prefill kernel runs a level (``prefill_backend="auto"``): the Hopper kerne
 one CTA per (group, 128-row q tile, kv head), so the shared level of a decode batch gives few CTAs (128 queries
 x group 4 = 4 tiles x 8 kv heads = 32 CTAs for a 32k prefix on 132 SMs), while the portable kernel's split-KV
 plan fills the GPU. So on a compute-capability 9.0 GPU that runs the spec, the Hopper kernel runs a level whose
-grid fills the SMs (q tiles x kv heads >= SMs) as it is, and a shared level whose grid does not split over its
-keys: ``plan.cascade_split.choose_chunks`` cuts each group's pages into S chunks of whole pages (at least
-``CascadePolicy.min_chunk_tokens`` keys each) so that q tiles x kv heads x S fills one or two waves, each chunk
+grid fills the SMs (q tiles x kv heads >= SMs) as it is, and a shared level whose grid does not, split over its
+keys: ``plan.cascade_split.choose_chunks`` cuts each group's pages into S chunks of whole pages (each at least
+``CascadePolicy.min_chunk_tokens`` keys) so that q tiles x kv heads x S fills one or two waves; each chunk is
 attended by the group's queries as a request of its own (q copied S times into a buffer the wrapper keeps), and
-the S chunk states merge into the other levels' in one launch (``merge_states_in_place``). Where no split of at
-least 2 chunks fills ``SPLIT_MIN_FILL`` of the SMs (short prefixes), the portable kernel runs the level
-(``CascadePolicy.chunks`` fixes the count instead, 1 never splitting). The
-last level never splits. A split takes a CSR level with host page ids, or one group (device ids are then
-re-cut, not gathered). ``prefill_backend="sm90"`` splits the same way, whatever the fill. CUDA-graph wrappers
-run the portable kernel (the choice may not change between plans) unless ``"sm90"`` is forced, and never split
-(the chunk count, and so q's copy and the merge, would change the captured launches).
+the S chunk states merge into the other levels' in one launch (``merge_states_in_place``). Where no split fills
+``SPLIT_MIN_FILL`` (60 %) of the SMs (short prefixes), the portable kernel runs the level. ``CascadePolicy.chunks``
+fixes S instead (1: never split). The last level never splits. A split takes a CSR level with host page ids, or
+one group (device ids are then re-cut, not gathered). ``prefill_backend="sm90"`` splits by the same rule,
+whatever the fill. CUDA-graph wrappers run the portable kernel (the choice may not change between plans) unless
+``"sm90"`` is forced, and never split (S, and so q's copy and the merge, would change the captured launches).
 
 Positions: a spec with RoPE, ALiBi or a sliding window runs every level with explicit true positions
 (``kernel_options={"positions": True}`` on the inner wrappers: either prefill kernel, and decode): each
@@ -108,7 +107,8 @@ class CascadeWrapper:
         wrapper.plan(qo_indptr=range(129), kv_indptr=indptr_cpu, kv_indices=indices_cpu,
                      kv_last_page_len=last_cpu, num_qo_heads=32, num_kv_heads=8)
         out = wrapper.run(q, kv_cache)      # q [128, 32, 128] -> out [128, 32, 128]
-        wrapper.levels                      # what ran: a LevelRecord a level
+        wrapper.levels                      # what ran: a LevelRecord a level (H200, 32k prefix:
+                                            # runs="sm90", chunks=4 for it; runs="decode" for the suffixes)
 
     ``plan()`` takes the levels one of two ways. Derived: per-request ``qo_indptr`` and a host page table
     (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, or ``block_table`` + ``seq_lens``); consecutive requests
@@ -134,7 +134,8 @@ class CascadeWrapper:
     KV), so one graph captured around ``run()`` replays after ``plan()`` of any batch within capacity, with q and
     out of ``max_total_q`` rows. Pass ``max_num_pages``, the most page ids one level holds (``kv_indptr[-1]`` of
     the per-request table bounds every derived level), or make the first plan the largest. ``prefill_backend``:
-    ``"auto"`` (module docstring), ``"portable"`` or ``"sm90"`` for the prefill levels. ``workspace`` is accepted
+    ``"auto"`` (module docstring: on Hopper a shared level too small in q for the GPU splits over its keys),
+    ``"portable"`` or ``"sm90"`` for the prefill levels. ``workspace`` is accepted
     for FlashInfer-style call sites; the inner wrappers own their buffers.
     """
 
@@ -240,21 +241,8 @@ class CascadeWrapper:
         positions = self._level_positions([t for _, t in shared] + [last])
         runs, split, ran = [], [], {}
         for slot, (index, table) in enumerate(shared):
-            backend, chunks = self._backend(table, self._shared_spec, num_qo_heads, num_kv_heads, policy)
-            place, runs_over = positions[slot], table
-            if chunks > 1:
-                chunked = split_level(table, chunks, page_size)
-                runs_over = chunked.table
-                if place:
-                    place = dict(zip(("kv_page_pos", "q_pos"), chunked.positions(place["kv_page_pos"],
-                                                                                  place["q_pos"])))
-            inner = self._planned(("shared", slot, backend), self._shared_spec, backend, index, derived, runs_over,
-                                  {**common, **place})
-            if chunks > 1:
-                split.append(self._chunked_run(slot, inner, table, chunked, place))
-            else:
-                runs.append(inner)
-            ran[index] = (backend, chunks)
+            run, ran[index] = self._plan_shared(slot, index, table, positions[slot], policy, derived, common)
+            (split if isinstance(run, ChunkedRun) else runs).append(run)
         backend = "decode" if decode else self._backend(last, self.spec, num_qo_heads, num_kv_heads)[0]
         runs.append(self._planned(("last", backend), self.spec, backend, len(tables) - 1, derived, last,
                                   {**common, **positions[-1]}))
@@ -262,6 +250,23 @@ class CascadeWrapper:
         # (spec, table) of each run, in run order: what the levels compute (the tests' CPU check reads it)
         self._run_tables = tuple((self._shared_spec, t) for _, t in shared) + ((self.spec, last),)
         self.levels = self._records(tables, dict(zip(kept, runs_tables)), choices, ran, backend)
+
+    def _plan_shared(self, slot: int, index: int | None, table: LevelTable, place: dict, policy: CascadePolicy,
+                     derived: bool, common: dict) -> tuple[object, tuple[str, int]]:
+        """Shared slot ``slot`` (level ``index``) planned over ``table`` at positions ``place``: ``(its run: the
+        inner wrapper, or a ChunkedRun where it splits, (backend, chunks))``."""
+        backend, chunks = self._backend(table, self._shared_spec, common["num_qo_heads"], common["num_kv_heads"],
+                                        policy)
+        if chunks == 1:
+            inner = self._planned(("shared", slot, backend), self._shared_spec, backend, index, derived, table,
+                                  {**common, **place})
+            return inner, (backend, 1)
+        chunked = split_level(table, chunks, self.spec.kv_layout.page_size)
+        if place:
+            place = dict(zip(("kv_page_pos", "q_pos"), chunked.positions(place["kv_page_pos"], place["q_pos"])))
+        inner = self._planned(("shared", slot, backend), self._shared_spec, backend, index, derived, chunked.table,
+                              {**common, **place})
+        return self._chunked_run(slot, inner, table, chunked, place), (backend, chunks)
 
     def _level_positions(self, tables: list[LevelTable]) -> list[dict]:
         """Each run's ``kv_page_pos`` / ``q_pos`` plan arguments (empty dicts for position-free specs)."""
