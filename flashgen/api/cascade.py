@@ -205,8 +205,10 @@ class CascadeWrapper:
         kv_last_page_len)``, or mappings), level 0 first and the per-request level last; every level's
         ``qo_indptr`` ends at the same ``total_q``; page ids may be device tensors (such levels are never
         folded). ``sm_scale``, ``soft_cap``, ``window_left``, ``rope_theta``, ``rope_scale`` and ``num_pages``
-        (the pool size, bounding host page ids) are as ``BatchDecodeWrapper.plan`` takes them. ``policy``: a ``flashgen.plan.CascadePolicy`` (rates, and
-        ``fold="cost" | "never" | "always"``). Errors name the argument and, for a level, ``levels[l]``.
+        (the pool size, bounding host page ids) are as ``BatchDecodeWrapper.plan`` takes them. ``policy``: a
+        ``flashgen.plan.CascadePolicy`` (rates, ``fold="cost" | "never" | "always"``, and the split of shared levels
+        for the Hopper kernel: ``min_chunk_tokens``, ``chunks``). Errors name the argument and, for a level,
+        ``levels[l]``.
         """
         self._runs = None  # a plan that fails leaves nothing to run
         check_heads(num_qo_heads, num_kv_heads)

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 import flashgen
 from cascade_batches import csr, last_page_lens, shared_cache, tree_pages
-from flashgen import ALiBi, AttentionSpec, Causal, CascadeLevel, CascadePolicy, NoMask, Paged, RoPE, SlidingWindow
+from flashgen import ALiBi, AttentionSpec, Causal, CascadeLevel, CascadePolicy, Paged, RoPE, SlidingWindow
 from flashgen.api import cascade as cascade_api
 from flashgen.api import sm90
 from flashgen.plan import PlanError, validate_csr
-from flashgen.plan.cascade import LevelTable, derive_levels, level_positions
+from flashgen.plan.cascade import LevelTable, level_positions
 from flashgen.plan.cascade_split import chunk_bounds, choose_chunks, split_level
 from flashgen.testing.reference import merge_states_ref, reference_attention
 from stub_cuda import on_device, stubbed_cuda
