@@ -7,8 +7,10 @@ flashgen's cascade derives its levels from the per-request page tables (host ids
 (prefix, suffixes) by hand. Calls are timed round-robin after an L2 flush (timing.timed_interleaved, median of
 --reps). Reported per prefix: µs, the speed-up over flashgen's flat decode and over FlashInfer's cascade (above 1:
 faster), and % of the copy rate for the bytes a cascade must move (the unique KV read once, q read, out written);
-also plan() host time and the levels the cost model ran. ``--check`` first compares the cascade's output with
-flat decode's (and exits non-zero past a bf16 bound).
+also plan() host time and the levels the cost model ran (``sm90x4``: a shared level split into 4 chunks of its keys
+on the Hopper kernel). ``--check`` first compares the cascade's output with flat decode's (and exits non-zero past
+a bf16 bound); ``--prefill-backend portable`` gives the shared levels to the portable kernel (no split), as before
+the split; ``--chunks S`` fixes the split (``CascadePolicy.chunks``) to compare with the rule's.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_cascade.py --out cascade.json --check
 """
@@ -52,10 +54,12 @@ def shared_batch(batch: int, prefix: int, suffix: int, page_size: int, gen: torc
             "kv_indices": indices, "kv_last_page_len": np.full(batch, last, np.int32), "suffix_last": last}
 
 
-def flashgen_cascade(q, cache, t, batch, page_size):
-    wrapper = flashgen.CascadeWrapper(AttentionSpec(D, kv_layout=Paged(page_size), mask=Causal()))
+def flashgen_cascade(q, cache, t, batch, page_size, prefill_backend="auto", chunks=None):
+    wrapper = flashgen.CascadeWrapper(AttentionSpec(D, kv_layout=Paged(page_size), mask=Causal()),
+                                      prefill_backend=prefill_backend)
     args = dict(qo_indptr=np.arange(batch + 1), kv_indptr=t["kv_indptr"], kv_indices=t["kv_indices"],
-                kv_last_page_len=t["kv_last_page_len"], num_qo_heads=HQ, num_kv_heads=HKV)
+                kv_last_page_len=t["kv_last_page_len"], num_qo_heads=HQ, num_kv_heads=HKV,
+                policy=flashgen.CascadePolicy(chunks=chunks))
     plan_us = median(host_calls_us(lambda: wrapper.plan(**args), 11)[1:])
     out = torch.empty_like(q)
     return wrapper, (lambda: wrapper.run(q, cache, out=out)), plan_us
@@ -118,6 +122,10 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="compare the cascade with flat decode before timing")
     parser.add_argument("--flush", choices=("write", "read", "none"), default="write")
     parser.add_argument("--commit", default="", help="the commit measured (the device copy has no .git)")
+    parser.add_argument("--prefill-backend", choices=("auto", "portable", "sm90"), default="auto",
+                        help="CascadeWrapper's prefill_backend (the shared levels' kernel)")
+    parser.add_argument("--chunks", type=int, default=None,
+                        help="CascadePolicy.chunks: the chunks a shared level splits into on sm90 (default: the rule)")
     args = parser.parse_args()
     timing.FLUSH = args.flush
     peers = set(filter(None, args.peers.split(",")))
@@ -137,7 +145,7 @@ def main() -> None:
     for prefix in (int(p) for p in args.prefixes.split(",")):
         t = shared_batch(batch, prefix, args.suffix, page, gen)
         cache = torch.randn(t["num_pages"], 2, page, HKV, D, device="cuda", dtype=torch.bfloat16)
-        wrapper, cascade, plan_us = flashgen_cascade(q, cache, t, batch, page)
+        wrapper, cascade, plan_us = flashgen_cascade(q, cache, t, batch, page, args.prefill_backend, args.chunks)
         calls = {"flashgen-cascade": cascade, "flashgen-flat": flashgen_flat(q, cache, t, page)}
         if "flashinfer" in peers:
             try:
@@ -147,7 +155,7 @@ def main() -> None:
                 print(f"flashinfer failed: {exc!r}")
                 peers.discard("flashinfer")
                 calls = {k: v for k, v in calls.items() if not k.startswith("flashinfer")}
-        levels = [r.runs for r in wrapper.levels]
+        levels = [r.runs if r.chunks == 1 else f"{r.runs}x{r.chunks}" for r in wrapper.levels]
         print(f"prefix {prefix}: levels {levels}, plan {plan_us:.0f} us", flush=True)
         rel = check(cascade, calls["flashgen-flat"]) if args.check else None
         times = dict(zip(calls, timed_interleaved(list(calls.values()), args.reps)))
@@ -164,7 +172,8 @@ def main() -> None:
                   f"{row['pct_copy_once']:6.1f} % of copy (bytes once)", flush=True)
         del cache
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit(args.commit),
-              "copy_GBps": copy_gbps, "flush": args.flush,
+              "copy_GBps": copy_gbps, "flush": args.flush, "prefill_backend": args.prefill_backend,
+              "chunks": args.chunks,
               "shape": {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": D}, "rows": rows}
     save_results(result, Path(args.out), markdown, lambda result, path: None)
 

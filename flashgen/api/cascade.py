@@ -12,9 +12,17 @@ weight 0). The host side (levels given or derived, the cost model, folding) is `
 Which prefill kernel runs a level (``prefill_backend="auto"``): the Hopper kernel plans every request unsplit,
 one CTA per (group, 128-row q tile, kv head), so the shared level of a decode batch gives few CTAs (128 queries
 x group 4 = 4 tiles x 8 kv heads = 32 CTAs for a 32k prefix on 132 SMs), while the portable kernel's split-KV
-plan fills the GPU. So the Hopper kernel runs a level only where its grid fills the SMs (q tiles x kv heads >=
-SMs) on a compute-capability 9.0 GPU that runs the spec; else the portable kernel. CUDA-graph wrappers run the
-portable kernel (the choice may not change between plans) unless ``"sm90"`` is forced.
+plan fills the GPU. So on a compute-capability 9.0 GPU that runs the spec, the Hopper kernel runs a level whose
+grid fills the SMs (q tiles x kv heads >= SMs) as it is, and a shared level whose grid does not, split over its
+keys: ``plan.cascade_split.choose_chunks`` cuts each group's pages into S chunks of whole pages (each at least
+``CascadePolicy.min_chunk_tokens`` keys) so that q tiles x kv heads x S fills one or two waves; each chunk is
+attended by the group's queries as a request of its own (q copied S times into a buffer the wrapper keeps), and
+the S chunk states merge into the other levels' in one launch (``merge_states_in_place``). Where no split fills
+``SPLIT_MIN_FILL`` (60 %) of the SMs (short prefixes), the portable kernel runs the level. ``CascadePolicy.chunks``
+fixes S instead (1: never split). The last level never splits. A split takes a CSR level with host page ids, or
+one group (device ids are then re-cut, not gathered). ``prefill_backend="sm90"`` splits by the same rule,
+whatever the fill. CUDA-graph wrappers run the portable kernel (the choice may not change between plans) unless
+``"sm90"`` is forced, and never split (S, and so q's copy and the merge, would change the captured launches).
 
 Positions: a spec with RoPE, ALiBi or a sliding window runs every level with explicit true positions
 (``kernel_options={"positions": True}`` on the inner wrappers: either prefill kernel, and decode): each
@@ -34,7 +42,8 @@ import torch
 from ..kernels import family, launch_config
 from ..plan import PlanError
 from ..plan.cascade import LevelTable, check_causal, check_levels, derive_levels, empty_level, level_positions
-from ..plan.cascade_cost import Shape, check_policy, choose_levels
+from ..plan.cascade_cost import CascadePolicy, Shape, check_policy, choose_levels
+from ..plan.cascade_split import SPLIT_MIN_FILL, choose_chunks, split_level, splittable
 from ..plan.host import check_heads
 from ..plan.page_table import block_table_to_csr
 from ..spec import ALiBi, AttentionSpec, Causal, NoMask, Paged, RoPE, SlidingWindow, SpecError
@@ -44,7 +53,7 @@ from .backends import BACKENDS, kernels_for, select
 from .checks import check_count
 from .decode import BatchDecodeWrapper
 from .kv_inputs import TORCH_DTYPES
-from .merge import merge_state_in_place
+from .merge import merge_state_in_place, merge_states_in_place
 from .prefill import BatchPrefillWrapper
 from .wrapper import resolve_device
 
@@ -56,6 +65,7 @@ class LevelRecord(NamedTuple):
     (with any folded pages) or, folded, as it was given or derived. ``runs``: ``"portable"`` or ``"sm90"``
     (a prefill), ``"decode"``, ``"folded"`` (its pages joined the next level's groups) or ``"empty"`` (no KV).
     ``flat_us`` / ``cascade_us``: the cost model's estimates for a shared level (None for the last).
+    ``chunks``: the chunks its keys were split into for the Hopper kernel (1: not split; module docstring).
     """
 
     level: int
@@ -64,6 +74,7 @@ class LevelRecord(NamedTuple):
     runs: str
     flat_us: float | None = None
     cascade_us: float | None = None
+    chunks: int = 1
 
 
 def check_cascade_spec(spec: AttentionSpec) -> None:
@@ -96,7 +107,8 @@ class CascadeWrapper:
         wrapper.plan(qo_indptr=range(129), kv_indptr=indptr_cpu, kv_indices=indices_cpu,
                      kv_last_page_len=last_cpu, num_qo_heads=32, num_kv_heads=8)
         out = wrapper.run(q, kv_cache)      # q [128, 32, 128] -> out [128, 32, 128]
-        wrapper.levels                      # what ran: a LevelRecord a level
+        wrapper.levels                      # what ran: a LevelRecord a level (H200, 32k prefix:
+                                            # runs="sm90", chunks=4 for it; runs="decode" for the suffixes)
 
     ``plan()`` takes the levels one of two ways. Derived: per-request ``qo_indptr`` and a host page table
     (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, or ``block_table`` + ``seq_lens``); consecutive requests
@@ -122,7 +134,8 @@ class CascadeWrapper:
     KV), so one graph captured around ``run()`` replays after ``plan()`` of any batch within capacity, with q and
     out of ``max_total_q`` rows. Pass ``max_num_pages``, the most page ids one level holds (``kv_indptr[-1]`` of
     the per-request table bounds every derived level), or make the first plan the largest. ``prefill_backend``:
-    ``"auto"`` (module docstring), ``"portable"`` or ``"sm90"`` for the prefill levels. ``workspace`` is accepted
+    ``"auto"`` (module docstring: on Hopper a shared level too small in q for the GPU splits over its keys),
+    ``"portable"`` or ``"sm90"`` for the prefill levels. ``workspace`` is accepted
     for FlashInfer-style call sites; the inner wrappers own their buffers.
     """
 
@@ -170,6 +183,8 @@ class CascadeWrapper:
         self._sm90: dict[AttentionSpec, int] = {}  # spec -> the Hopper kernel's q tile rows, 0 where it cannot run
         self._inner: dict[tuple, object] = {}
         self._runs: tuple | None = None
+        self._split: tuple[ChunkedRun, ...] = ()  # shared levels split over their keys, merged after the others
+        self._chunked: dict[int, ChunkedRun] = {}
         self._run_tables: tuple = ()
         self._scratch: torch.Tensor | None = None
         self.levels: tuple[LevelRecord, ...] = ()
@@ -190,8 +205,10 @@ class CascadeWrapper:
         kv_last_page_len)``, or mappings), level 0 first and the per-request level last; every level's
         ``qo_indptr`` ends at the same ``total_q``; page ids may be device tensors (such levels are never
         folded). ``sm_scale``, ``soft_cap``, ``window_left``, ``rope_theta``, ``rope_scale`` and ``num_pages``
-        (the pool size, bounding host page ids) are as ``BatchDecodeWrapper.plan`` takes them. ``policy``: a ``flashgen.plan.CascadePolicy`` (rates, and
-        ``fold="cost" | "never" | "always"``). Errors name the argument and, for a level, ``levels[l]``.
+        (the pool size, bounding host page ids) are as ``BatchDecodeWrapper.plan`` takes them. ``policy``: a
+        ``flashgen.plan.CascadePolicy`` (rates, ``fold="cost" | "never" | "always"``, and the split of shared levels
+        for the Hopper kernel: ``min_chunk_tokens``, ``chunks``). Errors name the argument and, for a level,
+        ``levels[l]``.
         """
         self._runs = None  # a plan that fails leaves nothing to run
         check_heads(num_qo_heads, num_kv_heads)
@@ -224,19 +241,34 @@ class CascadeWrapper:
         if self.use_cuda_graph:  # every level launches: the ones not run get no KV
             shared += [(None, empty_level(int(last.qo_indptr[-1])))] * (self.num_levels - 1 - len(shared))
         positions = self._level_positions([t for _, t in shared] + [last])
-        runs, ran = [], {}
+        runs, split, ran = [], [], {}
         for slot, (index, table) in enumerate(shared):
-            backend = self._backend(table, self._shared_spec, num_qo_heads, num_kv_heads)
-            runs.append(self._planned(("shared", slot, backend), self._shared_spec, backend, index, derived, table,
-                                      {**common, **positions[slot]}))
-            ran[index] = backend
-        backend = "decode" if decode else self._backend(last, self.spec, num_qo_heads, num_kv_heads)
+            run, ran[index] = self._plan_shared(slot, index, table, positions[slot], policy, derived, common)
+            (split if isinstance(run, ChunkedRun) else runs).append(run)
+        backend = "decode" if decode else self._backend(last, self.spec, num_qo_heads, num_kv_heads)[0]
         runs.append(self._planned(("last", backend), self.spec, backend, len(tables) - 1, derived, last,
                                   {**common, **positions[-1]}))
-        self._runs = tuple(runs)
+        self._runs, self._split = tuple(runs), tuple(split)
         # (spec, table) of each run, in run order: what the levels compute (the tests' CPU check reads it)
         self._run_tables = tuple((self._shared_spec, t) for _, t in shared) + ((self.spec, last),)
         self.levels = self._records(tables, dict(zip(kept, runs_tables)), choices, ran, backend)
+
+    def _plan_shared(self, slot: int, index: int | None, table: LevelTable, place: dict, policy: CascadePolicy,
+                     derived: bool, common: dict) -> tuple[object, tuple[str, int]]:
+        """Shared slot ``slot`` (level ``index``) planned over ``table`` at positions ``place``: ``(its run: the
+        inner wrapper, or a ChunkedRun where it splits, (backend, chunks))``."""
+        backend, chunks = self._backend(table, self._shared_spec, common["num_qo_heads"], common["num_kv_heads"],
+                                        policy)
+        if chunks == 1:
+            inner = self._planned(("shared", slot, backend), self._shared_spec, backend, index, derived, table,
+                                  {**common, **place})
+            return inner, (backend, 1)
+        chunked = split_level(table, chunks, self.spec.kv_layout.page_size)
+        if place:
+            place = dict(zip(("kv_page_pos", "q_pos"), chunked.positions(place["kv_page_pos"], place["q_pos"])))
+        inner = self._planned(("shared", slot, backend), self._shared_spec, backend, index, derived, chunked.table,
+                              {**common, **place})
+        return self._chunked_run(slot, inner, table, chunked, place), (backend, chunks)
 
     def _level_positions(self, tables: list[LevelTable]) -> list[dict]:
         """Each run's ``kv_page_pos`` / ``q_pos`` plan arguments (empty dicts for position-free specs)."""
@@ -272,20 +304,44 @@ class CascadeWrapper:
             return self._decode_graph
         return one_each and self._decode_ok
 
-    def _backend(self, table: LevelTable, spec: AttentionSpec, num_qo_heads: int, num_kv_heads: int) -> str:
-        """The prefill kernel of a level: the Hopper one where its unsplit grid fills the SMs (module docstring)."""
-        if self.use_cuda_graph or self.prefill_backend != "auto":
-            return "sm90" if self.prefill_backend == "sm90" else "portable"
+    def _backend(self, table: LevelTable, spec: AttentionSpec, num_qo_heads: int, num_kv_heads: int,
+                 policy: CascadePolicy | None = None) -> tuple[str, int]:
+        """``(prefill kernel, chunks)`` of a level: the Hopper kernel where its unsplit grid fills the SMs or, for a
+        shared level (``policy`` given), where a split over its keys does (module docstring)."""
+        forced = self.prefill_backend == "sm90"
+        if self.use_cuda_graph or self.prefill_backend == "portable":
+            return ("sm90" if forced else "portable"), 1
         tile = self._sm90.get(spec)
         if tile is None:
             runs = select(spec, "auto", self._capability, options=self._options) == "sm90"
             kernel_spec = kernels_for(spec, "sm90")[-1][1]  # RoPE: the kernel of its ragged twin
             tile = self._sm90[spec] = launch_config(kernel_spec, "prefill_sm90", self._options).tile_q if runs else 0
         if not tile:
-            return "portable"
-        tiles = -(-(np.diff(table.qo_indptr) * (num_qo_heads // num_kv_heads)) // tile)
+            return "portable", 1
+        tiles = int((-(-(np.diff(table.qo_indptr) * (num_qo_heads // num_kv_heads)) // tile)).sum())
         sms = self._num_sms or core.device_sms(self.device.index)
-        return "sm90" if int(tiles.sum()) * num_kv_heads >= sms else "portable"
+        chunks = 1
+        if policy is not None and splittable(table):
+            if policy.chunks is not None:
+                chunks = int(policy.chunks)
+            else:
+                max_pages = int(np.diff(table.kv_indptr).max(initial=0))
+                chunks = choose_chunks(tiles, num_kv_heads, max_pages, self.spec.kv_layout.page_size, sms,
+                                       min_chunk_tokens=policy.min_chunk_tokens,
+                                       min_fill=0.0 if forced else SPLIT_MIN_FILL)
+        if forced or chunks > 1 or tiles * num_kv_heads >= sms:
+            return "sm90", chunks
+        return "portable", 1
+
+    def _chunked_run(self, slot: int, inner, source: LevelTable, chunked, positions: dict) -> "ChunkedRun":
+        """The kept ``ChunkedRun`` of shared slot ``slot`` (its buffers reused from plan to plan), set to ``inner``
+        planned over ``chunked`` (the ``ChunkedLevel`` of ``source``) at ``positions`` (its plan arguments, or
+        empty)."""
+        run = self._chunked.get(slot)
+        if run is None:
+            run = self._chunked[slot] = ChunkedRun()
+        run.inner, run.chunks, run.source, run.level, run.positions = inner, chunked.chunks, source, chunked, positions
+        return run
 
     def _planned(self, key: tuple, spec: AttentionSpec, backend: str, index: int | None, derived: bool,
                  table: LevelTable, common: dict):
@@ -321,9 +377,9 @@ class CascadeWrapper:
                 records.append(LevelRecord(index, table.groups, kv, last_backend))
                 continue
             choice = choices[index]
-            runs = ran[index] if choice.decision == "run" else choice.decision
+            runs, chunks = ran[index] if choice.decision == "run" else (choice.decision, 1)
             cost = choice.cost or (None, None)
-            records.append(LevelRecord(index, table.groups, kv, runs, *cost))
+            records.append(LevelRecord(index, table.groups, kv, runs, *cost, chunks))
         return tuple(records)
 
     # ------------------------------------------------------------------------------------------ run
@@ -333,7 +389,8 @@ class CascadeWrapper:
         planned levels of ``kv_cache`` (one ``[pages, 2, ...]`` tensor or a ``(k, v)`` pair, as the decode wrapper
         takes it). Returns ``out [total_q, num_qo_heads, head_dim_vo]`` (q's dtype), with ``return_lse`` also
         ``lse [total_q, num_qo_heads]`` fp32 (natural log of the whole sequence's softmax sum; -inf for a row
-        that sees no key). Host time: each level's run and, after the first, a merge launch.
+        that sees no key). Host time: each level's run and, after the first, a merge launch; a level split over
+        its keys adds q's copy (its run and merge are one each).
         """
         runs = self._runs
         if runs is None:
@@ -347,4 +404,34 @@ class CascadeWrapper:
             for inner in runs[1:]:
                 part, part_lse = inner.run(q, kv_cache, out=scratch, return_lse=True)
                 merge_state_in_place(out, lse, part, part_lse)
+        for split in self._split:
+            split.run(q, kv_cache, out, lse)
         return (out, lse) if return_lse else out
+
+
+class ChunkedRun:
+    """A shared level split over its keys into ``chunks`` (``plan.cascade_split``), planned in ``inner`` (a
+    ``BatchPrefillWrapper`` on the Hopper kernel) as ``chunks x groups`` requests over q repeated ``chunks``
+    times. ``run`` copies q into a buffer kept from run to run (``[chunks, total_q, heads, head_dim]``), attends,
+    and merges the ``chunks`` states into ``(out, lse)`` in one launch. ``source`` (the level's table), ``level``
+    (its ``ChunkedLevel``) and ``positions`` (``kv_page_pos`` / ``q_pos``, or empty) record what ``inner`` was
+    planned over."""
+
+    def __init__(self):
+        self.inner, self.chunks, self.source, self.level, self.positions = None, 1, None, None, {}
+        self._q: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+
+    def run(self, q: torch.Tensor, kv_cache, out: torch.Tensor, lse: torch.Tensor) -> None:
+        shape = (self.chunks, *q.shape)
+        buf = self._q
+        if buf is None or buf.shape != shape or buf.dtype != q.dtype or buf.device != q.device:
+            buf = self._q = torch.empty(shape, dtype=q.dtype, device=q.device)
+        parts = self._out
+        if parts is None or parts.shape[1:] != out.shape or parts.shape[0] != self.chunks or parts.dtype != out.dtype \
+                or parts.device != out.device:
+            parts = self._out = torch.empty((self.chunks, *out.shape), dtype=out.dtype, device=out.device)
+        buf.copy_(q.unsqueeze(0).expand(shape))
+        _, parts_lse = self.inner.run(buf.view(-1, *q.shape[1:]), kv_cache, out=parts.view(-1, *out.shape[1:]),
+                                      return_lse=True)
+        merge_states_in_place(out, lse, parts, parts_lse.view(self.chunks, *lse.shape))

@@ -14,7 +14,7 @@ _functions: dict[tuple[torch.dtype, int], tuple] = {}
 
 
 def _entry(dtype: torch.dtype, device: torch.device):
-    """(merge_state, merge_states, block, stream) for tensors of ``dtype`` on ``device``."""
+    """(merge_state, merge_states, block, stream, merge_states_in_place) for tensors of ``dtype`` on ``device``."""
     index = device.index
     found = _functions.get((dtype, index))
     if found is None:
@@ -22,8 +22,8 @@ def _entry(dtype: torch.dtype, device: torch.device):
 
         kernel = build(MergeSpec(str(dtype)), "merge_states", device=index)
         found = _functions[(dtype, index)] = (kernel["merge_state"], kernel["merge_states"],
-                                              kernel.launch_config.block)
-    return found[0], found[1], found[2], current_stream(index)
+                                              kernel.launch_config.block, kernel["merge_states_in_place"])
+    return found[0], found[1], found[2], current_stream(index), found[3]
 
 
 def _check_vectors(head_dim: int, dtype: torch.dtype) -> int:
@@ -82,7 +82,7 @@ def _launch_pair(v_a, s_a, v_b, s_b, v_out, s_out, mask) -> None:
     if tokens * heads == 0:
         return
     _check_vectors(head_dim, v_a.dtype)
-    fn, _, block, stream = _entry(v_a.dtype, v_a.device)
+    fn, _, block, stream, _ = _entry(v_a.dtype, v_a.device)
     threads_per_row, blocks = _launch_shape(tokens * heads, head_dim, v_a.dtype, block[0])
     fn.launch((blocks, 1, 1), block, 0, stream,
               v_a.data_ptr(), s_a.data_ptr(), v_b.data_ptr(), s_b.data_ptr(), v_out.data_ptr(), s_out.data_ptr(),
@@ -108,9 +108,38 @@ def merge_states(v: torch.Tensor, s: torch.Tensor):
     if tokens * heads == 0:
         return v_out, s_out
     _check_vectors(head_dim, v.dtype)
-    _, fn, block, stream = _entry(v.dtype, v.device)
+    _, fn, block, stream, _ = _entry(v.dtype, v.device)
     threads_per_row, blocks = _launch_shape(tokens * heads, head_dim, v.dtype, block[0])
     fn.launch((blocks, 1, 1), block, 0, stream,
               v.data_ptr(), s.data_ptr(), v_out.data_ptr(), s_out.data_ptr(), tokens, num_states, heads,
               head_dim, threads_per_row)
     return v_out, s_out
+
+
+def merge_states_in_place(v: torch.Tensor, s: torch.Tensor, v_parts: torch.Tensor, s_parts: torch.Tensor) -> None:
+    """Merge ``num_states`` more states into ``(v, s)`` in place, ``num_states + 1`` a row in one launch.
+
+    v: ``[tokens, heads, head_dim]`` fp16/bf16/fp32, s: ``[tokens, heads]`` fp32 (both contiguous);
+    v_parts: ``[num_states, tokens, heads, head_dim]`` in v's dtype, s_parts: ``[num_states, tokens, heads]`` fp32,
+    both contiguous (state-major: e.g. the chunks of a cascade level split over its keys).
+
+    Example::
+
+        flashgen.api.merge.merge_states_in_place(out, lse, chunk_out, chunk_lse)   # out [128, 32, 128]
+    """
+    check_tensor("v", v, dtypes=V_DTYPES, ndim=3, align=16)
+    check_tensor("s", s, dtypes=(torch.float32,), ndim=2, device=v.device)
+    check_shape("s", s, tuple(v.shape[:2]))
+    check_tensor("v_parts", v_parts, dtypes=(v.dtype,), ndim=4, device=v.device, align=16)
+    num_states = v_parts.shape[0]
+    check_shape("v_parts", v_parts, (num_states, *v.shape))
+    check_tensor("s_parts", s_parts, dtypes=(torch.float32,), ndim=3, device=v.device)
+    check_shape("s_parts", s_parts, (num_states, *s.shape))
+    tokens, heads, head_dim = v.shape
+    if tokens * heads == 0 or num_states == 0:
+        return
+    _check_vectors(head_dim, v.dtype)
+    _, _, block, stream, fn = _entry(v.dtype, v.device)
+    threads_per_row, blocks = _launch_shape(tokens * heads, head_dim, v.dtype, block[0])
+    fn.launch((blocks, 1, 1), block, 0, stream, v.data_ptr(), s.data_ptr(), v_parts.data_ptr(), s_parts.data_ptr(),
+              tokens * heads, num_states, head_dim, threads_per_row)

@@ -1,4 +1,5 @@
-"""The merge-state family: merge_state (two states, also in place) and merge_states (along a dimension)."""
+"""The merge-state family: merge_state (two states, also in place), merge_states (along a dimension) and
+merge_states_in_place (a state and a stack of others merged into it)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class MergeStatesFamily(KernelFamily):
         return {"DTypeV": CPP_TYPES[spec.dtype], "BLOCK_THREADS": BLOCK_THREADS}
 
     def launch(self, spec: MergeSpec) -> LaunchConfig:
-        """Both entry points: ``BLOCK_THREADS`` threads, rows spread over lane groups (``api/merge.py``)."""
+        """Every entry point: ``BLOCK_THREADS`` threads, rows spread over lane groups (``api/merge.py``)."""
         return LaunchConfig(block=(BLOCK_THREADS, 1, 1))
 
     def entry_points(self, spec: MergeSpec) -> tuple[EntryPoint, ...]:
@@ -46,4 +47,12 @@ class MergeStatesFamily(KernelFamily):
             ("int64_t", "num_tokens"), ("int32_t", "num_states"), ("int32_t", "num_heads"),
             ("int32_t", "head_dim"), ("int32_t", "threads_per_row"),
         )
-        return (EntryPoint("merge_state", pair), EntryPoint("merge_states", many))
+        into = struct(
+            "MergeStatesInPlaceParams",
+            (f"{v}*", "v"), ("float*", "s"),
+            (f"const {v}*", "v_parts"), ("const float*", "s_parts"),
+            ("int64_t", "num_rows"), ("int32_t", "num_states"), ("int32_t", "head_dim"),
+            ("int32_t", "threads_per_row"),
+        )
+        return (EntryPoint("merge_state", pair), EntryPoint("merge_states", many),
+                EntryPoint("merge_states_in_place", into))

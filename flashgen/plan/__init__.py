@@ -8,7 +8,8 @@
   call (built on the first plan through the kernel cache: the one place the planner uses ``flashgen.cache``).
 - ``heuristics``: the split policy (chunk length, last-wave split) with worked examples; ``SplitPolicy``.
 - ``cascade``: shared-prefix levels (given, or derived from per-request page tables), each planned over its own
-  pages, merged; ``cascade_cost``: which levels pay (the cost model) and the folding of those that do not.
+  pages, merged; ``cascade_cost``: which levels pay (the cost model) and the folding of those that do not;
+  ``cascade_split``: a shared level split over its keys into chunks of whole pages (for the Hopper prefill).
 - ``block_sparse``: a BSR pattern as a page plan.
 """
 

@@ -32,13 +32,18 @@ class CascadePolicy(NamedTuple):
     ``fold``: ``"cost"`` (default) folds the levels the cost model finds slower than flat; ``"never"`` runs every
     level that has KV; ``"always"`` folds every level it can (flat attention over the whole sequences, as one
     decode or prefill). Rates: ``copy_gbps`` (bytes read plus written per second, GB/s), ``matrix_tflops``
-    (the prefill's rate), ``launch_us`` (GPU time a launch adds).
+    (the prefill's rate), ``launch_us`` (GPU time a launch adds). ``min_chunk_tokens``: the fewest keys a chunk
+    of a shared level split for the Hopper kernel holds (``cascade_split.choose_chunks``; whole pages).
+    ``chunks``: None (the rule decides), or the chunks every shared level the Hopper kernel can split is cut
+    into (1: none split; more: also where the rule would keep the portable kernel).
     """
 
     fold: str = "cost"
     copy_gbps: float = 4300.0
     matrix_tflops: float = 300.0
     launch_us: float = 5.0
+    min_chunk_tokens: int = 2048
+    chunks: int | None = None
 
 
 def check_policy(policy: object) -> CascadePolicy:
@@ -56,6 +61,12 @@ def check_policy(policy: object) -> CascadePolicy:
     if isinstance(policy.launch_us, bool) or not isinstance(policy.launch_us, (int, float)) or \
             not 0 <= policy.launch_us < float("inf"):
         raise PlanError(f"policy.launch_us: got {policy.launch_us!r}, expected a finite number >= 0")
+    chunk = policy.min_chunk_tokens
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise PlanError(f"policy.min_chunk_tokens: got {chunk!r}, expected an int >= 1")
+    chunks = policy.chunks
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1):
+        raise PlanError(f"policy.chunks: got {chunks!r}, expected None or an int >= 1")
     return policy
 
 

@@ -202,22 +202,23 @@ def test_wrapper_records_its_decisions_and_runs_its_levels():
 
 
 def test_the_hopper_kernel_runs_a_level_only_where_its_grid_fills_the_gpu():
-    # decode: 128 queries x group 4 = 4 tiles x 8 kv heads = 32 CTAs < 132 SMs: portable; 128 requests of 64
-    # queries: 256 tiles x 8 kv heads: sm90
+    # decode: 128 queries x group 4 = 4 tiles x 8 kv heads = 32 CTAs < 132 SMs, and a 1k prefix too short to
+    # split (chunks of >= 2048 keys): portable; 128 requests of 64 queries: 256 tiles x 8 kv heads: sm90, whole
+    # (tests/cascade/test_cascade_split.py: the long prefixes that split)
     lists = [list(range(64)) + [1000 + b] for b in range(128)]
     table = csr(lists, np.full(128, 16, np.int32))
     spec = AttentionSpec(128, kv_layout=Paged(16), mask=Causal())
     with stubbed((9, 0)):
         wrapper = flashgen.CascadeWrapper(spec, num_sms=132)
         assert wrapper._backend(derive_levels(np.arange(129), **table, page_size=16)[0], wrapper._shared_spec, 32,
-                                8) == "portable"
+                                8, CascadePolicy()) == ("portable", 1)
         prefill = derive_levels(np.arange(129) * 64, **table, page_size=16)
-        assert wrapper._backend(prefill[0], wrapper._shared_spec, 32, 8) == "sm90"
+        assert wrapper._backend(prefill[0], wrapper._shared_spec, 32, 8, CascadePolicy()) == ("sm90", 1)
         assert flashgen.CascadeWrapper(spec, prefill_backend="portable")._backend(
-            prefill[0], wrapper._shared_spec, 32, 8) == "portable"
+            prefill[0], wrapper._shared_spec, 32, 8, CascadePolicy()) == ("portable", 1)
     with stubbed((8, 0)):
         wrapper = flashgen.CascadeWrapper(spec, num_sms=132)
-        assert wrapper._backend(prefill[0], wrapper._shared_spec, 32, 8) == "portable"
+        assert wrapper._backend(prefill[0], wrapper._shared_spec, 32, 8, CascadePolicy()) == ("portable", 1)
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -212,7 +212,7 @@ def test_manifest_records_the_build(shipped):
     entry = shipped
     manifest = json.loads((entry.path / "manifest.json").read_text())
     assert manifest["uri"] == "merge_states_bf16" and manifest["arch"] == "sm_90a"
-    assert manifest["entry_points"] == ["merge_state", "merge_states"]
+    assert manifest["entry_points"] == ["merge_state", "merge_states", "merge_states_in_place"]
     assert manifest["key"].startswith(entry.path.name.rsplit("-", 1)[1])
     source = (entry.path / "kernel.cu").read_bytes()
     assert manifest["files"]["kernel.cu"] == [len(source), hashlib.sha256(source).hexdigest()]

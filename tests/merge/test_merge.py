@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import flashgen
+from flashgen.api.merge import merge_states_in_place
 from flashgen.testing.check import assert_merge_close, poison_allocator
 from flashgen.testing.reference import merge_state_ref, merge_states_ref
 
@@ -63,6 +64,33 @@ def test_merge_state_in_place(dtype, use_mask):
     torch.testing.assert_close(v_a[keep].double(), ref_v[keep], equal_nan=True, rtol=0, atol=0)
     merged = ~keep
     assert_merge_close(v_a[merged], s_a[merged], ref_v[merged], ref_s[merged])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,num_states,heads,dim", [(1, 1, 1, 64), (128, 4, 32, 128), (77, 7, 3, 256),
+                                                         (5, 16, 4, 64), (9, 3, 2, 192), (3, 1, 2, 64)])
+def test_merge_states_in_place(dtype, tokens, num_states, heads, dim):
+    # (v, s) and num_states more (state-major, as a cascade's chunks) merged into (v, s): num_states + 1 a row
+    v, s = _states(tokens, num_states + 1, heads, dim, dtype)
+    own_v, own_s = v[:, 0].contiguous(), s[:, 0].contiguous()
+    parts_v, parts_s = v[:, 1:].transpose(0, 1).contiguous(), s[:, 1:].transpose(0, 1).contiguous()
+    ref_v, ref_s = merge_states_ref(v, s)
+    merge_states_in_place(own_v, own_s, parts_v, parts_s)
+    assert_merge_close(own_v, own_s, ref_v, ref_s)
+
+
+def test_merge_states_in_place_names_bad_arguments():
+    v, s = _states(4, 3, 2, 64, torch.float16)
+    own_v, own_s = v[:, 0].contiguous(), s[:, 0].contiguous()
+    parts_v, parts_s = v[:, 1:].transpose(0, 1).contiguous(), s[:, 1:].transpose(0, 1).contiguous()
+    with pytest.raises(ValueError, match=r"^v_parts: expected shape \(2, 4, 2, 64\), got \(2, 3, 2, 64\)"):
+        merge_states_in_place(own_v, own_s, parts_v[:, :3].contiguous(), parts_s)
+    with pytest.raises(ValueError, match=r"^s_parts: expected shape \(2, 4, 2\)"):
+        merge_states_in_place(own_v, own_s, parts_v, parts_s[:1])
+    with pytest.raises(TypeError, match=r"^v_parts: expected dtype torch.float16"):
+        merge_states_in_place(own_v, own_s, parts_v.float(), parts_s)
+    with pytest.raises(ValueError, match=r"^v_parts: expected a contiguous tensor"):
+        merge_states_in_place(own_v, own_s, v[:, 1:].transpose(0, 1), parts_s)
 
 
 def test_merge_states_in_a_cuda_graph():

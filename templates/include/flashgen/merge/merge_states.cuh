@@ -113,4 +113,58 @@ __device__ __forceinline__ void merge_states(const Params& p) {
   }
 }
 
+// merge_states_in_place: (v, s) [num_rows = num_tokens * num_heads rows] merged in place with num_states more
+// states v_parts [num_states, num_rows, head_dim], s_parts [num_states, num_rows] (state-major: a cascade's
+// chunks of one split level, each chunk's rows those of every token). One launch merges num_states + 1 states
+// a row. Warp-uniform trip count and a __syncwarp() between every read of s and the write of s, as in
+// merge_state; each lane reads and writes only its own columns of v.
+template <typename DTypeV, typename Params>
+__device__ __forceinline__ void merge_states_in_place(const Params& p) {
+  using V = Vec16<DTypeV>;
+  const RowGroup g(p.threads_per_row);
+  for (int64_t row = g.first_row; row - g.row_in_warp < p.num_rows; row += g.row_stride) {
+    const bool active = row < p.num_rows;
+    const float s_own = active ? p.s[row] : -INFINITY;
+    __syncwarp();
+    if (!active) continue;
+    float m = s_own;
+    for (int k = 0; k < p.num_states; ++k) m = fmaxf(m, p.s_parts[k * p.num_rows + row]);
+    MergeState ms(m);
+    if (m != -INFINITY) {
+      ms.add(ms.weight(s_own));
+      for (int k = 0; k < p.num_states; ++k) ms.add(ms.weight(p.s_parts[k * p.num_rows + row]));
+    }
+    const float inv_sum = ms.inv_sum();
+    const float w_own = m != -INFINITY ? ms.weight(s_own) * inv_sum : 0.f;
+    const int64_t base = row * p.head_dim;
+    for (int col = g.lane_in_row * V::N; col < p.head_dim; col += g.threads_per_row * V::N) {
+      V acc;
+      // an empty state (weight 0) may hold garbage, even NaN: never read it
+      if (w_own != 0.f) acc.load(p.v + base + col); else acc.fill(0.f);
+#pragma unroll
+      for (int i = 0; i < V::N; ++i) acc.v[i] *= w_own;
+      for (int k0 = 0; k0 < p.num_states; k0 += STATES_IN_FLIGHT) {
+        uint4 raw[STATES_IN_FLIGHT];  // every load of a batch issued before any is used
+        float w[STATES_IN_FLIGHT];
+#pragma unroll
+        for (int j = 0; j < STATES_IN_FLIGHT; ++j) {
+          const int k = k0 + j;
+          w[j] = k < p.num_states && m != -INFINITY ? ms.weight(p.s_parts[k * p.num_rows + row]) * inv_sum : 0.f;
+          raw[j] = w[j] != 0.f ? *reinterpret_cast<const uint4*>(p.v_parts + (k * p.num_rows + row) * p.head_dim + col)
+                               : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < STATES_IN_FLIGHT; ++j) {
+          V x;
+          x.convert(raw[j]);
+#pragma unroll
+          for (int i = 0; i < V::N; ++i) acc.v[i] += w[j] * x.v[i];
+        }
+      }
+      acc.store(p.v + base + col);
+    }
+    if (g.lane_in_row == 0) p.s[row] = ms.lse();
+  }
+}
+
 }  // namespace flashgen
