@@ -345,9 +345,10 @@ class Engine:
             qo = np.zeros(len(prefills) + 1, dtype=np.int32)
             np.cumsum([n for _, n, _ in prefills], out=qo[1:])
             prefill = (qo, self.cache.page_tables([r.rid for r, _, _ in prefills], device))
-        step = StepPlan(decode_tables, prefill)
+        replayable = prefill is None and self.graphs is not None and self.graphs.fits(len(decodes))
+        step = StepPlan(decode_tables, prefill, self.model.config.num_layers, replayable)
         route = self.backend.route(step)
-        if route == "flat" and prefill is None and self.graphs is not None and self.graphs.fits(len(decodes)):
+        if route == "flat" and replayable:
             logits = self.graphs.forward(tokens, positions, slots, decode_tables)
             logits = logits[torch.from_numpy(ends[sampled]).to(logits.device)]
             route = "graph"
