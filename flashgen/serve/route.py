@@ -134,13 +134,15 @@ def shared_tokens_bound(decode: PageTables) -> int:
 
 def cascade_levels(decode: PageTables, spec: AttentionSpec, shape: Shape, policy: CascadePolicy):
     """``(levels as they run, the cost model's choices)`` of decode rows ``decode`` (levels derived from the
-    host page ids, those that do not pay folded), or None where nothing shared runs on its own."""
+    host page ids, neighbours compared as block-table rows; those that do not pay folded), or None where nothing
+    shared runs on its own."""
     batch = int(decode.seq_lens.numel())
     if batch < 2:
         return None
     page_size = spec.kv_layout.page_size
     levels, flat = derive_levels(np.arange(batch + 1), decode.kv_indptr.numpy(), decode.kv_indices_host.numpy(),
-                                 decode.kv_last_page_len.numpy(), page_size, with_table=True)
+                                 decode.kv_last_page_len.numpy(), page_size, with_table=True,
+                                 block_table=decode.block_table_host.numpy())
     if len(levels) == 1:
         return None
     kept, tables, choices = choose_levels(levels, shape, page_size, policy, False, flat)
