@@ -24,10 +24,10 @@ with neighbours that start with the same page, so a layer cannot save more than 
 (``shared_tokens_bound``, at the copy rate); where ``layers`` times that is below the cascade's least extra host
 cost (two levels), the rows go flat without deriving levels. ``flashgen demo`` on the H200 (8 layers, 32 q / 8 kv
 heads x 128, bf16, up to 128 rows, a third of them after one 512-token system prompt): the neighbours' reads
-are ~32k tokens, 30 µs a layer, 240 µs a step, against the cascade's least extra host cost of ~2.9 ms over a
-replayed step (the eager layers) or ~0.4 ms over an eager one (its derivation, a second plan, two more launches
+are ~32k tokens, 30 µs a layer, 240 µs a step, against the cascade's least extra host cost of ~3.0 ms over a
+replayed step (the eager layers) or ~0.5 ms over an eager one (its derivation, a second plan, two more launches
 a layer): flat. 128 requests after a 32k-token shared prefix: flat reads 17.2 GB a layer (4.0 ms), the shared
-level saves 3.7 ms of it, 30 ms a step at 8 layers against ~3.5 ms of host: the cascade.
+level saves 3.7 ms of it, 30 ms a step at 8 layers against ~3.4 ms of host: the cascade.
 """
 
 from __future__ import annotations
@@ -53,16 +53,17 @@ class HostCosts(NamedTuple):
     ``layer_us``: one layer's eager model ops besides attention: 58 torch ops counted on the CPU (RMSNorm,
     projections, RoPE on q, the o projection, the SwiGLU MLP), ~40 of which launch a kernel at ~6.9 µs each
     (a torch elementwise op, docs/DESIGN.md), and the ``append_kv`` write. ``derive_us`` +
-    ``derive_ns_per_page`` x page ids: deriving the levels (``derive_levels`` and ``choose_levels``), measured
-    on the 2-core CI host (benchmarks/experiments/exp_cascade_route_host.py), about twice the H200 host's.
+    ``derive_ns_per_page`` x page ids: deriving the levels (``derive_levels`` from the block table, and
+    ``choose_levels``), measured on the 2-core CI host (benchmarks/experiments/exp_cascade_route_host.py: 200-430
+    µs for 128 rows of 4.6k-264k page ids), not yet on the H200 host.
     """
 
     launch_us: float = 10.0
     plan_us: float = 100.0
     replay_us: float = 20.0
     layer_us: float = 300.0
-    derive_us: float = 150.0
-    derive_ns_per_page: float = 2.0
+    derive_us: float = 250.0
+    derive_ns_per_page: float = 1.0
 
 
 class Route(NamedTuple):
@@ -94,7 +95,7 @@ def step_host_us(route: str, layers: int, graph: bool, runs: int, pages: int, co
     >>> costs = HostCosts()
     >>> [round(step_host_us(route, 8, graph, 2, 4582, costs)) for route, graph in
     ...  (("flat", True), ("flat", False), ("cascade", True))]
-    [120, 2580, 2999]
+    [120, 2580, 3095]
     """
     if route == "flat":
         return costs.plan_us + (costs.replay_us if graph else layers * (costs.layer_us + costs.launch_us))
