@@ -10,9 +10,9 @@ rows first, then the prefill chunks.
 The decode rows' route (``route``, ``route.route_decode``): requests that share leading pages (a system prompt
 from the prefix cache, forks of one prompt) sit next to each other, so the cascade's derived levels
 (``flashgen.plan.derive_levels``) find the shared pages; the rows go through the cascade ("cascade") where its
-step, host and GPU time together, is estimated shorter than the flat one's ("flat": one decode, which the engine
-replays from a CUDA graph where it can), else flat. The levels the route derived are the ones the cascade then
-plans (explicit levels: nothing derived twice). No GPU sync.
+step, host and GPU time together, is estimated shorter than the flat one's ("flat": one decode), else flat. The
+engine replays either route from a CUDA graph where it can (``graphs.DecodeGraphs``). The levels the route
+derived are the ones the cascade then plans (explicit levels: nothing derived twice). No GPU sync.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..kvcache import PageTables
 from ..plan.cascade import CascadeLevel, LevelTable
 from ..plan.cascade_cost import CascadePolicy, check_policy
 from ..spec import AttentionSpec, Causal, Paged
-from .route import HostCosts, attention_shape, cascade_levels, route_decode
+from .route import CASCADE_LEVELS, HostCosts, attention_shape, cascade_levels, route_decode
 
 
 def specs(head_dim: int, page_size: int, dtype: str) -> tuple[AttentionSpec, AttentionSpec]:
@@ -46,10 +46,16 @@ def cascade_tables(decode: PageTables, spec: AttentionSpec, num_qo_heads: int, n
     return None if found is None else found[0]
 
 
+def cascade_plan_levels(tables: list[LevelTable]) -> list[CascadeLevel]:
+    """Levels as the route derived them, as ``CascadeWrapper.plan(levels=...)`` takes them (host page ids)."""
+    return [CascadeLevel(t.qo_indptr, t.kv_indptr, t.kv_indices, t.kv_last_page_len) for t in tables]
+
+
 class StepPlan:
     """One step's batch: ``decode`` (page tables of the decode rows' requests, or None) and ``prefill``
     (``(qo_indptr [batch + 1] int32, tables)`` of the chunked requests, or None); ``layers``: the layers it runs
-    through; ``graph``: routed flat, the step would replay a CUDA graph (what the route weighs)."""
+    through; ``graph``: the step would replay a CUDA graph, flat or through the cascade (``graphs.DecodeGraphs``:
+    decode-only, a bucket holds it), which the route weighs."""
 
     def __init__(self, decode: PageTables | None, prefill: tuple[np.ndarray, PageTables] | None, layers: int = 1,
                  graph: bool = False):
@@ -81,9 +87,15 @@ class ReferenceAttention:
         if step.decode is None:
             return ""
         found = route_decode(step.decode, self.decode_spec, self.num_qo_heads, self.num_kv_heads, layers=step.layers,
-                             graph=step.graph, policy=self.cascade_policy, host_costs=self.host_costs)
+                             graph=step.graph, policy=self.cascade_policy, host_costs=self.host_costs,
+                             max_levels=CASCADE_LEVELS if step.graph else None)
         self._levels = found.levels
         return found.name
+
+    @property
+    def levels(self) -> list[LevelTable] | None:
+        """The cascade's levels of the last routed step (None when flat)."""
+        return self._levels
 
     def plan(self, step: StepPlan, num_pages: int) -> None:
         self._plan = step
@@ -127,8 +139,8 @@ def _reference(spec: AttentionSpec, q: torch.Tensor, kv, qo_indptr: np.ndarray, 
 class WrapperAttention:
     """The GPU path: one ``BatchDecodeWrapper``, one ``CascadeWrapper`` (decode rows that share pages, where its
     cost model says so) and one ``BatchPrefillWrapper`` (paged causal), each planned once per step (host
-    lengths, device page ids) and run once per layer. ``graphs_ok``: the engine may replay flat decode-only
-    steps from CUDA graphs (``graphs.DecodeGraphs``)."""
+    lengths, device page ids) and run once per layer. ``graphs_ok``: the engine may replay decode-only steps
+    from CUDA graphs (``graphs.DecodeGraphs``)."""
 
     name = "flashgen wrappers"
     graphs_ok = True
@@ -157,17 +169,20 @@ class WrapperAttention:
         if step.decode is not None:
             found = route_decode(step.decode, self.decode_spec, self.num_qo_heads, self.num_kv_heads,
                                  layers=step.layers, graph=step.graph, policy=self.cascade_policy,
-                                 host_costs=self.host_costs)
+                                 host_costs=self.host_costs, max_levels=CASCADE_LEVELS if step.graph else None)
             self._route, self._levels = found.name, found.levels
         return self._route
+
+    @property
+    def levels(self) -> list[LevelTable] | None:
+        """The cascade's levels of the last routed step (None when flat): what a replayed cascade step plans."""
+        return self._levels
 
     def plan(self, step: StepPlan, num_pages: int) -> None:
         heads = {"num_qo_heads": self.num_qo_heads, "num_kv_heads": self.num_kv_heads, "num_pages": num_pages}
         if step.decode is not None:
             if self._route == "cascade":  # the levels the route derived, explicit: host page ids
-                levels = [CascadeLevel(t.qo_indptr, t.kv_indptr, t.kv_indices, t.kv_last_page_len)
-                          for t in self._levels]
-                self.cascade.plan(levels=levels, policy=self.cascade_policy, **heads)
+                self.cascade.plan(levels=cascade_plan_levels(self._levels), policy=self.cascade_policy, **heads)
             else:
                 self.decode.plan(**step.decode.csr(), **heads)
         if step.prefill is not None:

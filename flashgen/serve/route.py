@@ -1,33 +1,35 @@
-"""The decode rows' route: flat (one decode launch a layer, replayed from a CUDA graph where the engine can) or
-the cascade (shared pages read once a group), chosen by the step's host and GPU time together.
+"""The decode rows' route: flat (one decode launch a layer) or the cascade (shared pages read once a group), each
+replayed from a CUDA graph where the engine can, chosen by the step's host and GPU time together.
 
 The cascade's cost model (``flashgen.plan.choose_levels``) weighs GPU time only: the bytes a shared level saves
-against its launches and matrix work. A serving step pays host time too, and the two routes differ there:
-a cascade step runs eagerly (``graphs.DecodeGraphs`` replays flat decode-only steps), so where the flat step
-would replay a graph the cascade also pays every layer's eager model ops; it plans one wrapper a level that
-runs (and derives the levels from the page ids first), and it launches each level and a merge a layer. Per step,
-in µs (``HostCosts`` holds the constants)::
+against its launches and matrix work. A serving step pays host time too, and the two routes differ there: the
+cascade derives its levels from the page ids and plans one wrapper a level, and, eager, launches each level and
+a merge a layer. A decode-only step that a bucket holds replays either route from a CUDA graph
+(``graphs.DecodeGraphs``; a cascade graph runs ``CASCADE_LEVELS`` levels, so the route derives no more for such
+a step); other steps run every layer's model ops eagerly. Per step, in µs (``HostCosts`` holds the constants)::
 
-    flat, replayed    plan_us + replay_us                                           + layers * attention
-    flat, eager       plan_us + layers * (layer_us + launch_us)                     + layers * attention
-    cascade (eager)   derive + runs * plan_us + layers * (layer_us + (2 runs - 1) * launch_us)
-                                                                                    + layers * (attention - saving)
+    flat, replayed      plan_us + replay_us                                          + layers * attention
+    flat, eager         plan_us + layers * (layer_us + launch_us)                    + layers * attention
+    cascade, replayed   derive + runs * plan_us + replay_us                          + layers * (attention - saving)
+    cascade, eager      derive + runs * plan_us + layers * (layer_us + (2 runs - 1) * launch_us)
+                                                                                     + layers * (attention - saving)
 
-``runs``: the levels that run (shared ones and the last); ``saving``: the GPU µs a layer the running shared
-levels save (``flat_us - cascade_us`` of each, the cascade's cost model); ``derive``: the level derivation
-(``derive_us``). The cascade is chosen where its host cost over the flat path's is below ``layers * saving``.
-Host and GPU time add (the eager loop synchronizes around each layer's attention, and at this size the host
-bounds the step); the model's GPU work outside attention is the same on either route and is left out.
+``runs``: the levels that run (shared ones and the last; a replayed cascade plans ``CASCADE_LEVELS``);
+``saving``: the GPU µs a layer the running shared levels save (``flat_us - cascade_us`` of each, the cascade's
+cost model); ``derive``: the level derivation (``derive_us``). The cascade is chosen where its host cost over
+the flat path's is below ``layers * saving``. Host and GPU time add (the eager loop synchronizes around each
+layer's attention, and at this size the host bounds the step); the model's GPU work outside attention is the
+same on either route and is left out.
 
 Before any page id past the first of each row is read, one bound settles most steps: rows share pages only
 with neighbours that start with the same page, so a layer cannot save more than those pairs' reads
 (``shared_tokens_bound``, at the copy rate); where ``layers`` times that is below the cascade's least extra host
 cost (two levels), the rows go flat without deriving levels. ``flashgen demo`` on the H200 (8 layers, 32 q / 8 kv
 heads x 128, bf16, up to 128 rows, a third of them after one 512-token system prompt): the neighbours' reads
-are ~32k tokens, 30 µs a layer, 240 µs a step, against the cascade's least extra host cost of ~3.0 ms over a
-replayed step (the eager layers) or ~0.5 ms over an eager one (its derivation, a second plan, two more launches
-a layer): flat. 128 requests after a 32k-token shared prefix: flat reads 17.2 GB a layer (4.0 ms), the shared
-level saves 3.7 ms of it, 30 ms a step at 8 layers against ~3.4 ms of host: the cascade.
+are ~32k tokens, 30 µs a layer, 240 µs a step, against the cascade's least extra host cost of ~0.36 ms (its
+derivation and a second plan; eager, also two more launches a layer: ~0.5 ms): flat. 128 requests after a
+32k-token shared prefix: flat reads 17.2 GB a layer (4.0 ms), the shared level saves 3.7 ms of it, 30 ms a step
+at 8 layers against ~0.6 ms of host replayed (~0.8 ms eager): the cascade.
 """
 
 from __future__ import annotations
@@ -44,8 +46,11 @@ from ..plan.cascade_cost import CascadePolicy, Shape, check_policy, choose_level
 from ..spec import AttentionSpec
 
 
+CASCADE_LEVELS = 2  # the levels of a replayed cascade step: one shared level and the last (deeper pages stay there)
+
+
 class HostCosts(NamedTuple):
-    """Host µs of the serving loop's parts, for the route (module docstring). Defaults: the H200 host's.
+    """Host µs of the serving loop's parts, for the route (module docstring); the defaults as each says.
 
     ``launch_us``: one launch through a wrapper's ``run()`` (8-11 µs measured on the H200 host; the bare
     ``cuLaunchKernel`` is 4.7 µs, docs/DESIGN.md). ``plan_us``: one wrapper ``plan()`` (the ~100 µs budget).
@@ -89,17 +94,19 @@ def _check_costs(costs: object) -> HostCosts:
 
 
 def step_host_us(route: str, layers: int, graph: bool, runs: int, pages: int, costs: HostCosts) -> float:
-    """Host µs of a step's decode route (module docstring): ``"flat"`` (replayed from a graph when ``graph``)
-    or ``"cascade"`` with ``runs`` levels running over ``pages`` page ids.
+    """Host µs of a step's decode route (module docstring): ``"flat"`` or ``"cascade"`` with ``runs`` levels
+    running over ``pages`` page ids, replayed from a graph when ``graph``.
 
     >>> costs = HostCosts()
-    >>> [round(step_host_us(route, 8, graph, 2, 4582, costs)) for route, graph in
-    ...  (("flat", True), ("flat", False), ("cascade", True))]
-    [120, 2580, 3095]
+    >>> [round(step_host_us(route, 8, graph, 2, 4582, costs)) for route in ("flat", "cascade")
+    ...  for graph in (True, False)]
+    [120, 2580, 475, 3095]
     """
     if route == "flat":
         return costs.plan_us + (costs.replay_us if graph else layers * (costs.layer_us + costs.launch_us))
     derive = costs.derive_us + costs.derive_ns_per_page * 1e-3 * pages
+    if graph:
+        return derive + CASCADE_LEVELS * costs.plan_us + costs.replay_us
     return derive + runs * costs.plan_us + layers * (costs.layer_us + (2 * runs - 1) * costs.launch_us)
 
 
@@ -133,17 +140,18 @@ def shared_tokens_bound(decode: PageTables) -> int:
     return int(np.minimum(lens[:-1], lens[1:])[pairs].sum())
 
 
-def cascade_levels(decode: PageTables, spec: AttentionSpec, shape: Shape, policy: CascadePolicy):
+def cascade_levels(decode: PageTables, spec: AttentionSpec, shape: Shape, policy: CascadePolicy,
+                   max_levels: int | None = None):
     """``(levels as they run, the cost model's choices)`` of decode rows ``decode`` (levels derived from the
-    host page ids, neighbours compared as block-table rows; those that do not pay folded), or None where nothing
-    shared runs on its own."""
+    host page ids, neighbours compared as block-table rows, at most ``max_levels``; those that do not pay
+    folded), or None where nothing shared runs on its own."""
     batch = int(decode.seq_lens.numel())
     if batch < 2:
         return None
     page_size = spec.kv_layout.page_size
     levels, flat = derive_levels(np.arange(batch + 1), decode.kv_indptr.numpy(), decode.kv_indices_host.numpy(),
                                  decode.kv_last_page_len.numpy(), page_size, with_table=True,
-                                 block_table=decode.block_table_host.numpy())
+                                 block_table=decode.block_table_host.numpy(), max_levels=max_levels)
     if len(levels) == 1:
         return None
     kept, tables, choices = choose_levels(levels, shape, page_size, policy, False, flat)
@@ -152,9 +160,10 @@ def cascade_levels(decode: PageTables, spec: AttentionSpec, shape: Shape, policy
 
 def route_decode(decode: PageTables, spec: AttentionSpec, num_qo_heads: int, num_kv_heads: int, *,
                  layers: int = 1, graph: bool = False, policy: CascadePolicy | None = None,
-                 host_costs: HostCosts | None = None) -> Route:
+                 host_costs: HostCosts | None = None, max_levels: int | None = None) -> Route:
     """The route of a step's decode rows ``decode`` (page tables, host lengths and page ids) through ``layers``
-    layers; ``graph``: the flat step would replay a CUDA graph (decode-only, a bucket holds it). ``policy.fold``
+    layers; ``graph``: the step would replay a CUDA graph (decode-only, a bucket holds it); ``max_levels``: the
+    most levels the cascade may run (``CASCADE_LEVELS`` for a replayed one). ``policy.fold``
     ``"always"`` routes flat, ``"never"`` through the cascade wherever a shared level has keys, ``"cost"`` (the
     default) by the step model (module docstring). Host work: O(1) where the bound settles it, else one
     derivation of the levels (numpy passes over the page ids); no GPU sync.
@@ -177,7 +186,7 @@ def route_decode(decode: PageTables, spec: AttentionSpec, num_qo_heads: int, num
         bound = flat_read_us(shared_tokens_bound(decode), shape, policy)
         if layers * bound <= step_host_us("cascade", layers, graph, 2, pages, costs) - flat_host:
             return Route("flat", None, flat_us, None)
-    found = cascade_levels(decode, spec, shape, policy)
+    found = cascade_levels(decode, spec, shape, policy, max_levels)
     if found is None:
         return Route("flat")
     tables, choices = found

@@ -1,7 +1,7 @@
 """The decode rows' route by host and GPU time together (flashgen/serve/route.py), on the CPU: the demo's shapes
 go flat (replayed or eager) without deriving levels; a long shared prefix under a big batch goes through the
-cascade; a replayable step asks more of the cascade than an eager one; the engine hands the route its layers and
-whether the step would replay."""
+cascade; the host costs weigh against the reads saved; a replayable step derives no more levels than a cascade
+graph runs; the engine hands the route its layers and whether the step would replay."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ from unittest import mock
 
 import numpy as np
 import pytest
+import torch
 
 from flashgen.kvcache.tables import build_tables
 from flashgen.plan.cascade_cost import CascadePolicy
-from flashgen.serve import Engine, EngineConfig, ModelConfig, ReferenceAttention, Request, TinyLlama, route
+from flashgen.serve import (Engine, EngineConfig, ModelConfig, ReferenceAttention, Request, StepPlan, TinyLlama,
+                            route)
 from flashgen.serve.backends import specs
 from flashgen.serve.route import HostCosts, route_decode
 
@@ -55,19 +57,37 @@ def test_a_long_shared_prefix_under_a_big_batch_goes_through_the_cascade():
     assert route_decode(tables, SPEC, **DEMO, policy=CascadePolicy(fold="always")).name == "flat"
 
 
-def test_a_replayable_step_asks_more_of_the_cascade_than_an_eager_one():
-    # a 2k shared prefix saves ~230 us of reads a layer: more than the cascade's extra plan and launches, less
-    # than the eager layers a replayed step does not pay
+def test_the_step_model_weighs_the_host_against_the_reads_saved():
+    # a 2k shared prefix saves ~230 us of reads a layer: over 8 layers more than the cascade's derivation, second
+    # plan and (eager) two more launches a layer; over one layer less
     tables = decode_tables(128, 128, (4, 8))
-    eager, replayed = (route_decode(tables, SPEC, **DEMO, graph=graph) for graph in (False, True))
-    assert (eager.name, replayed.name) == ("cascade", "flat")
-    assert replayed.cascade_us is None  # settled by the bound, no levels derived
-    assert eager.cascade_us < eager.flat_us
-    # one layer saves an eighth as much: the eager step goes flat too
-    assert route_decode(tables, SPEC, 32, 8, layers=1).name == "flat"
-    # free host work: the GPU-time model's answer
+    for graph in (True, False):
+        found = route_decode(tables, SPEC, **DEMO, graph=graph)
+        assert found.name == "cascade" and found.cascade_us < found.flat_us, graph
+    one = route_decode(tables, SPEC, 32, 8, layers=1, graph=True)
+    assert one.name == "flat" and one.cascade_us is None  # settled by the bound, no levels derived
+    # a slow host: the eager cascade pays its plans and launches, a replayed one only its plans
+    slow = HostCosts(plan_us=300.0, launch_us=100.0)
+    eager, replayed = (route_decode(tables, SPEC, **DEMO, graph=graph, host_costs=slow) for graph in (False, True))
+    assert (eager.name, replayed.name) == ("flat", "cascade")
+    # free host work: the GPU-time model's answer, one layer too
     free = HostCosts(*(0.0,) * len(HostCosts._fields))
-    assert route_decode(tables, SPEC, **DEMO, graph=True, host_costs=free).name == "cascade"
+    assert route_decode(tables, SPEC, 32, 8, layers=1, graph=True, host_costs=free).name == "cascade"
+
+
+def test_a_replayable_step_derives_at_most_the_graph_s_levels():
+    # requests 0-3 share 64 pages, 0-1 another 64 beneath: three levels eager, two for a cascade graph (the
+    # deeper shared pages stay in the last level)
+    lists = [list(range(64)) + ([1000 + i for i in range(64)] if b < 2 else []) + [2000 + b] for b in range(4)]
+    tables = build_tables(lists, [len(p) * PAGE for p in lists], PAGE)
+    never = CascadePolicy(fold="never")
+    assert len(route_decode(tables, SPEC, **DEMO, policy=never).levels) == 3
+    capped = route_decode(tables, SPEC, **DEMO, policy=never, max_levels=route.CASCADE_LEVELS).levels
+    assert len(capped) == 2 and capped[0].kv_lens.tolist() == [64 * PAGE]
+    assert capped[1].kv_lens.tolist() == [65 * PAGE, 65 * PAGE, PAGE, PAGE]
+    backend = ReferenceAttention(128, PAGE, 32, 8, cascade_policy=never)
+    assert backend.route(StepPlan(tables, None, 8, graph=True)) == "cascade" and len(backend.levels) == 2
+    assert backend.route(StepPlan(tables, None, 8, graph=False)) == "cascade" and len(backend.levels) == 3
 
 
 def test_small_batches_and_nothing_shared_go_flat():
@@ -129,3 +149,48 @@ def test_the_cpu_path_decodes_the_same_tokens_whichever_route():
         result = check_against_dense(model, engine.finished, tol=1e-3)
         assert result.ok, result.failures
     assert "cascade" not in routes["cost"] and "cascade" in routes["never"]
+
+
+def test_a_cascade_graph_bucket_plans_the_route_s_levels_with_kernels_stubbed():
+    """A replayable cascade step: the route's levels (at most CASCADE_LEVELS) plan the bucket's graph-mode
+    CascadeWrapper (its merge and the capture need CUDA: tests/serve/test_studies.py runs them on a GPU)."""
+    from types import SimpleNamespace
+
+    from stub_cuda import stubbed_cuda
+
+    from flashgen.api import cascade as cascade_module
+    from flashgen.kvcache import PagedKVCache
+    from flashgen.serve import WrapperAttention
+    from flashgen.serve.graphs import DecodeGraphs
+
+    cache = PagedKVCache(64, 4, 2, 64, torch.bfloat16, kv_form="pair")
+    prompt = list(range(1, 10))
+    for rid in range(3):
+        cache.add(rid, tokens=prompt + [20 + rid])
+        cache.allocate(rid, 10, tokens=prompt + [20 + rid])
+    cache.add(5)
+    cache.allocate(5, 7)
+    cpu = lambda device=None: torch.device("cpu")  # noqa: E731
+
+    def capture(self, bucket):
+        bucket.graph, bucket.logits = SimpleNamespace(replay=lambda: None), torch.zeros(bucket.size, 8)
+
+    with stubbed_cuda(), mock.patch.object(cascade_module, "resolve_device", cpu), \
+            mock.patch.object(DecodeGraphs, "_capture", capture):
+        backend = WrapperAttention(64, 4, 4, 2, device="cpu", cascade_policy=CascadePolicy(fold="never"))
+        step = StepPlan(cache.page_tables([0, 1, 2, 5]), None, 2, graph=True)
+        assert backend.route(step) == "cascade" and len(backend.levels) == 2
+        engine = SimpleNamespace(backend=backend, cache=cache, config=SimpleNamespace(max_batch=8),
+                                 model=SimpleNamespace(device=torch.device("cpu"),
+                                                       config=SimpleNamespace(num_heads=4, num_kv_heads=2)))
+        graphs = DecodeGraphs(engine)
+        logits = graphs.forward([1, 2, 3, 4], np.arange(4), torch.arange(4, dtype=torch.int32), step.decode,
+                                backend.levels)
+        assert logits.shape == (4, 8) and graphs.replays == 1
+        bucket = graphs._built["cascade", 4]
+        assert [level.runs for level in bucket.wrapper.levels] == ["portable", "decode"]
+        assert bucket.wrapper.levels[0].kv_tokens == 8  # the two shared pages, once
+        # a flat step of the same size has its own bucket
+        graphs.forward([1, 2, 3], np.arange(3), torch.arange(3, dtype=torch.int32),
+                       cache.page_tables([0, 1, 5], "cpu"), None)
+        assert set(graphs._built) == {("cascade", 4), ("flat", 4)}
