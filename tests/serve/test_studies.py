@@ -366,7 +366,7 @@ def test_cascade_decode_replayed_from_graphs_equals_the_eager_cascade():
         engine.run(max_steps=500)
         assert engine.idle
         routes = {r.route for r in engine.records}
-        assert ("cascade graph" in routes) == graphs and ("cascade" in routes) != graphs, routes
+        assert ("cascade graph" in routes) == graphs and (graphs or "cascade" in routes), routes
         if graphs:
             assert any(route == "cascade" for route, _ in engine.graphs._built)
             assert engine.graphs.replays > engine.graphs.captures
