@@ -1,6 +1,7 @@
-"""Host time of the serving loop's decode route on the CPU: ``derive_levels`` alone, the route's decision
-(``WrapperAttention.route``, 8 layers, for a step that would replay a CUDA graph and for an eager one) and the
-cascade's whole host path (route + ``plan()``, the cascade forced; CUDA calls stubbed, tests/stub_cuda.py), on decode batches shaped like
+"""Host time of the serving loop's decode route on the CPU: ``derive_levels`` alone (CSR, and with the block
+table), the route's decision (``WrapperAttention.route``, 8 layers, for a step that would replay a CUDA graph
+and for an eager one) and the cascade's whole host path (route + ``plan()``, the cascade forced; CUDA calls
+stubbed, tests/stub_cuda.py), on decode batches shaped like
 ``flashgen demo``'s (128 requests, a third sharing a 32-page system prompt, 1-48 pages of their own) and like a
 long shared prefix (128 requests sharing 64-2048 pages, 16 pages each of their own: 80-2064 pages a request).
 

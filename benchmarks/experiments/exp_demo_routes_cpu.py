@@ -49,7 +49,8 @@ def main() -> None:
                                                     max_batch=MAX_BATCH), backend)
     engine.submit(workload(256, config.vocab, 512, 0, long=True))
     engine.run()
-    print(f"{len(engine.records)} steps, mean batch {sum(r.live_seqs for r in engine.records) / len(engine.records):.1f}")
+    records = engine.records
+    print(f"{len(records)} steps, mean batch {sum(r.live_seqs for r in records) / len(records):.1f}")
     for (route, graph), times in sorted(backend.times.items()):
         times.sort()
         print(f"{route or '(no decode rows)':8} {'replayable' if graph else 'eager':10} {len(times):4d} steps, route "
