@@ -7,11 +7,12 @@ Two backends behind one interface: ``WrapperAttention`` (the GPU kernels: ``Batc
 ``flashgen.testing.reference.reference_attention``, fp64, on any machine). Rows of a step are ordered decode
 rows first, then the prefill chunks.
 
-The decode rows' route (``route``): requests that share leading pages (a system prompt from the prefix cache,
-forks of one prompt) sit next to each other, so the cascade's derived levels (``flashgen.plan.derive_levels``)
-find the shared pages; where the cascade's cost model (``flashgen.plan.choose_levels``) runs at least one
-shared level on its own, the rows go through the cascade ("cascade"), else through one decode ("flat", which
-the engine may replay from a CUDA graph). Host work only: one numpy pass over the page ids.
+The decode rows' route (``route``, ``route.route_decode``): requests that share leading pages (a system prompt
+from the prefix cache, forks of one prompt) sit next to each other, so the cascade's derived levels
+(``flashgen.plan.derive_levels``) find the shared pages; the rows go through the cascade ("cascade") where its
+step, host and GPU time together, is estimated shorter than the flat one's ("flat": one decode), else flat. The
+engine replays either route from a CUDA graph where it can (``graphs.DecodeGraphs``). The levels the route
+derived are the ones the cascade then plans (explicit levels: nothing derived twice). No GPU sync.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import numpy as np
 import torch
 
 from ..kvcache import PageTables
-from ..plan.cascade import LevelTable, derive_levels
-from ..plan.cascade_cost import CascadePolicy, Shape, check_policy, choose_levels
+from ..plan.cascade import CascadeLevel, LevelTable
+from ..plan.cascade_cost import CascadePolicy, check_policy
 from ..spec import AttentionSpec, Causal, Paged
+from .route import CASCADE_LEVELS, HostCosts, attention_shape, cascade_levels, route_decode
 
 
 def specs(head_dim: int, page_size: int, dtype: str) -> tuple[AttentionSpec, AttentionSpec]:
@@ -35,40 +37,30 @@ def specs(head_dim: int, page_size: int, dtype: str) -> tuple[AttentionSpec, Att
 def cascade_tables(decode: PageTables, spec: AttentionSpec, num_qo_heads: int, num_kv_heads: int,
                    policy: CascadePolicy | None = None) -> list[LevelTable] | None:
     """The levels the cascade would run for decode rows ``decode`` (shared levels, then the per-request one),
-    or None when the cost model folds every shared level (or nothing is shared): attend flat.
+    or None when the cost model folds every shared level (or nothing is shared): attend flat. GPU time only;
+    the route (``route.route_decode``) weighs the step's host time too.
 
     >>> tables = cascade_tables(cache.page_tables(ids), spec, 32, 8)  # doctest: +SKIP
     """
-    batch = int(decode.seq_lens.numel())
-    if batch < 2:
-        return None
-    page_size = spec.kv_layout.page_size
-    levels, flat = derive_levels(np.arange(batch + 1), decode.kv_indptr.numpy(), decode.kv_indices_host.numpy(),
-                                 decode.kv_last_page_len.numpy(), page_size, with_table=True)
-    if len(levels) == 1:
-        return None
-    shape = Shape(num_qo_heads, num_kv_heads, spec.head_dim, spec.head_dim_vo, _itemsize(spec.kv_dtype),
-                  _itemsize(spec.dtype), _tile_rows(spec))
-    kept, tables, _ = choose_levels(levels, shape, page_size, check_policy(policy), False, flat)
-    return tables if len(kept) > 1 else None
+    found = cascade_levels(decode, spec, attention_shape(spec, num_qo_heads, num_kv_heads), check_policy(policy))
+    return None if found is None else found[0]
 
 
-def _itemsize(dtype: str) -> int:
-    return getattr(torch, dtype).itemsize
-
-
-def _tile_rows(spec: AttentionSpec) -> int:
-    from ..kernels import launch_config
-
-    return launch_config(spec, "prefill").tile_q
+def cascade_plan_levels(tables: list[LevelTable]) -> list[CascadeLevel]:
+    """Levels as the route derived them, as ``CascadeWrapper.plan(levels=...)`` takes them (host page ids)."""
+    return [CascadeLevel(t.qo_indptr, t.kv_indptr, t.kv_indices, t.kv_last_page_len) for t in tables]
 
 
 class StepPlan:
     """One step's batch: ``decode`` (page tables of the decode rows' requests, or None) and ``prefill``
-    (``(qo_indptr [batch + 1] int32, tables)`` of the chunked requests, or None)."""
+    (``(qo_indptr [batch + 1] int32, tables)`` of the chunked requests, or None); ``layers``: the layers it runs
+    through; ``graph``: the step would replay a CUDA graph, flat or through the cascade (``graphs.DecodeGraphs``:
+    decode-only, a bucket holds it), which the route weighs."""
 
-    def __init__(self, decode: PageTables | None, prefill: tuple[np.ndarray, PageTables] | None):
+    def __init__(self, decode: PageTables | None, prefill: tuple[np.ndarray, PageTables] | None, layers: int = 1,
+                 graph: bool = False):
         self.decode, self.prefill = decode, prefill
+        self.layers, self.graph = layers, graph
         self.num_decode = 0 if decode is None else int(decode.seq_lens.numel())
 
 
@@ -79,22 +71,31 @@ class ReferenceAttention:
     name = "fp64 reference"
 
     def __init__(self, head_dim: int, page_size: int, num_qo_heads: int, num_kv_heads: int,
-                 cascade_policy: CascadePolicy | None = None):
+                 cascade_policy: CascadePolicy | None = None, host_costs: HostCosts | None = None):
         # the reference reads the layout and the mask of a spec, not its dtype: fp64 math over any K/V dtype
         self.decode_spec, self.prefill_spec = specs(head_dim, page_size, "bfloat16")
         self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
         self.cascade_policy = check_policy(cascade_policy)
+        self.host_costs = host_costs
         self._plan: StepPlan | None = None
         self._levels: list[LevelTable] | None = None
 
     def route(self, step: StepPlan) -> str:
-        """"cascade" or "flat" for the decode rows ("" without any); remembered for ``plan``."""
+        """"cascade" or "flat" for the decode rows ("" without any), as the GPU loop routes them (the same
+        model: ``route.route_decode``); remembered for ``plan``."""
         self._levels = None
         if step.decode is None:
             return ""
-        self._levels = cascade_tables(step.decode, self.decode_spec, self.num_qo_heads, self.num_kv_heads,
-                                      self.cascade_policy)
-        return "flat" if self._levels is None else "cascade"
+        found = route_decode(step.decode, self.decode_spec, self.num_qo_heads, self.num_kv_heads, layers=step.layers,
+                             graph=step.graph, policy=self.cascade_policy, host_costs=self.host_costs,
+                             max_levels=CASCADE_LEVELS if step.graph else None)
+        self._levels = found.levels
+        return found.name
+
+    @property
+    def levels(self) -> list[LevelTable] | None:
+        """The cascade's levels of the last routed step (None when flat)."""
+        return self._levels
 
     def plan(self, step: StepPlan, num_pages: int) -> None:
         self._plan = step
@@ -138,14 +139,15 @@ def _reference(spec: AttentionSpec, q: torch.Tensor, kv, qo_indptr: np.ndarray, 
 class WrapperAttention:
     """The GPU path: one ``BatchDecodeWrapper``, one ``CascadeWrapper`` (decode rows that share pages, where its
     cost model says so) and one ``BatchPrefillWrapper`` (paged causal), each planned once per step (host
-    lengths, device page ids) and run once per layer. ``graphs_ok``: the engine may replay flat decode-only
-    steps from CUDA graphs (``graphs.DecodeGraphs``)."""
+    lengths, device page ids) and run once per layer. ``graphs_ok``: the engine may replay decode-only steps
+    from CUDA graphs (``graphs.DecodeGraphs``)."""
 
     name = "flashgen wrappers"
     graphs_ok = True
 
     def __init__(self, head_dim: int, page_size: int, num_qo_heads: int, num_kv_heads: int, dtype: str = "bfloat16",
-                 device: torch.device | str = "cuda", cascade_policy: CascadePolicy | None = None):
+                 device: torch.device | str = "cuda", cascade_policy: CascadePolicy | None = None,
+                 host_costs: HostCosts | None = None):
         from ..api import BatchDecodeWrapper, BatchPrefillWrapper, CascadeWrapper
 
         self.decode_spec, self.prefill_spec = specs(head_dim, page_size, dtype)
@@ -155,26 +157,32 @@ class WrapperAttention:
         self.cascade = CascadeWrapper(self.decode_spec, device=device)
         self.prefill = BatchPrefillWrapper(self.prefill_spec, device=device)
         self.cascade_policy = check_policy(cascade_policy)
+        self.host_costs = host_costs
         self._plan: StepPlan | None = None
         self._route = ""
+        self._levels: list[LevelTable] | None = None
 
     def route(self, step: StepPlan) -> str:
-        """"cascade" or "flat" for the decode rows ("" without any); remembered for ``plan``."""
-        self._route = ""
+        """"cascade" or "flat" for the decode rows ("" without any; ``route.route_decode``); remembered, with
+        the cascade's levels, for ``plan``."""
+        self._route, self._levels = "", None
         if step.decode is not None:
-            tables = cascade_tables(step.decode, self.decode_spec, self.num_qo_heads, self.num_kv_heads,
-                                    self.cascade_policy)
-            self._route = "flat" if tables is None else "cascade"
+            found = route_decode(step.decode, self.decode_spec, self.num_qo_heads, self.num_kv_heads,
+                                 layers=step.layers, graph=step.graph, policy=self.cascade_policy,
+                                 host_costs=self.host_costs, max_levels=CASCADE_LEVELS if step.graph else None)
+            self._route, self._levels = found.name, found.levels
         return self._route
+
+    @property
+    def levels(self) -> list[LevelTable] | None:
+        """The cascade's levels of the last routed step (None when flat): what a replayed cascade step plans."""
+        return self._levels
 
     def plan(self, step: StepPlan, num_pages: int) -> None:
         heads = {"num_qo_heads": self.num_qo_heads, "num_kv_heads": self.num_kv_heads, "num_pages": num_pages}
         if step.decode is not None:
-            if self._route == "cascade":  # derived levels read host page ids
-                d = step.decode
-                self.cascade.plan(qo_indptr=np.arange(step.num_decode + 1), kv_indptr=d.kv_indptr,
-                                  kv_indices=d.kv_indices_host, kv_last_page_len=d.kv_last_page_len,
-                                  policy=self.cascade_policy, **heads)
+            if self._route == "cascade":  # the levels the route derived, explicit: host page ids
+                self.cascade.plan(levels=cascade_plan_levels(self._levels), policy=self.cascade_policy, **heads)
             else:
                 self.decode.plan(**step.decode.csr(), **heads)
         if step.prefill is not None:

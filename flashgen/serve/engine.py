@@ -22,7 +22,7 @@ A step:
    ``append_kv`` launch that rotates K too) and run the attention; rows that end a request's known tokens
    are sampled. A request with ``n > 1`` is forked (``cache.fork``) into ``n - 1`` more completions once
    its prompt is computed: they share its pages and sample their own tokens. On the GPU, decode-only steps
-   replay a CUDA graph of the whole layer stack per batch-size bucket (``graphs.DecodeGraphs``);
+   replay a CUDA graph of the whole layer stack per route and batch-size bucket (``graphs.DecodeGraphs``);
 4. finished requests free their pages.
 """
 
@@ -106,7 +106,8 @@ class EngineConfig:
 @dataclass(frozen=True)
 class StepRecord:
     """What one step did: requests and tokens, seconds (whole step, attention calls: 0 for a replayed graph),
-    pages after it, and how the decode rows' attention ran (``route``: "flat", "cascade", "graph" or "")."""
+    pages after it, and how the decode rows' attention ran (``route``: "flat", "cascade", "graph" (flat, replayed),
+    "cascade graph" or "")."""
 
     decode_rows: int
     prefill_tokens: int
@@ -345,12 +346,14 @@ class Engine:
             qo = np.zeros(len(prefills) + 1, dtype=np.int32)
             np.cumsum([n for _, n, _ in prefills], out=qo[1:])
             prefill = (qo, self.cache.page_tables([r.rid for r, _, _ in prefills], device))
-        step = StepPlan(decode_tables, prefill)
+        replayable = prefill is None and self.graphs is not None and self.graphs.fits(len(decodes))
+        step = StepPlan(decode_tables, prefill, self.model.config.num_layers, replayable)
         route = self.backend.route(step)
-        if route == "flat" and prefill is None and self.graphs is not None and self.graphs.fits(len(decodes)):
-            logits = self.graphs.forward(tokens, positions, slots, decode_tables)
+        if replayable:  # flat or through the cascade, one graph of the whole layer stack
+            levels = self.backend.levels if route == "cascade" else None
+            logits = self.graphs.forward(tokens, positions, slots, decode_tables, levels)
             logits = logits[torch.from_numpy(ends[sampled]).to(logits.device)]
-            route = "graph"
+            route = "graph" if levels is None else "cascade graph"
         else:
             self.backend.plan(step, self.cache.num_pages)
             pos = torch.from_numpy(positions)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-ROUTE_COLORS = {"graph": "tab:green", "cascade": "tab:purple", "flat": "tab:blue", "": "tab:orange"}
+ROUTE_COLORS = {"graph": "tab:green", "cascade graph": "tab:pink", "cascade": "tab:purple", "flat": "tab:blue",
+                "": "tab:orange"}
 
 
 def write_plot(engine, path: str) -> str:

@@ -18,8 +18,9 @@ class Summary:
     ``max_waste_per_seq``: most waste tokens per live request after a step (below page_size by construction);
     ``p50/p99_token_latency``: time between a request's consecutive output tokens (time to first token apart);
     ``attention_share`` is measured over the steps that ran eagerly (a replayed graph is not timed inside);
-    ``routes``: steps by how their decode rows ran ("flat", "cascade", "graph"); ``policy``: the out-of-pages
-    policy, ``stalls``/``swaps``: its stalled growths and swap-outs; ``forks``: completions forked (n > 1)."""
+    ``routes``: steps by how their decode rows ran ("flat", "cascade", "graph", "cascade graph"); ``policy``: the
+    out-of-pages policy, ``stalls``/``swaps``: its stalled growths and swap-outs; ``forks``: completions forked
+    (n > 1)."""
 
     steps: int
     seconds: float
@@ -61,7 +62,7 @@ def summarize(engine) -> Summary:
     waste = np.array([r.waste_tokens for r in rec] or [0])
     live = np.array([r.live_seqs for r in rec] or [0])
     gaps = [b - a for r in engine.finished for a, b in zip(r.token_times, r.token_times[1:])]  # after the first
-    eager = [r for r in rec if r.route != "graph"]
+    eager = [r for r in rec if r.route not in ("graph", "cascade graph")]
     eager_seconds = sum(r.seconds for r in eager)
     routes = {}
     for r in rec:
@@ -85,7 +86,7 @@ def summarize(engine) -> Summary:
 
 
 _ROUTES = {"flat": "flat decode", "cascade": "through the cascade (shared pages read once a group)",
-           "graph": "replayed from CUDA graphs"}
+           "graph": "replayed from CUDA graphs", "cascade graph": "through the cascade replayed from CUDA graphs"}
 
 
 def _ms(seconds: float | None) -> str:

@@ -57,6 +57,21 @@ def unique_tokens(lists, last, page_size) -> int:
     return sum(used.values())
 
 
+def block_table(lists: list[list[int]], pad: int = 0) -> np.ndarray:
+    """The block table of ``lists`` (rows padded with -1, ``pad`` columns more than the longest)."""
+    table = np.full((len(lists), max(map(len, lists), default=0) + pad), -1, np.int32)
+    for b, pages in enumerate(lists):
+        table[b, :len(pages)] = pages
+    return table
+
+
+def assert_same_levels(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for name in ("qo_indptr", "kv_lens", "kv_indptr", "kv_indices", "kv_last_page_len"):
+            assert getattr(x, name).tolist() == getattr(y, name).tolist(), name
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 12), depth=st.integers(0, 4),
        page_size=st.sampled_from([1, 4, 16, 17]), decode=st.booleans(), causal=st.booleans())
@@ -68,6 +83,8 @@ def test_derived_levels_of_prefix_trees(seed, batch, depth, page_size, decode, c
     qo = np.concatenate([[0], np.cumsum(qo_lens)])
     levels = derive_levels(qo, **csr(lists, last), page_size=page_size, causal=causal)
     assert_levels_cover(levels, lists, last, qo_lens, page_size)
+    assert_same_levels(levels, derive_levels(qo, **csr(lists, last), page_size=page_size, causal=causal,
+                                             block_table=block_table(lists, seed % 3)))
     if decode or not causal:  # (a causal prefill's sharing is cut at each request's first query: more levels)
         assert len(levels) <= depth + 1
     for parent, child in zip(levels, levels[1:]):  # derived groups nest
@@ -95,8 +112,11 @@ def test_derived_levels_of_arbitrary_page_lists(seed, batch, alphabet, page_size
     if batch > 1 and lists[1] == lists[0] and rng.random() < 0.5:
         last[1] = last[0]
     qo_lens = rng.integers(1, 3, batch)
-    levels = derive_levels(np.concatenate([[0], np.cumsum(qo_lens)]), **csr(lists, last), page_size=page_size)
+    qo = np.concatenate([[0], np.cumsum(qo_lens)])
+    levels = derive_levels(qo, **csr(lists, last), page_size=page_size)
     assert_levels_cover(levels, lists, last, qo_lens, page_size)
+    assert_same_levels(levels, derive_levels(qo, **csr(lists, last), page_size=page_size,
+                                             block_table=block_table(lists)))
 
 
 def test_the_worked_examples_hold():
@@ -132,17 +152,31 @@ def test_causal_shares_only_keys_before_the_first_query():
 
 
 def test_derivation_of_a_long_shared_prefix_compares_pairs_both_ways():
-    # pairs compared one by one (few long lists) and in one gather (many short ones) give the same levels
+    # pairs compared one by one (few long lists), in one gather (many short ones) and as block-table rows give
+    # the same levels
     for batch, pre, suf in ((8, 300, 5), (400, 2, 1)):
         lists = [list(range(pre)) + [pre + b * suf + i for i in range(suf)] for b in range(batch)]
         lists[batch // 2][pre // 2] = 10**6  # one request branches off halfway
         last = np.full(batch, 16, np.int32)
         levels = derive_levels(np.arange(batch + 1), **csr(lists, last), page_size=16)
         assert_levels_cover(levels, lists, last, np.ones(batch, np.int64), 16)
+        assert_same_levels(levels, derive_levels(np.arange(batch + 1), **csr(lists, last), page_size=16,
+                                                 block_table=torch.from_numpy(block_table(lists))))
         # the first half of the prefix read once, its second half once by each side of the branch and once by
         # the request that branched, every suffix once
         half = pre // 2
         assert sum(int(t.kv_lens.sum()) for t in levels) == 16 * (half + 3 * (pre - half) + batch * suf)
+
+
+def test_a_block_table_that_is_not_the_csr_s_pages_is_refused():
+    lists = [[1, 2, 3], [1, 2, 4], [5]]
+    table = csr(lists, [16, 16, 16])
+    with pytest.raises(PlanError, match=r"block_table: expected the batch's page ids as \[batch = 3, >= 3\]"):
+        derive_levels([0, 1, 2, 3], **table, page_size=16, block_table=block_table(lists)[:, :2])
+    wrong = block_table(lists)
+    wrong[1, 2] = 7
+    with pytest.raises(PlanError, match=r"block_table: row 1 does not hold request 1's page ids"):
+        derive_levels([0, 1, 2, 3], **table, page_size=16, block_table=wrong)
 
 
 def test_fold_refuses_groups_that_do_not_nest_partial_pages_and_device_ids():

@@ -1,6 +1,7 @@
 """What paging is for, measured by the loop on the CPU path: the contiguous-reservation baseline, parallel sampling
 through fork, every out-of-pages policy under pressure, the page-size sweep, the plot, the cascade route; and on
-a GPU the graph-replayed decode against eager decode, the cascade against flat decode, the fused RoPE write."""
+a GPU the graph-replayed decode against eager decode, the cascade against flat decode, the cascade replayed from
+graphs against the eager cascade, the fused RoPE write."""
 
 from __future__ import annotations
 
@@ -349,6 +350,31 @@ def test_cascade_decode_equals_flat_decode_on_the_gpu():
         outs[fold] = {r.rid: r.output for r in engine.finished}
     same = sum(outs["never"][rid] == outs["always"][rid] for rid in outs["never"])
     assert same >= len(outs["never"]) - 1  # bf16: a near-tie may part them
+
+
+@pytest.mark.cuda
+def test_cascade_decode_replayed_from_graphs_equals_the_eager_cascade():
+    from dataclasses import replace
+
+    from flashgen.serve import check_against_dense
+
+    config = EngineConfig(num_pages=64, page_size=16, max_tokens_per_step=128, max_batch=8)
+    outs = {}
+    for graphs in (True, False):
+        engine = gpu_engine(replace(config, cuda_graphs=graphs), CascadePolicy(fold="never"))
+        engine.submit(requests(8, seed=9, system=40))
+        engine.run(max_steps=500)
+        assert engine.idle
+        routes = {r.route for r in engine.records}
+        assert ("cascade graph" in routes) == graphs and (graphs or "cascade" in routes), routes
+        if graphs:
+            assert any(route == "cascade" for route, _ in engine.graphs._built)
+            assert engine.graphs.replays > engine.graphs.captures
+        result = check_against_dense(engine.model, engine.finished, tol=0.25)
+        assert result.ok, result.failures
+        outs[graphs] = {r.rid: r.output for r in engine.finished}
+    same = sum(outs[True][rid] == outs[False][rid] for rid in outs[False])
+    assert same >= len(outs[False]) - 1  # bf16: a near-tie may part them
 
 
 @pytest.mark.cuda
