@@ -155,6 +155,8 @@ class Engine:
             self.graphs = DecodeGraphs(self)
         self._start = None
         self._attention_seconds = 0.0
+        self._events: list = []  # (start, end) CUDA event pairs around attention calls, reused step to step
+        self._timed = 0
         self._layer_kv = None
 
     # ------------------------------------------------------------------------------------------ queue
@@ -212,9 +214,11 @@ class Engine:
                 self._unstick()
             return
         self._attention_seconds = 0.0
+        self._timed = 0
         route = self._forward(list(batch.values()))
         if self._sync:
             torch.cuda.synchronize()
+            self._attention_seconds = sum(start.elapsed_time(end) for start, end in self._events[:self._timed]) / 1e3
         s = self.cache.stats()
         entries = list(batch.values())
         decode_rows = sum(1 for _, n, _ in entries if n == 1)
@@ -417,12 +421,19 @@ class Engine:
         self.cache.write(slots, k, v, heads=slice(layer * h, (layer + 1) * h), positions=positions, rope=self._rope)
 
     def _attend(self, layer: int, slots: torch.Tensor, positions, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """The cache write, then attention; on a GPU the attention's GPU time is taken between two CUDA events
+        (read once the step has synchronised: no wait inside the step)."""
         self.write_kv(layer, slots, positions, k, v)
-        if self._sync:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        if not self._sync:
+            t0 = time.perf_counter()
+            out = self.backend.run(q, self.layer_kv(layer))
+            self._attention_seconds += time.perf_counter() - t0
+            return out
+        if self._timed == len(self._events):
+            self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        start, end = self._events[self._timed]
+        self._timed += 1
+        start.record()
         out = self.backend.run(q, self.layer_kv(layer))
-        if self._sync:
-            torch.cuda.synchronize()
-        self._attention_seconds += time.perf_counter() - t0
+        end.record()
         return out

@@ -17,7 +17,8 @@ class Summary:
     step; ``waste_fraction``: mean over steps of waste tokens / (pages in use x page size);
     ``max_waste_per_seq``: most waste tokens per live request after a step (below page_size by construction);
     ``p50/p99_token_latency``: time between a request's consecutive output tokens (time to first token apart);
-    ``attention_share`` is measured over the steps that ran eagerly (a replayed graph is not timed inside);
+    ``attention_share`` is measured over the steps that ran eagerly (a replayed graph is not timed inside), on a
+    GPU as the attention calls' GPU time between CUDA events (no synchronisation inside a step);
     ``routes``: steps by how their decode rows ran ("flat", "cascade", "graph", "cascade graph"); ``policy``: the
     out-of-pages policy, ``stalls``/``swaps``: its stalled growths and swap-outs; ``forks``: completions forked
     (n > 1)."""
@@ -100,7 +101,7 @@ def format_summary(s: Summary, kernels: str) -> str:
         f"tokens              {s.output_tokens} generated, {s.processed_tokens} through the model "
         f"({s.tokens_per_s:.1f} generated tokens/s)",
         f"step time           mean {_ms(s.mean_step)}; decode-only steps {_ms(s.mean_decode_step)}",
-        f"attention share     {s.attention_share:.0%} of step time (timed around the attention calls of eager steps)",
+        f"attention share     {s.attention_share:.0%} of step time (GPU time of the attention calls of eager steps)",
         f"decode attention    " + (", ".join(f"{n} step(s) {_ROUTES[k]}" for k, n in sorted((s.routes or {}).items()))
                                    or "no decode rows"),
         f"batch               mean {s.mean_batch:.1f} requests, peak {s.peak_batch}",
