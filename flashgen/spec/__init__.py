@@ -2,6 +2,7 @@
 
 from .attention import HEAD_DIMS, AttentionSpec, MergeSpec
 from .serialize import spec_from_dict, spec_to_dict
+from .variant import HOOKS, SCALAR_DTYPES, TENSOR_DTYPES, Hook, Scalar, Tensor, Variant
 from .parts import (
     KV_DTYPES,
     MERGE_DTYPES,
@@ -22,5 +23,6 @@ from .parts import (
 __all__ = [
     "HEAD_DIMS", "AttentionSpec", "MergeSpec", "KV_DTYPES", "MERGE_DTYPES", "Q_DTYPES", "ALiBi",
     "BlockSparse", "Causal", "CustomMask", "NoMask", "Paged", "Ragged", "RoPE", "SlidingWindow",
-    "SpecError", "canonical_dtype", "spec_from_dict", "spec_to_dict",
+    "SpecError", "canonical_dtype", "spec_from_dict", "spec_to_dict", "HOOKS", "SCALAR_DTYPES", "TENSOR_DTYPES",
+    "Hook", "Scalar", "Tensor", "Variant",
 ]

@@ -6,12 +6,15 @@ from dataclasses import fields
 
 from .attention import AttentionSpec, MergeSpec
 from .parts import KV_LAYOUTS, MASKS, POS_ENCODINGS, SpecError
+from .variant import Variant
 
-_PARTS = {cls.__name__: cls for cls in (*KV_LAYOUTS, *MASKS, *POS_ENCODINGS)}
+_PARTS = {cls.__name__: cls for cls in (*KV_LAYOUTS, *MASKS, *POS_ENCODINGS, Variant)}
 _SPECS = {cls.__name__: cls for cls in (AttentionSpec, MergeSpec)}
 
 
 def _part_to_dict(part: object) -> object:
+    if isinstance(part, Variant):  # hooks as their canonical CUDA text: a traced hook reloads as a snippet
+        return {"type": "Variant", **part.to_dict()}
     if part is None or not hasattr(part, "__dataclass_fields__"):
         return part
     return {"type": type(part).__name__, **{f.name: getattr(part, f.name) for f in fields(part)}}
