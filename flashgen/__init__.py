@@ -12,7 +12,7 @@ from .api import BlockSparseWrapper, VariableBlockSparseWrapper, select_pages  #
 from .plan import CascadeLevel, CascadePolicy  # noqa: E402
 from .kvcache import CacheStats, KVCacheError, OutOfPages, PagedKVCache, PageTables, Preemption, WriteCoords  # noqa: E402
 from .cache import CacheError, CacheStore  # noqa: E402
-from .kernels import TemplateError  # noqa: E402
+from .kernels import TemplateError, render_variant  # noqa: E402
 from .compile import CompileError, ToolchainError  # noqa: E402
 from .jit import Kernel, MissingKernelError, NoDeviceError, build, ensure_compiled, render  # noqa: E402
 from . import jit_native  # noqa: E402,F401  (registers the native planner's build-and-load)
@@ -28,7 +28,11 @@ from .spec import (  # noqa: E402
     RoPE,
     SlidingWindow,
     SpecError,
+    Scalar,
+    Tensor,
+    Variant,
 )
+from . import variant_ops  # noqa: E402,F401
 
 __all__ = [
     "BatchDecodeWrapper", "BatchPrefillWrapper", "BlockSparseWrapper", "VariableBlockSparseWrapper", "select_pages", "attention", "merge_state", "merge_state_in_place", "merge_states", "CacheError", "CacheStore", "TemplateError", "CompileError",
@@ -36,5 +40,5 @@ __all__ = [
     "PagedKVCache", "OutOfPages", "KVCacheError", "CacheStats", "PageTables", "Preemption", "WriteCoords",
     "ToolchainError", "Kernel", "MissingKernelError", "NoDeviceError", "build", "ensure_compiled", "render", "ALiBi",
     "AttentionSpec", "Causal", "CustomMask", "MergeSpec", "NoMask", "Paged", "Ragged", "RoPE",
-    "SlidingWindow", "SpecError",
+    "SlidingWindow", "SpecError", "Scalar", "Tensor", "Variant", "render_variant", "variant_ops",
 ]

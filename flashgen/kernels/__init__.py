@@ -14,6 +14,7 @@ from .prefill import PrefillFamily
 from .prefill_sm90 import PrefillSM90Family, sm90_qo_tma
 from .render import TemplateError, include_dir, render_template, templates_dir
 from .rope_gather import RopeGatherFamily, ragged_twin
+from .variant import hook_signature, render_variant
 
 for _family in (DecodeFamily(), PrefillFamily(), PrefillSM90Family(), RopeGatherFamily(), MergeStatesFamily()):
     register(_family)
@@ -22,5 +23,5 @@ del _family
 __all__ = [
     "EntryPoint", "KernelFamily", "LaunchConfig", "family", "launch_config", "ops", "register", "BoundParams",
     "Param", "ParamsLayout", "TemplateError", "include_dir", "render_template", "templates_dir", "sm90_qo_tma",
-    "ragged_twin",
+    "ragged_twin", "hook_signature", "render_variant",
 ]
