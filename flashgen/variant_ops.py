@@ -1,5 +1,5 @@
 """What a traced variant hook may call besides operators: ``where``, ``exp``, ``log``, ``tanh``, ``sigmoid``,
-``sqrt``, ``minimum``, ``maximum``, ``abs`` (``torch.where``, ``torch.exp``, ... on traced values work too), and the
+``sqrt``, ``minimum``, ``maximum``, ``abs``, ``floor`` (``torch.where``, ``torch.exp``, ... on traced values work too), and the
 ``mask_tile`` results ``TILE_EMPTY`` / ``TILE_PARTIAL`` / ``TILE_FULL``.
 
 Example::
@@ -38,6 +38,11 @@ def sqrt(x):
     return call("sqrt", x)
 
 
+def floor(x):
+    """The int at or below ``x`` (Python's ``math.floor``): how a float becomes an index."""
+    return call("floor", x)
+
+
 def minimum(a, b):
     return call("minimum", a, b)
 
@@ -50,5 +55,5 @@ def abs(x):  # noqa: A001 (the name users expect)
     return call("abs", x)
 
 
-__all__ = ["where", "exp", "log", "tanh", "sigmoid", "sqrt", "minimum", "maximum", "abs",
+__all__ = ["where", "exp", "log", "tanh", "sigmoid", "sqrt", "minimum", "maximum", "abs", "floor",
            "TILE_EMPTY", "TILE_PARTIAL", "TILE_FULL"]

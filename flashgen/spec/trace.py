@@ -131,13 +131,15 @@ def call(name: str, *args: object) -> "Sym":
     if name in ("minimum", "maximum"):
         t = _promote(nodes[0].type, nodes[1].type, "int")
         return Sym(Node(name, t, tuple(_cast(n, t) for n in nodes)))
+    if name == "floor":  # a float to the int below it (Python's math.floor)
+        return Sym(Node("floor", "int", (_cast(nodes[0], "float"),)))
     if name == "abs":
         t = _promote(nodes[0].type, "int")
         return Sym(Node("abs", t, (_cast(nodes[0], t),)))
     return Sym(Node(name, "float", tuple(_cast(n, "float") for n in nodes)))
 
 
-FUNCTIONS = ("where", "exp", "log", "tanh", "sigmoid", "sqrt", "minimum", "maximum", "abs")
+FUNCTIONS = ("where", "exp", "log", "tanh", "sigmoid", "sqrt", "minimum", "maximum", "abs", "floor")
 
 
 class Sym:
@@ -328,6 +330,14 @@ def _const(node: Node) -> str:
     return f"{v!r}f" if ("e" in repr(v) or "." in repr(v)) else f"{v!r}.0f"
 
 
+def _helper_arg(node: Node) -> str:
+    """An argument of an overloaded helper: an int input (C ``int``) is widened so that the ``long long``
+    overload, not the ``float`` one, is chosen."""
+    text = to_cuda(node)
+    exact = node.op in ("const", "load", "cast", "floor")  # already long long
+    return f"static_cast<long long>({text})" if node.type == "int" and not exact else text
+
+
 def to_cuda(node: Node) -> str:
     """A C++ expression for ``node`` (fully parenthesised; helpers from ``flashgen/common/variant.cuh``)."""
     op, a = node.op, node.args
@@ -335,8 +345,9 @@ def to_cuda(node: Node) -> str:
         return _const(node)
     if op in ("input", "scalar"):
         return node.value
-    if op == "load":
-        return f"{node.value}({', '.join(to_cuda(i) for i in a)})"
+    if op == "load":  # as the node's type: a __half or int32 element must not pick a helper overload
+        load = f"{node.value}({', '.join(to_cuda(i) for i in a)})"
+        return load if node.type == "bool" else f"static_cast<{C_TYPES[node.type]}>({load})"
     if op == "cast":
         return f"static_cast<{C_TYPES[node.type]}>({to_cuda(a[0])})"
     if op == "neg":
@@ -349,13 +360,15 @@ def to_cuda(node: Node) -> str:
         return f"({to_cuda(a[0])} ? {to_cuda(a[1])} : {to_cuda(a[2])})"
     if op in ("//", "%", "**"):
         name = {"//": "fg_floordiv", "%": "fg_mod", "**": "fg_pow"}[op]
-        return f"{name}({to_cuda(a[0])}, {to_cuda(a[1])})"
+        return f"{name}({_helper_arg(a[0])}, {_helper_arg(a[1])})"
     if op in ("&", "|") and node.type == "bool":
         return f"({to_cuda(a[0])} {op * 2} {to_cuda(a[1])})"
     if op in _ARITH or op in _CMP or op in _BITS:
         return f"({to_cuda(a[0])} {op} {to_cuda(a[1])})"
     if op in ("minimum", "maximum"):
-        return f"fg_{op[:3]}({to_cuda(a[0])}, {to_cuda(a[1])})"
+        return f"fg_{op[:3]}({_helper_arg(a[0])}, {_helper_arg(a[1])})"
+    if op == "floor":
+        return f"static_cast<long long>(floorf({to_cuda(a[0])}))"
     if op == "abs":
-        return f"fg_abs({to_cuda(a[0])})"
+        return f"fg_abs({_helper_arg(a[0])})"
     return f"{_C_FUNCS[op]}({', '.join(to_cuda(x) for x in a)})"

@@ -61,3 +61,13 @@ def test_an_error_in_a_hook_names_the_hooks_line(tmp_path):
     result = _nvcc(tmp_path, _kernel(bad))
     assert result.returncode != 0
     assert "variant.score(2)" in result.stderr, result.stderr
+
+
+@pytest.mark.nvcc
+def test_shipped_examples_compile_both_spellings(tmp_path):
+    from flashgen.variants.examples import EXAMPLES
+
+    for name, pair in EXAMPLES.items():
+        for variant in (v for v in pair if v is not None):
+            result = _nvcc(tmp_path, _kernel(variant))
+            assert result.returncode == 0, f"{name}: {result.stderr}"
