@@ -104,6 +104,9 @@ class AttentionFamily(KernelFamily):
     def project(self, spec: object) -> AttentionSpec:
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
+        if spec.variant is not None:  # never compile a kernel that would silently drop the hooks
+            raise SpecError(f"variant: the {self.op} kernel does not run variant hooks yet; got {spec.variant.uri} "
+                            "(render_variant renders them; spec.replace(variant=None) for the plain kernel)")
         return spec
 
 
