@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..plan import PlanError
-from ..plan.host import host_array
+from ..plan.host import host_array, host_values
 from ..plan.page_table import csr_lens, validate_indptr
 from ..spec import AttentionSpec, NoMask, Paged, SpecError
 
@@ -105,12 +105,7 @@ def select_pages(spec: AttentionSpec, kv_indptr, kv_indices, kv_last_page_len, *
 
 
 def _from_mask(page_mask, total: int, ptr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    if isinstance(page_mask, torch.Tensor):
-        if page_mask.device.type != "cpu":
-            raise PlanError(f"page_mask: is a {page_mask.device.type} tensor; the page table's lengths are host "
-                            "arrays (pass the mask's CPU copy)")
-        page_mask = page_mask.numpy()
-    mask = np.asarray(page_mask)
+    mask = host_values("page_mask", page_mask)
     if mask.dtype != np.bool_ or mask.ndim != 1 or mask.size != total:
         raise PlanError(f"page_mask: expected bool [{total}] (kv_indptr[-1], one flag per page), got {mask.dtype} "
                         f"{tuple(mask.shape)}")

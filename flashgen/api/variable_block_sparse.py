@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..plan import PlanError
-from ..plan.host import check_heads, host_array
+from ..plan.host import check_heads, host_array, host_values
 from ..spec import ALiBi, AttentionSpec, Paged, Ragged, SpecError
 from . import handles
 from .backends import BACKENDS
@@ -34,12 +34,7 @@ def variable_page_table(block_mask_map, block_row_sz, block_col_sz):
     >>> [np.asarray(a).tolist() for a in variable_page_table([[[1, 0], [1, 1]]], [[1, 2]], [[2, 4]])[3:]]
     [[0, 1, 3], [0, 1, 4], [0, 0, 2, 4], [2, 2]]
     """
-    if isinstance(block_mask_map, torch.Tensor):
-        if block_mask_map.device.type != "cpu":
-            raise PlanError(f"block_mask_map: is a {block_mask_map.device.type} tensor; planning reads host arrays "
-                            "only (pass its CPU copy)")
-        block_mask_map = block_mask_map.numpy()
-    mask = np.asarray(block_mask_map)
+    mask = host_values("block_mask_map", block_mask_map)
     if mask.ndim != 3 or mask.dtype.kind not in "bui":
         raise PlanError(f"block_mask_map: expected bool [num_kv_heads, MB, NB], got {mask.dtype} {mask.shape}")
     heads, rows, cols = mask.shape

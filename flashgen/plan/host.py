@@ -34,10 +34,7 @@ def host_array(name: str, value: object, ndim: int = 1, error: type[PlanError] =
     if isinstance(value, torch.Tensor):
         # a plain tensor's is_cpu is its device; a subclass may say otherwise in its device
         if not (value.is_cpu and type(value) is torch.Tensor) and (value.is_cuda or value.device.type != "cpu"):
-            raise error(
-                f"{name}: is a {value.device.type} tensor; planning reads host arrays only (pass the CPU copy "
-                f"you built it from, so that planning never synchronises with the device)"
-            )
+            raise _on_device(name, value, error)
         dtype = value.dtype
         if dtype not in _INT_DTYPE_SET:
             raise error(f"{name}: dtype {value.dtype}, expected an integer dtype")
@@ -55,6 +52,26 @@ def host_array(name: str, value: object, ndim: int = 1, error: type[PlanError] =
         raise error(f"{name}: has shape {tuple(array.shape)}, expected {ndim} dimension(s)")
     return array if array.dtype.kind == "i" and array.itemsize in (4, 8) else array.astype(np.int64)
 
+
+
+def _on_device(name: str, value: torch.Tensor, error: type[Exception]) -> Exception:
+    return error(f"{name}: is a {value.device.type} tensor; planning reads host arrays only (pass the CPU copy "
+                 f"you built it from, so that planning never synchronises with the device)")
+
+
+def host_values(name: str, value: object, error: type[PlanError] = PlanError) -> np.ndarray:
+    """``value`` as a numpy array of any dtype (a CPU tensor's own memory), without touching a GPU: a device
+    tensor raises ``error`` naming ``name``. Shapes and dtypes are the caller's to check (``host_array`` checks
+    integer vectors itself).
+
+    >>> host_values("page_mask", torch.tensor([True, False])).tolist()
+    [True, False]
+    """
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise _on_device(name, value, error)
+        return value.numpy()
+    return np.asarray(value)
 
 
 def is_int_vector(value: object) -> bool:
