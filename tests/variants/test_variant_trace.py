@@ -89,8 +89,11 @@ def test_scalars_are_not_in_the_key_and_spec_round_trips():
     assert v.missing({"s": 1.0}) == [] and v.missing({}) == ["s"]
 
 
-def test_kernel_families_refuse_a_variant_until_they_run_it():
+def test_kernel_families_refuse_the_load_transforms_they_do_not_run():
     from flashgen import render
 
-    with pytest.raises(SpecError, match="variant"):
-        render(AttentionSpec(128, variant=Variant(score="logit")), "decode")
+    for op in ("decode", "prefill", "prefill_sm90"):
+        with pytest.raises(SpecError, match="q_transform"):
+            render(AttentionSpec(128, variant=Variant(q_transform="value")), op)
+        with pytest.raises(SpecError, match="k_transform"):
+            render(AttentionSpec(128, variant=Variant(k_transform="value")), op)

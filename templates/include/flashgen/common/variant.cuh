@@ -35,6 +35,54 @@ struct Tensor {
   }
 };
 
+// The hooks of a kernel without a variant: every flag off (the kernels test the flags with if constexpr, so a
+// kernel without a variant compiles to the same code as before variants existed). A rendered variant defines
+// flashgen_variant::Hooks with the same flags and a static member per given hook (kernels/variant.py).
+struct NoHooks {
+  static constexpr bool ANY = false, SCORE = false, MASK = false, MASK_TILE = false, Q_TRANSFORM = false,
+                        K_TRANSFORM = false, OUTPUT = false, SINK = false, SOFTMAX = true;
+};
+
+// One contract for every kernel family. A pair (query qo_idx, key kv_idx) of request `batch`, query head qo_head
+// and kv head kv_head, with logit x = q.k * sm_scale in natural-log units (after the spec's ALiBi and soft-cap):
+// the mask hook first (a masked pair is -inf, or weight 0 without softmax, and its score is never computed), then
+// the score hook. The caller converts the result to its own units (base 2 for the softmax kernels).
+// P: the kernel's params (their `variant` field, present when V::ANY, is read in the hooks' branches only).
+template <class V, class P>
+__device__ __forceinline__ float pair_logit(const P& p, float x, int batch, int qo_idx, int kv_idx, int qo_head,
+                                            int kv_head) {
+  if constexpr (V::MASK) {
+    if (!V::mask(p.variant, batch, qo_idx, kv_idx, qo_head, kv_head)) return V::SOFTMAX ? -INFINITY : 0.f;
+  }
+  if constexpr (V::SCORE) x = V::score(p.variant, x, batch, qo_idx, kv_idx, qo_head, kv_head);
+  return x;
+}
+
+// The sink of a finished softmax row: a logit s that takes probability mass but carries no value (gpt-oss). A
+// row normalised over its keys, with log-sum-exp lse (natural log; -inf for no visible key), is scaled by
+// exp(lse) / (exp(lse) + exp(s)) and its lse becomes log(exp(lse) + exp(s)). Returns the factor; updates lse.
+__device__ __forceinline__ float sink_row(float sink, float& lse) {
+  const float factor = 1.f / (1.f + expf(sink - lse));  // lse = -inf: 0
+  const float hi = fmaxf(lse, sink);
+  lse = hi + log1pf(expf(fminf(lse, sink) - hi));
+  return factor;
+}
+
+// The factor a finished row's normalised output takes for the variant's sink (1 without one), its lse updated
+// (sink_row); the sink of (batch, qo_idx, qo_head).
+template <class V, class P>
+__device__ __forceinline__ float sink_factor(const P& p, float& lse, int batch, int qo_idx, int qo_head) {
+  if constexpr (V::SINK) return sink_row(V::sink(p.variant, batch, qo_idx, qo_head), lse);
+  else return 1.f;
+}
+
+// One element (column dim) of a finished, normalised output row through the output hook (unchanged without one).
+template <class V, class P>
+__device__ __forceinline__ float output_value(const P& p, float x, int batch, int qo_idx, int qo_head, int dim) {
+  if constexpr (V::OUTPUT) return V::output(p.variant, x, batch, qo_idx, qo_head, dim);
+  else return x;
+}
+
 }  // namespace variant
 }  // namespace flashgen
 

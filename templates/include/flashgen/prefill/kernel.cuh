@@ -30,10 +30,17 @@
 // by sm_scale on the way (so the scores are scaled by 1 here); k_scale is folded into sm_scale on the host and
 // v_scale applied at the output (write_rows).
 //
+// Variant (common/variant.cuh): the pair hooks run on every tile after the spec's mask (prefill/math.cuh
+// hook_logits), batch = the request, qo_idx = the query's position (kv_len - qo_len + i, or q_pos), kv_idx = the
+// key's; softmax=False keeps the weights as P (no max, no normaliser); the sink and the output hook run where a
+// row is finished (prefill/epilogue.cuh). A mask_tile hook is not consulted yet (it must agree with mask, so
+// every tile still runs the mask per pair).
+//
 // POSITIONS (common/positions.cuh): query token i sits at q_pos[i] and key t at its page's kv_page_pos entry +
 // its offset in the page. Keys need not be contiguous in position, so the KV range is not clipped by the mask:
 // under causal / window every tile runs the element mask, by true positions (as do RoPE and ALiBi).
 #pragma once
+#include <flashgen/common/variant.cuh>
 #include <flashgen/prefill/tiles.cuh>
 #include <flashgen/prefill/math.cuh>
 #include <flashgen/prefill/fp8.cuh>
@@ -48,6 +55,8 @@ __device__ __forceinline__ void run(const Params& p) {
   using DTypeMMA = typename C::DTypeMMA;  // q's dtype; fp16 for fp8 K/V (a bf16 q pre-scaled: load_q_fp8)
   constexpr bool Q_PRESCALED = !std::is_same_v<DTypeMMA, typename C::DTypeQ>;
   constexpr int S = C::STAGES, MQ = C::MMA_Q, QR = C::Q_IN_REGS ? L::D / 16 : 1;
+  using V = typename C::Variant;
+  constexpr bool HOOKED = V::SCORE || V::MASK || !V::SOFTMAX;  // the pair hooks (or sigmoid weights) run
 
   // items are listed by request, q tiles ascending: block x takes item capacity - 1 - x / H of kv head x % H, so
   // that under a causal mask the longest q tiles of every head start first and the shortest fill the last wave
@@ -134,6 +143,10 @@ __device__ __forceinline__ void run(const Params& p) {
     if constexpr (C::POSITIONS) ri.q_pos[r] = p.q_pos[token0 + min((tr.row0 + r) / group, max(qo_len - 1, 0))];
     else ri.q_pos[r] = q_base + (tr.row0 + r) / group;
     if constexpr (C::ALIBI) ri.slope[r] = alibi_slope(int(tr.head(tr.row0 + r)), p.num_qo_heads);
+    if constexpr (V::ANY) ri.hook.qo_head[r] = int(tr.head(tr.row0 + r));
+  }
+  if constexpr (V::ANY) {
+    if (threadIdx.x == 0) ri.hook.batch = request, ri.hook.kv_head = kv_head;
   }
   if constexpr (C::PAGED) load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
   __syncthreads();  // src and ri are written
@@ -203,11 +216,12 @@ __device__ __forceinline__ void run(const Params& p) {
     // loads, branches and 16 cp.async between the barrier and the first mma of every warp), or with LATE_COPIES
     // after the softmax, where ptxas interleaves them with the exp2 and P V
     if constexpr (!C::LATE_COPIES) pipe.issue(tile + S - 1);
-    if constexpr (C::ALIBI || C::SOFT_CAP) logits<C>(s, ri, transform, t0, warp, lane, C::POSITIONS ? page_pos : nullptr);
+    if constexpr ((C::ALIBI || C::SOFT_CAP) && !HOOKED) logits<C>(s, ri, transform, t0, warp, lane, C::POSITIONS ? page_pos : nullptr);
     if (boundary) apply_mask<C>(s, ri, t0, warp, lane, entry_kind(e), C::POSITIONS ? page_pos : nullptr);
+    if constexpr (HOOKED) hook_logits<C>(p, s, ri, transform, t0, warp, lane, C::POSITIONS ? page_pos : nullptr);
     float m[MQ][2], l[MQ][2];
     ri.load_stats(m, l);
-    online_softmax<C>(s, o, m, l, C::ALIBI || C::SOFT_CAP ? 1.f : scale_log2);
+    if constexpr (V::SOFTMAX) online_softmax<C>(s, o, m, l, C::ALIBI || C::SOFT_CAP || HOOKED ? 1.f : scale_log2);
     if constexpr (C::LATE_COPIES) pipe.issue(tile + S - 1);
     // after P V: ptxas keeps shared loads behind an earlier shared store, so a store before accumulate_pv held
     // every V ldmatrix (and P V mma) behind the whole softmax; each thread's own slot, read after the next
@@ -230,8 +244,8 @@ __device__ __forceinline__ void run(const Params& p) {
 
   const TileRows tr_out = tr_saved;
   const int chunk = chunk_saved;
-  write_rows<C>(p, tr_out, o, m, l, chunk, warp, lane);
-  if (chunk >= 0) merge_tile<C>(p, tr_out);
+  write_rows<C>(p, tr_out, o, m, l, chunk, warp, lane, ri);
+  if (chunk >= 0) merge_tile<C>(p, tr_out, ri);
 }
 
 }  // namespace flashgen::prefill

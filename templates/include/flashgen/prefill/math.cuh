@@ -17,6 +17,12 @@ struct MaskInfo {
   int64_t bit0;
 };
 
+// What a variant's hooks ask of a row besides its query position: the request, the kv head, the row's q head
+template <int N>
+struct HookRows {
+  int batch, kv_head, qo_head[N];
+};
+
 // The CTA's row state that waits in shared memory, where it costs no registers over the scores tile (the
 // register peak: 64-key tiles at d=128 spill with it in registers): the mask bounds, each packed row's query
 // position and ALiBi slope (read on boundary tiles; ALiBi: every tile), and each thread's online-softmax
@@ -27,6 +33,7 @@ struct RowInfo {
   int full_lo[C::NUM_WARPS], full_hi[C::NUM_WARPS];  // a warp's tiles [full_lo, full_hi) need no element mask
   int q_pos[Layout<C>::TILE_Q];
   float slope[C::ALIBI ? Layout<C>::TILE_Q : 1];
+  HookRows<C::Variant::ANY ? Layout<C>::TILE_Q : 1> hook;  // a variant's hooks only
   float4 stats[C::MMA_Q][Layout<C>::THREADS];  // {m[mq][0], m[mq][1], l[mq][0], l[mq][1]} of thread t: private
 
   // whether tile number t (list entry e, first key t0) needs the element mask: a custom mask's BITS and CAUSAL
@@ -180,6 +187,43 @@ __device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e)
           s[mq][nt][e] = transform(s[mq][nt][e], tile_start + nt * 8 + 2 * (lane % 4) + (e % 2) - q_pos);
+    }
+}
+
+// A variant's pair hooks (common/variant.cuh) on every tile, after the spec's mask: each pair the mask left
+// visible (and before kv_hi: a hook never sees a key past the request's) gets its natural-log logit (the spec's
+// ALiBi and soft-cap applied here, not in logits()) through the hooks, and leaves in base 2; a hidden pair is
+// -inf (softmax=False: weight 0). qo_idx is the row's query position (a row past the request's queries asks
+// for its last query), kv_idx the key's position.
+template <class C, class Params>
+__device__ __forceinline__ void hook_logits(const Params& p, float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const RowInfo<C>& ri,
+                                            LogitsTransform<C::ALIBI, C::SOFT_CAP>& transform, int tile_start,
+                                            int warp, int lane, const int32_t* page_pos = nullptr) {
+  using V = typename C::Variant;
+  const MaskInfo& mi = ri.mi;
+  const int base = tile_start + 2 * (lane % 4), batch = ri.hook.batch, kv_head = ri.hook.kv_head;
+  constexpr float HIDDEN = V::SOFTMAX ? -INFINITY : 0.f, UNITS = V::SOFTMAX ? LOG2E : 1.f;
+#pragma unroll
+  for (int mq = 0; mq < C::MMA_Q; ++mq)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = RowInfo<C>::row(warp, lane, mq, h);
+      int q_pos = ri.q_pos[r];
+      if constexpr (!C::POSITIONS) q_pos = min(q_pos, mi.q_base + mi.qo_len - 1);
+      const int qo_head = ri.hook.qo_head[r];
+      if constexpr (C::ALIBI) transform.slope = ri.slope[r];
+#pragma unroll
+      for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          const int t = base + nt * 8 + e % 2;
+          int k_pos = t;
+          if constexpr (C::POSITIONS) k_pos = key_position<C::PAGE_SIZE>(page_pos, min(t, mi.kv_hi - 1));
+          const bool hidden = t >= mi.kv_hi || s[mq][nt][e] == -INFINITY;
+          s[mq][nt][e] = hidden ? HIDDEN
+                                : flashgen::variant::pair_logit<V>(p, transform.natural(s[mq][nt][e], k_pos - q_pos),
+                                                                   batch, q_pos, k_pos, qo_head, kv_head) * UNITS;
+        }
     }
 }
 
