@@ -149,7 +149,10 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     group.divmod(prow, token, head);
     rs.q_pos[h] = query_position<C>(p, w, token, C::POSITIONS ? group.div(w.rows_total) : 0);
     rs.slope[h] = C::ALIBI ? alibi_slope(w.kv_head * group.d + head, p.num_qo_heads) * pre : 0.f;
+    rs.qo_head[h] = w.kv_head * group.d + head;
+    if constexpr (C::Variant::ANY && !C::POSITIONS) rs.q_pos[h] = min(rs.q_pos[h], kv_len - 1);  // past the request: its last
   }
+  const HookItem hi{w.request, w.kv_head};
   const LogitsParams lg{p.sm_scale * pre, p.soft_cap * LOG2E, w.kv_hi, p.window_left};
   const uint32_t q_wg = smem_base + (k % C::Q_BUFFERS) * L::Q_BYTES + wg * L::WG_ROWS * 128;
   const uint32_t k_base = smem_base + L::K_OFFSET, v_base = smem_base + L::V_OFFSET;
@@ -205,7 +208,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   wgmma_wait<1>();
   fence_operands(sc);
   mbarrier_arrive(bars.empty_k(stage(0)));
-  softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits, kp);
+  softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits, kp, p, hi);
   wgmma_wait<0>();  // the P V (pending or dummy) read pa, and o holds its rows
   // the item's last Q K^T is done, and the dummy P V has read the Q buffer: the producer may load the next Q
   if (n == 1) mbarrier_arrive(bars.q_empty(qb));
@@ -229,7 +232,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     fence_operands(sc);
     mbarrier_arrive(bars.empty_k(stage(t)));
     if (t == n - 1) mbarrier_arrive(bars.q_empty(qb));
-    softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits, kp);
+    softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits, kp, p, hi);
     if (t + 1 < n) wait_kv<C>(bars.full_k(stage(t + 1)), phase(t + 1));  // see above the loop
     wgmma_wait<0>();
     fence_operands(o);
