@@ -172,7 +172,7 @@ def ops() -> tuple[str, ...]:
 
 def struct(name: str, *fields: tuple[str, str]) -> ParamsLayout:
     """``struct("MergeParams", ("const float*", "s"), ...)``: a params layout from (ctype, name) pairs (or
-    ``Param``\ s)."""
+    Param objects)."""
     return ParamsLayout.of(name, tuple(f if isinstance(f, Param) else Param(f[1], f[0]) for f in fields))
 
 

@@ -111,3 +111,93 @@ def prefix_lm_ref(prefix_len: int, qo_len: int, kv_len: int) -> torch.Tensor:
     q = torch.arange(qo_len).view(-1, 1)
     k = torch.arange(kv_len).view(1, -1)
     return (k <= q) | (k < prefix_len)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+EXAMPLE_NAMES = ("sink", "document", "tree", "t5_bias", "alibi", "sigmoid", "prefix_lm")
+
+
+def example_args(name: str, *, heads: int, max_kv: int, batch: int, generator=None, device="cpu") -> dict:
+    """Fresh random ``run()`` arguments of shipped example ``name`` (``flashgen.variants.examples.EXAMPLES``):
+    per-head tables for ``heads`` q heads, per-position tensors for positions below ``max_kv``, per-request ones
+    for ``batch`` requests. The tree example's ancestor bits cover positions below 64 (``max_kv <= 64``)."""
+    g = generator
+    if name == "sink":
+        args = {"sinks": torch.randn(heads, generator=g) * 2.0}
+    elif name == "document":  # documents of 1 .. 24 tokens
+        lengths = torch.randint(1, 25, (max_kv,), generator=g)
+        args = {"doc_ids": torch.repeat_interleave(torch.arange(max_kv), lengths)[:max_kv].int()}
+    elif name == "tree":  # bit j of row i: j <= i and a random ancestor relation (every token sees itself)
+        if max_kv > 64:
+            raise ValueError(f"max_kv: got {max_kv}, the tree example's bits cover 64 positions")
+        bits = (torch.rand(max_kv, max_kv, generator=g) < 0.5).tril() | torch.eye(max_kv, dtype=torch.bool)
+        weights = torch.tensor([1 << j for j in range(max_kv)], dtype=torch.int64)
+        args = {"ancestors": (bits.long() * weights).sum(dim=1)}
+    elif name == "t5_bias":
+        args = {"rel_bias": torch.randn(heads, 32, generator=g)}
+    elif name == "alibi":
+        args = {"slopes": torch.rand(heads, generator=g) * 0.5}
+    elif name == "sigmoid":
+        args = {"bias": float(torch.tensor(-math.log(max_kv), dtype=torch.float32))}  # an fp32 value, as run() packs
+    elif name == "prefix_lm":
+        args = {"prefix_len": torch.randint(0, max_kv + 1, (batch,), generator=g).int()}
+    else:
+        raise ValueError(f"name: got {name!r}, expected one of {', '.join(EXAMPLE_NAMES)}")
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def _square(fn, n: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Rows ``q_pos``, columns ``k_pos`` of ``fn(n)``: a reference over positions 0 .. n - 1 (``[..., n, n]``)."""
+    return fn(n)[..., q_pos.long(), :][..., k_pos.long()]
+
+
+def example_attention(name: str, args: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                      k_pos: torch.Tensor, visible: torch.Tensor, sm_scale: float, batch: int = 0,
+                      low_precision: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request of attention with shipped example ``name`` on top: ``q [nq, Hq, D]``, ``k [nk, Hkv, D]``,
+    ``v [nk, Hkv, Dv]`` at positions ``q_pos [nq]``, ``k_pos [nk]`` (ints, on the CPU), ``visible [nq, nk]`` the
+    spec's own mask; ``args`` its ``run()`` arguments; ``batch`` the request. Returns ``(out [nq, Hq, Dv],
+    lse [nq, Hq])`` fp64, built from the ``*_ref`` functions above (not from the traced hooks). The sink joins the
+    softmax denominator; sigmoid's weights are summed with no normaliser (its lse is 0). ``low_precision``: the
+    matrix products in q's dtype and the softmax in fp32 (the same-dtype error yardstick)."""
+    heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    work = torch.float32 if low_precision else torch.float64
+    if not low_precision:
+        q, k, v = q.double(), k.double(), v.double()
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q, k).to(work) * sm_scale
+    n = int(max(int(q_pos.max()) if q_pos.numel() else 0, int(k_pos.max()) if k_pos.numel() else 0)) + 1
+    zeros = lambda size: torch.zeros(heads, size, size, dtype=torch.float64)  # noqa: E731
+    visible = visible.clone()
+    sink = None
+    if name == "sink":
+        sink = sink_ref(args["sinks"].cpu())
+    elif name == "document":
+        visible &= _square(lambda m: document_ref(args["doc_ids"].cpu(), m, m), n, q_pos, k_pos)
+    elif name == "tree":
+        visible &= _square(lambda m: tree_ref(args["ancestors"].cpu(), m, m), n, q_pos, k_pos)
+    elif name == "t5_bias":
+        logits = logits + _square(lambda m: t5_bias_ref(zeros(m), args["rel_bias"].cpu()), n, q_pos, k_pos).to(work)
+    elif name == "alibi":
+        logits = logits + _square(lambda m: alibi_ref(zeros(m), args["slopes"].cpu()), n, q_pos, k_pos).to(work)
+    elif name == "prefix_lm":
+        visible &= _square(lambda m: prefix_lm_ref(int(args["prefix_len"][batch]), m, m), n, q_pos, k_pos)
+    if name == "sigmoid":
+        w = sigmoid_ref(logits, args["bias"]).to(work).masked_fill(~visible[None], 0.0)
+        out = torch.einsum("hqk,khd->qhd", w.to(v.dtype), v)
+        return out.to(torch.float64), torch.zeros(q.shape[0], heads, dtype=torch.float64)
+    logits = logits.masked_fill(~visible[None], float("-inf"))
+    row_max = logits.amax(dim=-1, keepdim=True) if logits.shape[-1] else torch.full(
+        logits.shape[:-1] + (1,), float("-inf"), dtype=work)
+    if sink is not None:
+        row_max = torch.maximum(row_max, sink.to(work).view(-1, 1, 1))
+    shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(logits - shift)
+    total = p.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        total = total + torch.exp(sink.to(work).view(-1, 1, 1) - shift)
+    lse = (torch.log(total) + shift).squeeze(-1).transpose(0, 1)
+    p = p / torch.where(total > 0, total, torch.ones_like(total))
+    out = torch.einsum("hqk,khd->qhd", p.to(v.dtype), v)
+    return out.to(torch.float64), lse.to(torch.float64)
