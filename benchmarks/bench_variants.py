@@ -7,7 +7,9 @@ bf16, 32 q / 8 kv heads, head_dim 128, ragged, 4x4096 and 1x16384 tokens, causal
 (FlashAttention's convention): documents of --doc-len tokens count their causal blocks, prefix-LM its prefix
 square on top. Flex has no sink and no normaliser-free softmax: the sink's row is Flex's output scaled by
 sigmoid(lse - sink) (one extra elementwise kernel, timed with it); sigmoid attention has no Flex row. The tree
-example's ancestor bits cover 64 tokens, so it is not run at these lengths.
+example's ancestor bits cover 64 tokens, so it is not run at these lengths. ``document_tiled`` is the
+document mask with its tile predicate (empty tiles skipped, full ones unmasked): the issue's 1k-token
+document row.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_variants.py --out benchmarks/results/variants.json
     PYTHONPATH=$PWD python3 benchmarks/bench_variants.py --examples document --shapes 1x16384 --reps 20
@@ -29,12 +31,12 @@ import torch  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = "4x4096,1x16384"
-EXAMPLE_NAMES = ("sink", "document", "t5_bias", "alibi", "sigmoid", "prefix_lm")  # tree: 64 tokens at most
+EXAMPLE_NAMES = ("sink", "document", "document_tiled", "t5_bias", "alibi", "sigmoid", "prefix_lm")  # tree: <= 64 tokens
 
 
 def visible_pairs(name: str, seqlen: int, doc_len: int, prefix: int) -> float:
     """Pairs one sequence attends (causal = s^2 / 2, as bench_prefill.py counts)."""
-    if name == "document":
+    if name in ("document", "document_tiled"):
         docs, last = divmod(seqlen, doc_len)
         return docs * doc_len * doc_len / 2 + last * last / 2
     if name == "prefix_lm":
@@ -48,6 +50,7 @@ def example_inputs(name: str, batch: int, seqlen: int, doc_len: int, prefix: int
     args = {
         "sink": lambda: {"sinks": torch.randn(HQ, generator=g)},
         "document": lambda: {"doc_ids": (torch.arange(seqlen) // doc_len).int()},
+        "document_tiled": lambda: {"doc_ids": (torch.arange(seqlen) // doc_len).int()},
         "t5_bias": lambda: {"rel_bias": torch.randn(HQ, 32, generator=g)},
         "alibi": lambda: {"slopes": torch.rand(HQ, generator=g) * 0.1},
         "sigmoid": lambda: {"bias": -math.log(seqlen)},
@@ -84,7 +87,7 @@ def flex_call(name: str, q, k, v, batch: int, seqlen: int, args: dict):
     flex = torch.compile(flex_attention, dynamic=False)
     causal = lambda b, h, qi, ki: ki <= qi  # noqa: E731
     mask_mod, score_mod = causal, None
-    if name == "document":
+    if name in ("document", "document_tiled"):  # Flex's block mask skips tiles from the mask itself
         ids = args["doc_ids"]
         mask_mod = lambda b, h, qi, ki: (ki <= qi) & (ids[qi] == ids[ki])  # noqa: E731
     elif name == "prefix_lm":

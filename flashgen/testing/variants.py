@@ -115,7 +115,7 @@ def prefix_lm_ref(prefix_len: int, qo_len: int, kv_len: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- attention
 
-EXAMPLE_NAMES = ("sink", "document", "tree", "t5_bias", "alibi", "sigmoid", "prefix_lm")
+EXAMPLE_NAMES = ("sink", "document", "document_tiled", "tree", "t5_bias", "alibi", "sigmoid", "prefix_lm")
 
 
 def example_args(name: str, *, heads: int, max_kv: int, batch: int, generator=None, device="cpu") -> dict:
@@ -125,7 +125,7 @@ def example_args(name: str, *, heads: int, max_kv: int, batch: int, generator=No
     g = generator
     if name == "sink":
         args = {"sinks": torch.randn(heads, generator=g) * 2.0}
-    elif name == "document":  # documents of 1 .. 24 tokens
+    elif name in ("document", "document_tiled"):  # documents of 1 .. 24 tokens, ids non-decreasing
         lengths = torch.randint(1, 25, (max_kv,), generator=g)
         args = {"doc_ids": torch.repeat_interleave(torch.arange(max_kv), lengths)[:max_kv].int()}
     elif name == "tree":  # bit j of row i: j <= i and a random ancestor relation (every token sees itself)
@@ -173,7 +173,7 @@ def example_attention(name: str, args: dict, q: torch.Tensor, k: torch.Tensor, v
     sink = None
     if name == "sink":
         sink = sink_ref(args["sinks"].cpu())
-    elif name == "document":
+    elif name in ("document", "document_tiled"):
         visible &= _square(lambda m: document_ref(args["doc_ids"].cpu(), m, m), n, q_pos, k_pos)
     elif name == "tree":
         visible &= _square(lambda m: tree_ref(args["ancestors"].cpu(), m, m), n, q_pos, k_pos)

@@ -16,6 +16,28 @@ DOCUMENT = Variant(mask=lambda q_idx, kv_idx, doc_ids: doc_ids[q_idx] == doc_ids
                    tensors=[Tensor("doc_ids", "int32", 1)])
 DOCUMENT_CUDA = Variant(mask="return doc_ids[qo_idx] == doc_ids[kv_idx];", tensors=[Tensor("doc_ids", "int32", 1)])
 
+
+
+# the document mask over sorted document ids (packed sequences) with its tile predicate: a tile whose keys all lie in
+# documents before or after every query's is empty (skipped), one inside a single document is full (no per-pair
+# mask). The ids must be non-decreasing, or the predicate would disagree with the mask.
+def _document_tile(qo_begin, qo_end, kv_begin, kv_end, doc_ids):
+    q_first, q_last = doc_ids[qo_begin], doc_ids[qo_end - 1]
+    k_first, k_last = doc_ids[kv_begin], doc_ids[kv_end - 1]
+    empty = (k_last < q_first) | (k_first > q_last)
+    full = (k_first == k_last) & (q_first == q_last) & (k_first == q_first)
+    return ops.where(empty, ops.TILE_EMPTY, ops.where(full, ops.TILE_FULL, ops.TILE_PARTIAL))
+
+
+DOCUMENT_TILED = Variant(mask=lambda q_idx, kv_idx, doc_ids: doc_ids[q_idx] == doc_ids[kv_idx], mask_tile=_document_tile,
+                         tensors=[Tensor("doc_ids", "int32", 1)])
+DOCUMENT_TILED_CUDA = Variant(mask="return doc_ids[qo_idx] == doc_ids[kv_idx];", mask_tile="""
+    const int q_first = doc_ids[qo_begin], q_last = doc_ids[qo_end - 1];
+    const int k_first = doc_ids[kv_begin], k_last = doc_ids[kv_end - 1];
+    if (k_last < q_first || k_first > q_last) return TILE_EMPTY;
+    return k_first == k_last && q_first == q_last && k_first == q_first ? TILE_FULL : TILE_PARTIAL;
+""", tensors=[Tensor("doc_ids", "int32", 1)])
+
 # tree mask (speculative decoding): bit j of ancestors[i] says draft token i may see draft token j (<= 64 tokens)
 TREE = Variant(mask=lambda q_idx, kv_idx, ancestors: ((ancestors[q_idx] >> kv_idx) & 1) == 1,
                tensors=[Tensor("ancestors", "int64", 1)])
@@ -61,6 +83,7 @@ PREFIX_LM_CUDA = Variant(mask="return kv_idx <= qo_idx || kv_idx < prefix_len[ba
 EXAMPLES = {
     "sink": (SINK, SINK_CUDA),
     "document": (DOCUMENT, DOCUMENT_CUDA),
+    "document_tiled": (DOCUMENT_TILED, DOCUMENT_TILED_CUDA),
     "tree": (TREE, TREE_CUDA),
     "t5_bias": (T5_BIAS, None),
     "alibi": (ALIBI, ALIBI_CUDA),

@@ -17,7 +17,8 @@ import torch
 
 import flashgen
 from flashgen.spec import AttentionSpec, Causal, NoMask, Paged, Ragged
-from flashgen.testing import nan_out, request_kv, runtime_params
+from flashgen.testing import request_kv, runtime_params
+from flashgen.testing.check import nan_out
 from flashgen.testing.layouts import random_batch
 from flashgen.testing.reference import visible_mask
 from flashgen.testing.tolerance import assert_attention_close

@@ -48,14 +48,34 @@ struct NoHooks {
 // the mask hook first (a masked pair is -inf, or weight 0 without softmax, and its score is never computed), then
 // the score hook. The caller converts the result to its own units (base 2 for the softmax kernels).
 // P: the kernel's params (their `variant` field, present when V::ANY, is read in the hooks' branches only).
+// use_mask: false on a tile the tile predicate called TILE_FULL (every pair kept).
 template <class V, class P>
 __device__ __forceinline__ float pair_logit(const P& p, float x, int batch, int qo_idx, int kv_idx, int qo_head,
-                                            int kv_head) {
+                                            int kv_head, bool use_mask = true) {
   if constexpr (V::MASK) {
-    if (!V::mask(p.variant, batch, qo_idx, kv_idx, qo_head, kv_head)) return V::SOFTMAX ? -INFINITY : 0.f;
+    if (use_mask && !V::mask(p.variant, batch, qo_idx, kv_idx, qo_head, kv_head)) return V::SOFTMAX ? -INFINITY : 0.f;
   }
   if constexpr (V::SCORE) x = V::score(p.variant, x, batch, qo_idx, kv_idx, qo_head, kv_head);
   return x;
+}
+
+// The class of a tile of pairs, queries [qo_begin, qo_end) of q heads qo_head0 .. qo_head0 + heads - 1, keys
+// [kv_begin, kv_end), by the tile predicate: TILE_EMPTY (skipped) or TILE_FULL (no per-pair mask) where it says
+// so for every one of the heads, else TILE_PARTIAL (always, without a predicate).
+template <class V, class P>
+__device__ __forceinline__ int tile_class(const P& p, int batch, int qo_head0, int heads, int kv_head, int qo_begin,
+                                          int qo_end, int kv_begin, int kv_end) {
+  if constexpr (V::MASK_TILE) {
+    int lo = TILE_FULL, hi = TILE_EMPTY;
+    for (int h = 0; h < heads; ++h) {
+      const int c = V::mask_tile(p.variant, batch, qo_head0 + h, kv_head, qo_begin, qo_end, kv_begin, kv_end);
+      lo = c < lo ? c : lo;
+      hi = c > hi ? c : hi;
+    }
+    return lo == hi ? lo : TILE_PARTIAL;
+  } else {
+    return TILE_PARTIAL;
+  }
 }
 
 // The sink of a finished softmax row: a logit s that takes probability mass but carries no value (gpt-oss). A

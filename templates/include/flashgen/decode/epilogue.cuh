@@ -81,21 +81,23 @@ __device__ __forceinline__ void merge_partials(const Params& p, uint8_t* smem, c
         }
       }
     }
-    // softmax=False: the partials are sums (lse 0, weight 1 each), added; the sink scales the merged row
-    float lse = V::SOFTMAX ? ms.lse() : 0.f;
-    const float inv = (V::SOFTMAX ? ms.inv_sum() : 1.f) * flashgen::variant::sink_factor<V>(p, lse, request, q_pos, int(head));
+    float inv = ms.inv_sum();
+    float var_lse = 0.f;  // a variant's row lse: softmax=False has none (its partials are sums, lse 0, weight 1
+    if constexpr (V::ANY) {  // each: added), a sink moves it and scales the merged row
+      if constexpr (V::SOFTMAX) var_lse = ms.lse();
+      else inv = 1.f;
+      inv *= flashgen::variant::sink_factor<V>(p, var_lse, request, q_pos, int(head));
+    }
 #pragma unroll
     for (int cb = 0; cb < CB; ++cb) {
       const int col = cb * 128 + lane * 4;
       if (col < DV) {
-        float x[4] = {acc[cb].x * inv, acc[cb].y * inv, acc[cb].z * inv, acc[cb].w * inv};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) x[i] = flashgen::variant::output_value<V>(p, x[i], request, q_pos, int(head), col + i);
-        const uint2 packed = make_uint2(pack2<DTypeO>(x[0], x[1]), pack2<DTypeO>(x[2], x[3]));
+        auto x = [&](float v, int i) { return flashgen::variant::output_value<V>(p, v * inv, request, q_pos, int(head), col + i); };
+        const uint2 packed = make_uint2(pack2<DTypeO>(x(acc[cb].x, 0), x(acc[cb].y, 1)), pack2<DTypeO>(x(acc[cb].z, 2), x(acc[cb].w, 3)));
         *reinterpret_cast<uint2*>(p.o + (int64_t(token) * stride + head) * DV + col) = packed;
       }
     }
-    if (lane == 0 && p.lse != nullptr) p.lse[int64_t(token) * stride + head] = lse;
+    if (lane == 0 && p.lse != nullptr) p.lse[int64_t(token) * stride + head] = V::ANY ? var_lse : ms.lse();
   }
 }
 
@@ -156,12 +158,16 @@ __device__ __forceinline__ void write_states(const Params& p, uint8_t* smem, con
       }
     }
     float inv = l_all > 0.f ? p.v_scale / l_all : 0.f;  // fp8 V: its per-tensor scale
-    float lse = l_all > 0.f ? (m_all + log2f(l_all)) * LN2 : -INFINITY;
-    if constexpr (!V::SOFTMAX) inv = p.v_scale, lse = 0.f;  // the weights' sum, no normaliser
-    const int64_t head = q_head0 + r;
-    if (!split) inv *= flashgen::variant::sink_factor<V>(p, lse, request, q_pos, int(head));
+    float var_lse = 0.f;  // a variant's row lse (softmax=False: the weights' sum, no normaliser, lse 0)
+    if constexpr (V::ANY) {
+      if constexpr (V::SOFTMAX) var_lse = l_all > 0.f ? (m_all + log2f(l_all)) * LN2 : -INFINITY;
+      else inv = p.v_scale;
+      if (!split) inv *= flashgen::variant::sink_factor<V>(p, var_lse, request, q_pos, q_head0 + r);
+    }
 #pragma unroll
     for (int i = 0; i < COLS; ++i) acc[i] *= inv;
+    const float lse = V::ANY ? var_lse : l_all > 0.f ? (m_all + log2f(l_all)) * LN2 : -INFINITY;
+    const int64_t head = q_head0 + r;
     if constexpr (V::OUTPUT) {
       if (!split) {
 #pragma unroll

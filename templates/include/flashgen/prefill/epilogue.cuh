@@ -23,7 +23,7 @@ struct TileRows {
 template <class C, class Params>
 __device__ __forceinline__ void write_rows(const Params& p, const TileRows& tr, float (&o)[C::MMA_Q][C::HEAD_DIM_VO / 8][4],
                                            const float (&m)[C::MMA_Q][2], float (&l)[C::MMA_Q][2], int chunk, int warp,
-                                           int lane, const RowInfo<C>& ri) {
+                                           int lane, const RowInfo<C>& ri, const HookRowsOf<C>& hr) {
   using L = Layout<C>;
   using V = typename C::Variant;
   constexpr int DV = C::HEAD_DIM_VO;
@@ -38,13 +38,15 @@ __device__ __forceinline__ void write_rows(const Params& p, const TileRows& tr, 
       if (prow >= tr.rows_total) continue;
       const float lv = l[mq][h];
       float inv = lv > 0.f ? 1.f / lv : 0.f;
-      float lse = lv > 0.f ? (m[mq][h] + log2f(lv)) * LN2 : -INFINITY;
-      if constexpr (!V::SOFTMAX) inv = 1.f, lse = 0.f;  // the weights' sum, no normaliser
+      if constexpr (!V::SOFTMAX) inv = 1.f;  // the weights' sum, no normaliser
       if constexpr (L::FP8) inv *= p.v_scale;  // fp8 V: its per-tensor scale
+      float lse = !V::SOFTMAX ? 0.f : lv > 0.f ? (m[mq][h] + log2f(lv)) * LN2 : -INFINITY;
       const int64_t token = tr.token(prow), head = tr.head(prow);
       // a finished row (not a split partial): the variant's sink, and its output hook below
-      const int batch = V::ANY ? ri.hook.batch : 0, q_idx = V::ANY ? ri.q_pos[prow - tr.row0] : 0;
-      if (chunk < 0) inv *= flashgen::variant::sink_factor<V>(p, lse, batch, q_idx, int(head));
+      const int batch = V::ANY ? hr.batch : 0, q_idx = V::ANY ? ri.q_pos[prow - tr.row0] : 0;
+      if constexpr (V::SINK) {
+        if (chunk < 0) inv *= flashgen::variant::sink_factor<V>(p, lse, batch, q_idx, int(head));
+      }
       auto out = [&](float x, int col) {
         return flashgen::variant::output_value<V>(p, x * inv, batch, q_idx, int(head), col);
       };
@@ -135,9 +137,13 @@ __device__ __forceinline__ void merge_row(const Params& p, int64_t token, int64_
       }
     }
   }
-  // softmax=False: the partials are sums (lse 0, weight 1 each), added; the sink scales the merged row
-  float lse = V::SOFTMAX ? ms.lse() : 0.f;
-  const float inv = (V::SOFTMAX ? ms.inv_sum() : 1.f) * flashgen::variant::sink_factor<V>(p, lse, batch, q_idx, int(head));
+  float inv = ms.inv_sum();
+  float var_lse = 0.f;  // a variant's row lse: softmax=False has none (its partials are sums, lse 0, weight 1
+  if constexpr (V::ANY) {  // each: added), a sink moves it and scales the merged row
+    if constexpr (V::SOFTMAX) var_lse = ms.lse();
+    else inv = 1.f;
+    inv *= flashgen::variant::sink_factor<V>(p, var_lse, batch, q_idx, int(head));
+  }
   uint4 packed;
   uint32_t* w = reinterpret_cast<uint32_t*>(&packed);
 #pragma unroll
@@ -146,14 +152,15 @@ __device__ __forceinline__ void merge_row(const Params& p, int64_t token, int64_
                                      flashgen::variant::output_value<V>(p, acc[2 * i + 1] * inv, batch, q_idx, int(head), col + 2 * i + 1));
   const int64_t out = token * p.num_qo_heads + head;
   *reinterpret_cast<uint4*>(p.o + out * DV + col) = packed;
-  if (col == 0 && p.lse != nullptr) p.lse[out] = lse;
+  if (col == 0 && p.lse != nullptr) p.lse[out] = V::ANY ? var_lse : ms.lse();
 }
 
 // A split tile's finish (common/split_merge.cuh: merge_if_last): every chunk of a (request, qo tile, kv head)
 // writes its partial and counts itself in; the last merges the tile's rows. The counter of a tile sits at its
 // first packed row's (token, q head), unique over the batch.
 template <class C, class Params>
-__device__ __forceinline__ void merge_tile(const Params& p, const TileRows& tr, const RowInfo<C>& ri) {
+__device__ __forceinline__ void merge_tile(const Params& p, const TileRows& tr, const RowInfo<C>& ri,
+                                           const HookRowsOf<C>& hr) {
   using L = Layout<C>;
   using V = typename C::Variant;
   const int64_t first = tr.token(tr.row0);
@@ -166,7 +173,7 @@ __device__ __forceinline__ void merge_tile(const Params& p, const TileRows& tr, 
     for (int job = threadIdx.x; job < L::TILE_Q * COLS; job += L::THREADS) {
       const int prow = tr.row0 + job / COLS;
       if (prow < tr.rows_total)
-        merge_row<C>(p, tr.token(prow), tr.head(prow), (job % COLS) * 8, num_chunks, V::ANY ? ri.hook.batch : 0,
+        merge_row<C>(p, tr.token(prow), tr.head(prow), (job % COLS) * 8, num_chunks, V::ANY ? hr.batch : 0,
                      V::ANY ? ri.q_pos[prow - tr.row0] : 0);
     }
   });

@@ -18,10 +18,14 @@ struct MaskInfo {
 };
 
 // What a variant's hooks ask of a row besides its query position: the request, the kv head, the row's q head
-template <int N>
+// (a __shared__ variable of its own, beside RowInfo: a kernel without a variant never names it, so it takes no space)
+template <int N, int WARPS>
 struct HookRows {
   int batch, kv_head, qo_head[N];
+  int qo_begin[WARPS], qo_end[WARPS];  // a warp's query positions (the tile predicate's rows)
 };
+template <class C>
+using HookRowsOf = HookRows<Layout<C>::TILE_Q, C::Variant::MASK_TILE ? C::NUM_WARPS : 1>;
 
 // The CTA's row state that waits in shared memory, where it costs no registers over the scores tile (the
 // register peak: 64-key tiles at d=128 spill with it in registers): the mask bounds, each packed row's query
@@ -33,7 +37,6 @@ struct RowInfo {
   int full_lo[C::NUM_WARPS], full_hi[C::NUM_WARPS];  // a warp's tiles [full_lo, full_hi) need no element mask
   int q_pos[Layout<C>::TILE_Q];
   float slope[C::ALIBI ? Layout<C>::TILE_Q : 1];
-  HookRows<C::Variant::ANY ? Layout<C>::TILE_Q : 1> hook;  // a variant's hooks only
   float4 stats[C::MMA_Q][Layout<C>::THREADS];  // {m[mq][0], m[mq][1], l[mq][0], l[mq][1]} of thread t: private
 
   // whether tile number t (list entry e, first key t0) needs the element mask: a custom mask's BITS and CAUSAL
@@ -197,11 +200,12 @@ __device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
 // for its last query), kv_idx the key's position.
 template <class C, class Params>
 __device__ __forceinline__ void hook_logits(const Params& p, float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const RowInfo<C>& ri,
+                                            const HookRowsOf<C>& hr,
                                             LogitsTransform<C::ALIBI, C::SOFT_CAP>& transform, int tile_start,
-                                            int warp, int lane, const int32_t* page_pos = nullptr) {
+                                            int warp, int lane, const int32_t* page_pos, bool use_mask) {
   using V = typename C::Variant;
   const MaskInfo& mi = ri.mi;
-  const int base = tile_start + 2 * (lane % 4), batch = ri.hook.batch, kv_head = ri.hook.kv_head;
+  const int base = tile_start + 2 * (lane % 4), batch = hr.batch, kv_head = hr.kv_head;
   constexpr float HIDDEN = V::SOFTMAX ? -INFINITY : 0.f, UNITS = V::SOFTMAX ? LOG2E : 1.f;
 #pragma unroll
   for (int mq = 0; mq < C::MMA_Q; ++mq)
@@ -210,7 +214,7 @@ __device__ __forceinline__ void hook_logits(const Params& p, float (&s)[C::MMA_Q
       const int r = RowInfo<C>::row(warp, lane, mq, h);
       int q_pos = ri.q_pos[r];
       if constexpr (!C::POSITIONS) q_pos = min(q_pos, mi.q_base + mi.qo_len - 1);
-      const int qo_head = ri.hook.qo_head[r];
+      const int qo_head = hr.qo_head[r];
       if constexpr (C::ALIBI) transform.slope = ri.slope[r];
 #pragma unroll
       for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
@@ -222,9 +226,21 @@ __device__ __forceinline__ void hook_logits(const Params& p, float (&s)[C::MMA_Q
           const bool hidden = t >= mi.kv_hi || s[mq][nt][e] == -INFINITY;
           s[mq][nt][e] = hidden ? HIDDEN
                                 : flashgen::variant::pair_logit<V>(p, transform.natural(s[mq][nt][e], k_pos - q_pos),
-                                                                   batch, q_pos, k_pos, qo_head, kv_head) * UNITS;
+                                                                   batch, q_pos, k_pos, qo_head, kv_head, use_mask) *
+                                                UNITS;
         }
     }
+}
+
+// The tile predicate's class of the warp's rows against keys [tile_start, tile_start + TILE_KV) (cut at kv_hi),
+// over every q head of the group (a class holds only where it holds for all of them)
+template <class C, class Params>
+__device__ __forceinline__ int hook_tile_class(const Params& p, const RowInfo<C>& ri, const HookRowsOf<C>& hr, int warp,
+                                               int tile_start) {
+  const int group = p.group_size;
+  return flashgen::variant::tile_class<typename C::Variant>(
+      p, hr.batch, hr.kv_head * group, group, hr.kv_head, hr.qo_begin[warp], hr.qo_end[warp],
+      tile_start, min(tile_start + C::TILE_KV, ri.mi.kv_hi));
 }
 
 // boundary tiles only: logits of (row, key) pairs the mask hides become -inf. A thread's keys of a row are

@@ -21,7 +21,8 @@ namespace flashgen::sm90 {
 // divides 16), else straight from registers (rows past the request are not written).
 template <class C, class Params>
 __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const float (&o)[C::HEAD_DIM / 2],
-                                           const float (&m)[2], const float (&l_part)[2], uint32_t smem_base, int wg) {
+                                           const float (&m)[2], const float (&l_part)[2], uint32_t smem_base, int wg,
+                                           int request = 0) {
   using L = Layout<C>;
   using V = typename C::Variant;
   const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32, q4 = lane % 4;
@@ -34,22 +35,25 @@ __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const
     l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
     l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
     inv[h] = l[h] > 0.f ? rcp_fast(l[h]) : 0.f;  // rcp.approx: a row's O / l to within an ulp, no slow path
-    lse_h[h] = l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY;
     if constexpr (V::ANY) {  // the sink and the output hook of a finished row (softmax=False: the weights' sum)
+      lse_h[h] = l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY;
       const FastDiv group = group_of(p);
       int token, head;
       group.divmod(min(prow0 + 8 * h, w.rows_total - 1), token, head);
       q_idx[h] = query_position<C>(p, w, token, C::POSITIONS ? group.div(w.rows_total) : 0);
       qo_head[h] = w.kv_head * group.d + head;
       if constexpr (!V::SOFTMAX) inv[h] = 1.f, lse_h[h] = 0.f;
-      inv[h] *= flashgen::variant::sink_factor<V>(p, lse_h[h], w.request, q_idx[h], qo_head[h]);
+      inv[h] *= flashgen::variant::sink_factor<V>(p, lse_h[h], request, q_idx[h], qo_head[h]);
     }
   }
   // register i of a row holds column 8 (i / 4) + 2 q4 + i % 2 (wgmma.cuh)
   auto value = [&](int i, int h) {
-    return flashgen::variant::output_value<V>(p, o[i] * inv[h], w.request, q_idx[h], qo_head[h], 8 * (i / 4) + 2 * q4 + i % 2);
+    return flashgen::variant::output_value<V>(p, o[i] * inv[h], request, q_idx[h], qo_head[h], 8 * (i / 4) + 2 * q4 + i % 2);
   };
-  auto lse = [&](int h) { return lse_h[h]; };
+  auto lse = [&](int h) {
+    if constexpr (V::ANY) return lse_h[h];
+    else return l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY;
+  };
   auto o_row = [&](int prow) {  // packed row -> row of o and lse: (token, q head)
     const FastDiv group = group_of(p);
     int token, head;

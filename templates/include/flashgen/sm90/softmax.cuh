@@ -47,11 +47,13 @@ struct LogitsParams {
 // A variant (common/variant.cuh): after the spec's transform and mask, on every tile, each pair still visible and
 // before kv_hi goes through the hooks in natural-log units (batch = the request, qo_idx = the row's query
 // position, kv_idx = the key's) and comes back in base 2; softmax=False keeps the weights as P (no max, no sum:
-// o_scale 1).
+// o_scale 1). cls: the tile predicate's class of the warpgroup's tile (TILE_EMPTY: every pair hidden, no hook
+// called; TILE_FULL: no per-pair mask; the GEMMs run either way, their asynchronous groups stay uniform).
 template <class C, class KP, class Params>
 __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs, float (&o_scale)[2],
                                         const LogitsParams& lg, bool masked, int t0, const MaskBits<C>& bits,
-                                        const KP& kp, const Params& p, const HookItem& hi) {
+                                        const KP& kp, const Params& p, const HookItem& hi,
+                                        int cls = flashgen::variant::TILE_PARTIAL) {
   using V = typename C::Variant;
   constexpr bool HOOKED = V::SCORE || V::MASK || !V::SOFTMAX;
   constexpr bool RAW = !C::ALIBI && !C::SOFT_CAP;
@@ -115,10 +117,11 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
       const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
       int pos = place;
       if constexpr (C::POSITIONS) pos = kp.at(t0, i);
-      const bool hidden = place >= lg.kv_hi || s[i] == -INFINITY;
+      const bool hidden = place >= lg.kv_hi || s[i] == -INFINITY || cls == flashgen::variant::TILE_EMPTY;
       const float x = (RAW ? s[i] * lg.mul : s[i]) * LN2;  // the base-2 logit (RAW: S * sm_scale * log2 e) in nats
       s[i] = hidden ? (V::SOFTMAX ? -INFINITY : 0.f)
-                    : flashgen::variant::pair_logit<V>(p, x, hi.batch, rs.q_pos[h], pos, rs.qo_head[h], hi.kv_head) *
+                    : flashgen::variant::pair_logit<V>(p, x, hi.batch, rs.q_pos[h], pos, rs.qo_head[h], hi.kv_head,
+                                                       cls != flashgen::variant::TILE_FULL) *
                           (V::SOFTMAX ? LOG2E : 1.f);
     }
   }

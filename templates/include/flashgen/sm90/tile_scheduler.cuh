@@ -14,7 +14,6 @@ namespace flashgen::sm90 {
 // q head kv_head * group + prow % group, query position q_base + prow / group (group: group_of).
 struct Work {
   int token0, row0, rows_total, last_row, kv_head, q_base, kv_lo, kv_hi, kv_row0, num_tiles, last_page;
-  int request;           // the request (a variant's hooks' batch)
   const int32_t* pages;  // paged: the request's page ids (kv_indices + kv_indptr[request], or a block_table row)
   const int32_t* tiles;  // custom mask: the item's tile list (num_tiles entries)
   int64_t mask_bit0;     // custom mask: the bit of the request's (token 0, key 0)
@@ -43,7 +42,6 @@ __device__ __forceinline__ Work work_of(const Params& p, int x) {
   w.valid = request >= 0;  // padding items of a fixed-capacity plan are skipped by every warp alike
   if (!w.valid) return w;
   w.token0 = p.qo_indptr[request];
-  w.request = request;
   const int qo_len = p.qo_indptr[request + 1] - w.token0, kv_len = p.kv_len[request];
   const FastDiv group = group_of(p);
   w.kv_head = x / p.num_items;
