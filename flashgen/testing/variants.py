@@ -125,8 +125,9 @@ def example_args(name: str, *, heads: int, max_kv: int, batch: int, generator=No
     g = generator
     if name == "sink":
         args = {"sinks": torch.randn(heads, generator=g) * 2.0}
-    elif name in ("document", "document_tiled"):  # documents of 1 .. 24 tokens, ids non-decreasing
-        lengths = torch.randint(1, 25, (max_kv,), generator=g)
+    elif name in ("document", "document_tiled"):  # ids non-decreasing; documents of 1 .. 24 tokens, or (tiled)
+        # 1 .. 150, so that whole tiles fall inside one document (TILE_FULL) as well as before it (TILE_EMPTY)
+        lengths = torch.randint(1, 25 if name == "document" else 151, (max_kv,), generator=g)
         args = {"doc_ids": torch.repeat_interleave(torch.arange(max_kv), lengths)[:max_kv].int()}
     elif name == "tree":  # bit j of row i: j <= i and a random ancestor relation (every token sees itself)
         if max_kv > 64:

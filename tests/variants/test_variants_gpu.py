@@ -2,7 +2,7 @@
 decode over a paged cache, the portable prefill (ragged and paged), the Hopper prefill; fresh random inputs,
 NaN-poisoned outputs, split requests (long KV, small batches), a CUDA-graph replay in decode, runtime scalars.
 
-The kernels (13 variants x 4 kernels) compile in parallel at the module's start, so the tests themselves run
+The kernels (every example x 4 kernel families) compile in parallel at the module's start, so the tests run
 in seconds once the cache is warm.
 """
 

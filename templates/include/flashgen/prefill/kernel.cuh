@@ -213,41 +213,40 @@ __device__ __forceinline__ void run(const Params& p) {
     const int e = src.entry(tile), t0 = src.start(e);
     const bool boundary = ri.boundary(warp, tile, e, t0);
     more = tile + 1 < src.num_tiles;
-    // the tile predicate's class of the warp's tile (TILE_PARTIAL without one): an empty tile costs the warp nothing
-    // but the shared steps (copies, stats)
+    // the tile predicate's class of the warp's tile (TILE_PARTIAL without one): an empty tile costs the warp only
+    // the CTA's shared steps (the next copies, the paged offsets), on a side path that leaves the main one as it is
     const int cls = TILED ? hook_tile_class<C>(p, ri, hook_rows, warp, t0) : flashgen::variant::TILE_PARTIAL;
-    const bool live = !TILED || cls != flashgen::variant::TILE_EMPTY;
-    float s[MQ][L::TILE_KV / 8][4];
-    if (live) {
-      if constexpr (L::FP8) scores_fp8<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
-      else scores<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
+    if (TILED && cls == flashgen::variant::TILE_EMPTY) {
+      pipe.issue(tile + S - 1);
+      if constexpr (C::PAGED) {
+        pipe.store_offset(tile + S, next_page);
+        next_page = pipe.page_of(tile + S + 1);
+      }
+      continue;
     }
+    float s[MQ][L::TILE_KV / 8][4];
+    if constexpr (L::FP8) scores_fp8<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
+    else scores<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
     // the next tile's copies after this tile's K ldmatrix (not at the loop top: there they were a chain of shared
     // loads, branches and 16 cp.async between the barrier and the first mma of every warp), or with LATE_COPIES
     // after the softmax, where ptxas interleaves them with the exp2 and P V
     if constexpr (!C::LATE_COPIES) pipe.issue(tile + S - 1);
-    if (live) {
-      if constexpr ((C::ALIBI || C::SOFT_CAP) && !HOOKED) logits<C>(s, ri, transform, t0, warp, lane, C::POSITIONS ? page_pos : nullptr);
-      if (boundary) apply_mask<C>(s, ri, t0, warp, lane, entry_kind(e), C::POSITIONS ? page_pos : nullptr);
-      if constexpr (HOOKED)
-        hook_logits<C>(p, s, ri, hook_rows, transform, t0, warp, lane, C::POSITIONS ? page_pos : nullptr,
-                       cls != flashgen::variant::TILE_FULL);
-    }
+    if constexpr ((C::ALIBI || C::SOFT_CAP) && !HOOKED) logits<C>(s, ri, transform, t0, warp, lane, C::POSITIONS ? page_pos : nullptr);
+    if (boundary) apply_mask<C>(s, ri, t0, warp, lane, entry_kind(e), C::POSITIONS ? page_pos : nullptr);
+    if constexpr (HOOKED)
+      hook_logits<C>(p, s, ri, hook_rows, transform, t0, warp, lane, C::POSITIONS ? page_pos : nullptr,
+                     cls != flashgen::variant::TILE_FULL);
     float m[MQ][2], l[MQ][2];
     ri.load_stats(m, l);
-    if constexpr (V::SOFTMAX) {
-      if (live) online_softmax<C>(s, o, m, l, C::ALIBI || C::SOFT_CAP || HOOKED ? 1.f : scale_log2);
-    }
+    if constexpr (V::SOFTMAX) online_softmax<C>(s, o, m, l, C::ALIBI || C::SOFT_CAP || HOOKED ? 1.f : scale_log2);
     if constexpr (C::LATE_COPIES) pipe.issue(tile + S - 1);
     // after P V: ptxas keeps shared loads behind an earlier shared store, so a store before accumulate_pv held
     // every V ldmatrix (and P V mma) behind the whole softmax; each thread's own slot, read after the next
     // barrier. With RoPE (its sincos frame) m and l held across P V spill (paged5 window + soft-cap: 8 bytes):
     // stored before it there.
     if constexpr (C::ROPE) ri.store_stats(m, l);
-    if (live) {
-      if constexpr (L::FP8) accumulate_pv_fp8<C>(o, s, pipe.v_tile(tile), lane);
-      else accumulate_pv<C>(o, s, pipe.v_tile(tile), lane);
-    }
+    if constexpr (L::FP8) accumulate_pv_fp8<C>(o, s, pipe.v_tile(tile), lane);
+    else accumulate_pv<C>(o, s, pipe.v_tile(tile), lane);
     if constexpr (!C::ROPE) ri.store_stats(m, l);
     // paged: the row offsets of tile + S into the ring slot issue(tile) read; issue(tile + S) reads them after
     // the next barrier, and every warp is past issue(tile) (it ran before this iteration's barrier)
