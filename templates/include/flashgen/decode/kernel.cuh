@@ -340,7 +340,7 @@ __device__ __forceinline__ void run(const Params& p) {
         transform.slope = slope[e / 2];
         if constexpr (HOOKED) {  // the variant's pair hooks, on the keys the kernel sees (never past kv_end)
           int k_pos = pos;
-          bool hidden = pos >= kv_end;
+          bool hidden = last_tile && pos >= kv_end;  // (only the last tile reaches past kv_end)
           if constexpr (C::POSITIONS) {
             k_pos = key_position<C::PAGE_SIZE>(page_pos, min(pos, kv_end - 1));
             hidden = hidden || (C::WINDOW && k_pos < q_pos - p.window_left);
