@@ -133,8 +133,10 @@ def example_args(name: str, *, heads: int, max_kv: int, batch: int, generator=No
         if max_kv > 64:
             raise ValueError(f"max_kv: got {max_kv}, the tree example's bits cover 64 positions")
         bits = (torch.rand(max_kv, max_kv, generator=g) < 0.5).tril() | torch.eye(max_kv, dtype=torch.bool)
-        weights = torch.tensor([1 << j for j in range(max_kv)], dtype=torch.int64)
-        args = {"ancestors": (bits.long() * weights).sum(dim=1)}
+        words = torch.zeros(max_kv, dtype=torch.int64)
+        for j in range(max_kv):  # bit 63 is the sign bit of the int64 word
+            words |= bits[:, j].long() << j
+        args = {"ancestors": words}
     elif name == "t5_bias":
         # distances 16, 32 and 64 sit on bucket edges (the log lands on an integer: 10, 12, 14 in fp64, where fp32
         # may floor one lower), so those bucket pairs share their bias: the check does not hinge on a rounding

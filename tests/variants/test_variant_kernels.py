@@ -270,7 +270,7 @@ def _traced_reference(variant, args, q, k, v, q_pos, k_pos, visible, sm_scale, b
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_the_gpu_reference_agrees_with_the_traced_hooks(name):
     g = torch.Generator().manual_seed(5)
-    nq, nk, hkv, group = 9, 50, 2, 2
+    nq, nk, hkv, group = 9, 64, 2, 2  # 64: the tree's bits fill the int64 words, sign bit included
     q, k, v = (torch.randn(n, h, 32, generator=g) for n, h in ((nq, hkv * group), (nk, hkv), (nk, hkv)))
     q_pos, k_pos = torch.arange(nk - nq, nk), torch.arange(nk)
     visible = k_pos[None, :] <= q_pos[:, None]
