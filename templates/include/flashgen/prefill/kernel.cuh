@@ -33,9 +33,11 @@
 // Variant (common/variant.cuh): the pair hooks run on every tile after the spec's mask (prefill/math.cuh
 // hook_logits), batch = the request, qo_idx = the query's position (kv_len - qo_len + i, or q_pos), kv_idx = the
 // key's; softmax=False keeps the weights as P (no max, no normaliser); the sink and the output hook run where a
-// row is finished (prefill/epilogue.cuh). A tile predicate (mask_tile) classes each warp's tile: TILE_EMPTY
-// skips the warp's Q K^T, softmax and P V (the tile is still loaded: the CTA shares it), TILE_FULL runs without
-// the per-pair mask hook (without explicit positions: with them every tile is partial).
+// row is finished (prefill/epilogue.cuh). A tile predicate (mask_tile), without explicit positions: the CTA's
+// KV range is first cut to its first and last tiles that some row sees (live_tiles: the tiles classed in
+// parallel, one a thread), so empty tiles at either end are never loaded; inside it each warp classes its tile:
+// TILE_EMPTY skips the warp's Q K^T, softmax and P V (the tile is still loaded: the CTA shares it), TILE_FULL
+// runs without the per-pair mask hook.
 //
 // POSITIONS (common/positions.cuh): query token i sits at q_pos[i] and key t at its page's kv_page_pos entry +
 // its offset in the page. Keys need not be contiguous in position, so the KV range is not clipped by the mask:
@@ -79,6 +81,13 @@ __device__ __forceinline__ void run(const Params& p) {
   if constexpr (C::CAUSAL && !C::POSITIONS) kv_hi = min(kv_hi, q_base + last_row / group + 1);
   if constexpr (C::WINDOW && !C::POSITIONS) kv_lo = max(kv_lo, q_base + tr.row0 / group - p.window_left);
   int num_tiles = kv_hi > kv_lo ? (kv_hi - kv_lo + L::TILE_KV - 1) / L::TILE_KV : 0;
+  if constexpr (TILED && !C::CUSTOM_MASK) {  // the range cut to its first and last tiles some row sees
+    const int2 live = live_tiles<C>(p, request, kv_head, q_base + tr.row0 / group, q_base + last_row / group + 1,
+                                    kv_lo, kv_hi, num_tiles);
+    kv_hi = live.y < live.x ? kv_lo : min(kv_hi, kv_lo + (live.y + 1) * L::TILE_KV);
+    kv_lo = live.y < live.x ? kv_lo : kv_lo + live.x * L::TILE_KV;
+    num_tiles = live.y < live.x ? 0 : live.y - live.x + 1;
+  }
   const int32_t* tiles = nullptr;
   if constexpr (C::CUSTOM_MASK) {
     tiles = p.tiles + p.tile_indptr[item];

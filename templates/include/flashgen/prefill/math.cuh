@@ -243,6 +243,29 @@ __device__ __forceinline__ int hook_tile_class(const Params& p, const RowInfo<C>
       tile_start, min(tile_start + C::TILE_KV, ri.mi.kv_hi));
 }
 
+// {first, last} of the tiles [kv_lo + t TILE_KV, + TILE_KV) (cut at kv_hi), t < num_tiles, that the tile predicate
+// does not call empty for queries [qo_begin, qo_end) of the group's q heads (last < first: every tile is empty).
+// Every thread of the CTA calls it (two barriers); each classes tiles tid, tid + THREADS, ...
+template <class C, class Params>
+__device__ __forceinline__ int2 live_tiles(const Params& p, int batch, int kv_head, int qo_begin, int qo_end, int kv_lo,
+                                           int kv_hi, int num_tiles) {
+  __shared__ int first, last;
+  if (threadIdx.x == 0) first = num_tiles, last = -1;
+  __syncthreads();
+  const int group = p.group_size;
+  for (int t = threadIdx.x; t < num_tiles; t += Layout<C>::THREADS) {
+    const int k0 = kv_lo + t * C::TILE_KV;
+    const int cls = flashgen::variant::tile_class<typename C::Variant>(p, batch, kv_head * group, group, kv_head, qo_begin,
+                                                                       qo_end, k0, min(k0 + C::TILE_KV, kv_hi));
+    if (cls != flashgen::variant::TILE_EMPTY) {
+      atomicMin(&first, t);
+      atomicMax(&last, t);
+    }
+  }
+  __syncthreads();
+  return make_int2(first, last);
+}
+
 // boundary tiles only: logits of (row, key) pairs the mask hides become -inf. A thread's keys of a row are
 // t0 + 2 * (lane % 4) + k for the compile-time k = 8 * nt + e % 2: each row reduces to a range of k (the KV end,
 // causal, window) and, for a custom mask, a window of bits: the mask's (ENTRY_BITS) or keys <= the row's query
