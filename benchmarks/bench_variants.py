@@ -8,8 +8,9 @@ bf16, 32 q / 8 kv heads, head_dim 128, ragged, 4x4096 and 1x16384 tokens, causal
 square on top. Flex has no sink and no normaliser-free softmax: the sink's row is Flex's output scaled by
 sigmoid(lse - sink) (one extra elementwise kernel, timed with it); sigmoid attention has no Flex row. The tree
 example's ancestor bits cover 64 tokens, so it is not run at these lengths. ``document_tiled`` is the
-document mask with its tile predicate (empty tiles skipped, full ones unmasked): the issue's 1k-token
-document row.
+document mask with its tile predicate (the issue's 1k-token document row): the portable prefill never loads the
+empty tiles at either end of a CTA's range and skips the compute of the empty ones inside it; the Hopper prefill
+so far only skips the hooks of empty tiles (its GEMMs run over the whole causal range).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_variants.py --out benchmarks/results/variants.json
     PYTHONPATH=$PWD python3 benchmarks/bench_variants.py --examples document --shapes 1x16384 --reps 20
