@@ -19,11 +19,12 @@ _EXPORTS = {
     **dict.fromkeys(("PagedKVCache", "OutOfPages", "KVCacheError", "CacheStats", "PageTables", "Preemption",
                      "WriteCoords"), ".kvcache"),
     **dict.fromkeys(("CacheError", "CacheStore"), ".cache"),
-    "TemplateError": ".kernels",
+    **dict.fromkeys(("TemplateError", "render_variant"), ".kernels"),
     **dict.fromkeys(("CompileError", "ToolchainError"), ".compile"),
     **dict.fromkeys(("Kernel", "MissingKernelError", "NoDeviceError", "build", "ensure_compiled", "render"), ".jit"),
     **dict.fromkeys(("ALiBi", "AppendSpec", "AttentionSpec", "Causal", "CustomMask", "Llama31Scaling", "MergeSpec",
-                     "NoMask", "Paged", "Ragged", "RoPE", "SlidingWindow", "SpecError", "YaRNScaling"), ".spec"),
+                     "NoMask", "Paged", "Ragged", "RoPE", "Scalar", "SlidingWindow", "SpecError", "Tensor",
+                     "Variant", "YaRNScaling"), ".spec"),
 }
 
 __all__ = list(_EXPORTS)

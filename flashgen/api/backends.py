@@ -48,7 +48,9 @@ def kernels_for(spec: AttentionSpec, backend: str) -> tuple[tuple[str, Attention
     if backend == "portable":
         return (("prefill", spec),)
     if isinstance(spec.pos_encoding, RoPE):
-        return (("rope_gather", spec), ("prefill_sm90", ragged_twin(spec)))
+        # the pre-pass only rotates and gathers: a variant's hooks run in the attention kernel alone
+        pre = spec if spec.variant is None else spec.replace(variant=None)
+        return (("rope_gather", pre), ("prefill_sm90", ragged_twin(spec)))
     return (("prefill_sm90", spec),)
 
 

@@ -150,6 +150,9 @@ class BlockSparseWrapper:
                  kernel_options: dict | None = None):
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
+        if spec.variant is not None:  # its inner wrappers would run the hooks without their arguments
+            raise SpecError(f"variant: BlockSparseWrapper does not run variants yet (got {spec.variant.uri}); "
+                            "BatchPrefillWrapper and BatchDecodeWrapper do")
         if backend not in BACKENDS:
             raise ValueError(f"backend: got {backend!r}, expected one of {', '.join(map(repr, BACKENDS))}")
         kernel_options = positions_options(spec, backend, kernel_options, "BlockSparseWrapper")

@@ -145,6 +145,9 @@ class CascadeWrapper:
                  max_num_pages: int | None = None, prefill_backend: str = "auto",
                  workspace: torch.Tensor | None = None):
         check_cascade_spec(spec)
+        if spec.variant is not None:  # its inner wrappers would run the hooks without their arguments
+            raise SpecError(f"variant: CascadeWrapper does not run variants yet (got {spec.variant.uri}); "
+                            "BatchPrefillWrapper and BatchDecodeWrapper do")
         self.spec = spec
         # shared levels: every query lies after their keys, so causal needs no mask there; a window does
         self._shared_spec = spec if isinstance(spec.mask, SlidingWindow) else spec.replace(mask=NoMask())

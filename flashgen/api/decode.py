@@ -22,6 +22,7 @@ from .positions import Positions, refuse_positions, wants_positions
 from .portable import (HOST_ARRAYS_HINT, RUNTIME_FIELDS, SplitKVLaunch, host_ids_reserve, page_fields, split_kv_fields,
                        table_extras)
 from .staging import DeviceBuffer
+from .variant_args import variant_args, write_variant
 from .wrapper import Runtime, WrapperCore, fp8_scaled, graph_capacity, resolve_device
 
 
@@ -133,7 +134,7 @@ class BatchDecodeWrapper:
         self._core.set_planned(rows, num_qo_heads, num_kv_heads, table)
 
     def run(self, q: torch.Tensor, kv_cache, out: torch.Tensor | None = None, return_lse: bool = False, *,
-            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None):
+            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, **variant):
         """Attend ``q [batch, num_qo_heads, head_dim]`` over the planned batch of ``kv_cache``.
 
         Returns ``out [batch, num_qo_heads, head_dim_vo]`` (q's dtype), and with ``return_lse`` also
@@ -145,9 +146,15 @@ class BatchDecodeWrapper:
         ``kernel_options={"append": True}`` (required there, refused otherwise). Example::
 
             out = wrapper.run(q, kv_cache, k_new=k, v_new=v)   # == append_kv(k, v, kv_cache, ...); run(q, kv_cache)
+
+        ``**variant``: the tensors and scalars the spec's ``Variant`` declares, each by its name (all of them,
+        nothing else; tensors of the declared dtype and rank on the wrapper's device: ``variant_args``). The hooks
+        see ``batch`` = the request, ``qo_idx`` = the query's position (``kv_len - 1``, or ``q_pos``), ``kv_idx`` =
+        each key's. Example: ``wrapper.run(q, kv_cache, sinks=sinks)`` for ``flashgen.variants.examples.SINK``.
         """
         core = self._core
         out, lse = core.outputs(q, out, return_lse)
+        write_variant(self._impl.variant, self._impl.params_buffer, variant)
         kv = core.kv_args(kv_cache, kv_view, self._impl.kv_args)
         if self._append or k_new is not None or v_new is not None:
             new = check_new_rows(self._append, k_new, v_new, q, core.planned.num_kv_heads, self.spec)
@@ -166,6 +173,8 @@ class DecodeBackend(SplitKVLaunch):
         self._tmp_lse = DeviceBuffer(torch.float32, core.device, core.fixed)
         self._kernel = None
         self._held = None  # a device page table, read in place
+        self.variant = None  # the variant's run() keywords (variant_args), once the kernel is loaded
+        self.params_buffer = None
 
     def _load(self) -> None:
         from ..jit import build
@@ -176,6 +185,8 @@ class DecodeBackend(SplitKVLaunch):
         self._append = wants_append(self.options)
         self._params = self._kernel.params["decode"].bind(
             RUNTIME_FIELDS + (APPEND_RUNTIME_FIELDS if self._append else ()))
+        self.variant = variant_args(self.spec, self._kernel.params["decode"], self.core.device)
+        self.params_buffer = self._params.buffer
 
     def plan(self, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime, v_scale: float,
              enable_split: bool, split_policy: SplitPolicy | None = None, positions: dict | None = None,
@@ -209,6 +220,8 @@ class DecodeBackend(SplitKVLaunch):
             fields.update(append_fields(k_scale, v_scale))
         if positions:
             fields.update(kv_page_pos=addresses["kv_page_pos"], q_pos=addresses["q_pos"])
+        if self.variant is not None:
+            fields["variant"] = b""  # packed by run() (variant_args)
         self._params.pack(fields)
         # more than one wave: kv head fastest, for DRAM locality; one wave: item fastest (decode/kernel.cuh)
         items = info.capacity * num_kv_heads

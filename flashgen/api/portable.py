@@ -17,6 +17,7 @@ from .custom_mask import custom_mask_bits, device_mask, mask_extras
 from .device import current_stream
 from .kv_inputs import KVView, PageTable, device_page_ids
 from .staging import DeviceBuffer
+from .variant_args import variant_args
 from .wrapper import Runtime, WrapperCore
 
 # the params written at run(): the tensors and the cache's strides (the KV memo's arguments)
@@ -114,6 +115,8 @@ class PortablePrefill(SplitKVLaunch):
         self._fp8 = self.spec.kv_dtype.startswith("float8")
         self._held = (None, None)  # a device page table and a device mask, read in place
         self.last_plan = None
+        self.variant = None  # the variant's run() keywords (variant_args), once the kernel is loaded
+        self.params_buffer = None
 
     def _load(self) -> None:
         from ..jit import build
@@ -122,6 +125,8 @@ class PortablePrefill(SplitKVLaunch):
         self._fn = self._kernel["prefill"]
         self._launch = self._kernel.launch_config
         self._params = self._kernel.params["prefill"].bind(RUNTIME_FIELDS)
+        self.variant = variant_args(self.spec, self._kernel.params["prefill"], self.core.device)
+        self.params_buffer = self._params.buffer
 
     def plan(self, qo: np.ndarray, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime,
              custom_mask, enable_split: bool, split_policy: SplitPolicy | None = None,
@@ -166,6 +171,8 @@ class PortablePrefill(SplitKVLaunch):
             fields.update(kv_page_pos=addresses["kv_page_pos"], q_pos=addresses["q_pos"])
         if self._fp8:
             fields["v_scale"] = 1.0 if v_scale is None else v_scale
+        if self.variant is not None:
+            fields["variant"] = b""  # packed by run() (variant_args)
         self._params.pack(fields)
         self._held = (page_held, mask_held)
         self._grid = (info.capacity * num_kv_heads, 1, 1)  # block x: item capacity - 1 - x / H, kv head x % H

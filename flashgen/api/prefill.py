@@ -22,6 +22,7 @@ from .page_ids import page_ids_for
 from .portable import PortablePrefill
 from .positions import Positions, refuse_positions, wants_positions
 from .sm90 import SM90Prefill
+from .variant_args import write_variant
 from .wrapper import WrapperCore, fp8_scaled, graph_capacity, resolve_device
 
 
@@ -139,7 +140,7 @@ class BatchPrefillWrapper:
 
     # ------------------------------------------------------------------------------------------ run
 
-    def run(self, q: torch.Tensor, kv_cache, out: torch.Tensor | None = None, return_lse: bool = False):
+    def run(self, q: torch.Tensor, kv_cache, out: torch.Tensor | None = None, return_lse: bool = False, **variant):
         """Attend ``q [total_q, num_qo_heads, head_dim]`` over the planned batch of ``kv_cache``.
 
         ``kv_cache``: the paged cache (one ``[pages, 2, ...]`` tensor or a ``(k, v)`` pair) or, for a Ragged
@@ -147,9 +148,16 @@ class BatchPrefillWrapper:
         ``out [total_q, num_qo_heads, head_dim_vo]`` (q's dtype), with ``return_lse`` also ``lse [total_q,
         num_qo_heads]`` fp32 (natural log; -inf for a row that sees no key). With ``use_cuda_graph`` ``total_q``
         is ``max_total_q``. A cache seen before (same addresses, shapes, strides) is not checked again.
+
+        ``**variant``: the tensors and scalars the spec's ``Variant`` declares, each by its name (all of them,
+        nothing else; tensors of the declared dtype and rank on the wrapper's device: ``variant_args``). The hooks
+        see ``batch`` = the request, ``qo_idx`` = the query's position (``kv_len - qo_len + i``, or ``q_pos``),
+        ``kv_idx`` = the key's. Example: ``wrapper.run(q, (k, v), doc_ids=ids)`` for
+        ``flashgen.variants.examples.DOCUMENT``.
         """
         core = self._core
         out, lse = core.outputs(q, out, return_lse)
+        write_variant(self._impl.variant, self._impl.params_buffer, variant)
         self._impl.launch(q, core.kv_args(kv_cache, self._view, self._impl.kv_args), out, lse)
         return (out, lse) if return_lse else out
 
@@ -177,10 +185,11 @@ _WRAPPERS: dict[tuple, BatchPrefillWrapper] = {}
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec | None = None, *,
               causal: bool = False, sm_scale: float | None = None, window_left: int | None = None,
               soft_cap: float | None = None, rope_theta: float | None = None, rope_scale: float | None = None,
-              custom_mask=None, return_lse: bool = False):
+              custom_mask=None, return_lse: bool = False, **variant):
     """One request: ``q [sq, num_qo_heads, head_dim]`` over ``k [sk, num_kv_heads, head_dim]``, ``v [sk,
     num_kv_heads, head_dim_vo]`` (same dtype, CUDA). The queries are the last ``sq`` positions (causal is
     aligned to the end of the KV). ``spec`` defaults to a Ragged spec from the shapes and ``causal``.
+    ``**variant``: the spec's variant's tensors and scalars by name (``BatchPrefillWrapper.run``).
 
     >>> out = flashgen.attention(q, k, v, causal=True)   # [sq, Hq, Dv], q's dtype
     """
@@ -199,4 +208,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attention
     wrapper.plan(qo_indptr=[0, sq], kv_indptr=[0, sk], num_qo_heads=q.shape[1], num_kv_heads=k.shape[1],
                  custom_mask=custom_mask, sm_scale=sm_scale, window_left=window_left, soft_cap=soft_cap,
                  rope_theta=rope_theta, rope_scale=rope_scale)
-    return wrapper.run(q.contiguous(), (k, v), return_lse=return_lse)
+    return wrapper.run(q.contiguous(), (k, v), return_lse=return_lse, **variant)

@@ -30,6 +30,7 @@ from .kv_inputs import TORCH_DTYPES, KVView, PageTable
 from .positions import wants_positions
 from .portable import HOST_ARRAYS_HINT, host_ids_reserve, page_fields, table_extras
 from .staging import DeviceBuffer
+from .variant_args import variant_args
 from .wrapper import Runtime, WrapperCore
 
 _TMA_DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", torch.float16: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"}
@@ -139,6 +140,8 @@ class SM90Prefill:
         self._masks = DeviceBuffer(torch.uint8, core.device, True) if core.fixed else None
         self._page_ids_held: torch.Tensor | None = None  # a device page table, read in place
         self._empty: dict[tuple, torch.Tensor] = {}  # one-row stand-ins for an empty K / V (a map needs an address)
+        self.variant = None  # the variant's run() keywords (variant_args), once the kernel is loaded
+        self.params_buffer = None
 
     def _load(self) -> None:
         from ..jit import build
@@ -156,6 +159,8 @@ class SM90Prefill:
         layout = self._kernel.params["prefill_sm90"]
         names = layout.names()
         self._params = layout.bind(names[: names.index("lse") + 1])  # tensor maps, K / V, q, o, lse: at run()
+        self.variant = variant_args(self.kernel_spec, layout, self.device)
+        self.params_buffer = self._params.buffer
 
     def plan(self, qo: np.ndarray, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime,
              custom_mask, enable_split: bool, split_policy=None, positions: dict | None = None) -> int:
@@ -210,6 +215,8 @@ class SM90Prefill:
         if positions:  # with RoPE the keys' positions are the pre-pass's, one a scratch row
             fields.update(kv_page_pos=self._key_pos_at if self.rope else addresses["kv_page_pos"],
                           q_pos=addresses["q_pos"])
+        if self.variant is not None:
+            fields["variant"] = b""  # packed by run() (variant_args)
         self._params.pack(fields)
         return plan.info.max_total_q
 

@@ -148,6 +148,9 @@ class VariableBlockSparseWrapper:
                  device: torch.device | int | None = None, num_sms: int | None = None):
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
+        if spec.variant is not None:  # its inner wrappers would run the hooks without their arguments
+            raise SpecError(f"variant: VariableBlockSparseWrapper does not run variants yet (got {spec.variant.uri}); "
+                            "BatchPrefillWrapper and BatchDecodeWrapper do")
         if backend not in BACKENDS:
             raise ValueError(f"backend: got {backend!r}, expected one of {', '.join(map(repr, BACKENDS))}")
         if isinstance(spec.pos_encoding, ALiBi):

@@ -15,6 +15,7 @@ from .prefill import PrefillFamily
 from .prefill_sm90 import PrefillSM90Family, sm90_qo_tma
 from .render import TemplateError, include_dir, render_template, templates_dir
 from .rope_gather import RopeGatherFamily, ragged_twin
+from .variant import VARIANT_FIELD, hook_signature, render_variant, variant_layout
 
 for _family in (DecodeFamily(), PrefillFamily(), PrefillSM90Family(), RopeGatherFamily(), MergeStatesFamily(),
                 AppendFamily()):
@@ -24,5 +25,6 @@ del _family
 __all__ = [
     "EntryPoint", "KernelFamily", "LaunchConfig", "family", "launch_config", "ops", "register", "BoundParams",
     "Param", "ParamsLayout", "TemplateError", "include_dir", "render_template", "templates_dir", "sm90_qo_tma",
-    "ragged_twin", "rows_per_block", "APPEND_RUNTIME_FIELDS",
+    "ragged_twin", "rows_per_block", "APPEND_RUNTIME_FIELDS", "hook_signature",
+    "render_variant", "variant_layout", "VARIANT_FIELD",
 ]

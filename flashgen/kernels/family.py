@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from ..spec import AttentionSpec, SpecError
 from .params import Param, ParamsLayout
 from .render import render_template
+from .variant import render_variant, variant_param
+
+SOURCE_NAME = "kernel.cu"  # what nvcc compiles (compile/ninja_build.py SOURCE): #line directives name it
 
 
 @dataclass(frozen=True)
@@ -94,16 +97,48 @@ class KernelFamily:
         structs = {e.params.struct_name: e.params for e in entries}
         context["structs"] = [layout.context() for layout in structs.values()]
         context["entry_points"] = [{"name": e.name, "struct_name": e.params.struct_name} for e in entries]
-        return render_template(self.template, context, self.uri(spec))
+        variant = getattr(spec, "variant", None)
+        context["VARIANT"] = "flashgen_variant::Hooks" if variant is not None else "flashgen::variant::NoHooks"
+        context["VARIANT_SOURCE"] = _VARIANT_MARK if variant is not None else ""
+        source = render_template(self.template, context, self.uri(spec))
+        return source if variant is None else _insert_variant(source, variant)
+
+
+_VARIANT_MARK = "// flashgen variant hooks"
+
+
+def _insert_variant(source: str, variant) -> str:
+    """``source`` with its variant mark line replaced by ``render_variant``'s text (whose ``#line`` directives
+    need the physical line it starts at)."""
+    lines = source.split("\n")
+    at = lines.index(_VARIANT_MARK)
+    lines[at] = render_variant(variant, SOURCE_NAME, first_line=at + 1).rstrip("\n")
+    return "\n".join(lines)
+
+
+def variant_fields(spec: AttentionSpec) -> tuple:
+    """The params field of ``spec``'s variant (``VariantParams``, last in the struct), or none."""
+    return (variant_param(spec.variant),) if spec.variant is not None else ()
 
 
 class AttentionFamily(KernelFamily):
     """A family compiled from an ``AttentionSpec`` (decode, prefill, prefill_sm90): ``project`` refuses
-    anything else; subclasses that drop fields call it first."""
+    anything else; subclasses that drop fields call it first. ``variants``: whether the family's kernel runs a
+    spec's variant hooks (``flashgen/common/variant.cuh``: one contract for every family)."""
+
+    variants = False
 
     def project(self, spec: object) -> AttentionSpec:
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
+        variant = spec.variant
+        if variant is not None and not self.variants:  # never compile a kernel that would drop the hooks
+            raise SpecError(f"variant: the {self.op} kernel does not run variant hooks yet; got {variant.uri} "
+                            "(spec.replace(variant=None) for the plain kernel)")
+        if variant is not None and (variant.q_transform is not None or variant.k_transform is not None):
+            name = "q_transform" if variant.q_transform is not None else "k_transform"
+            raise SpecError(f"variant.{name}: the kernels do not run q / k transforms at load yet (score, mask, "
+                            "mask_tile, output and sink run in every family); fold it into the score hook")
         return spec
 
 
@@ -136,8 +171,9 @@ def ops() -> tuple[str, ...]:
 
 
 def struct(name: str, *fields: tuple[str, str]) -> ParamsLayout:
-    """``struct("MergeParams", ("const float*", "s"), ...)``: a params layout from (ctype, name) pairs."""
-    return ParamsLayout.of(name, tuple(Param(n, t) for t, n in fields))
+    """``struct("MergeParams", ("const float*", "s"), ...)``: a params layout from (ctype, name) pairs (or
+    Param objects)."""
+    return ParamsLayout.of(name, tuple(f if isinstance(f, Param) else Param(f[1], f[0]) for f in fields))
 
 
 _I32 = "const int32_t*"

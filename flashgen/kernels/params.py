@@ -36,14 +36,21 @@ _ZERO = {"float": 0.0, "double": 0.0, "CUtensorMap": b""}
 
 @dataclass(frozen=True)
 class Param:
-    """One field. ``ctype`` is a C++ type; pointer fields spell it in full (``const float*``)."""
+    """One field. ``ctype`` is a C++ type; pointer fields spell it in full (``const float*``). ``blob``: ``(size,
+    align)`` of a struct the host packs as opaque bytes (a variant's ``VariantParams``), else empty."""
 
     name: str
     ctype: str
+    blob: tuple = ()
 
     @property
     def kind(self) -> str:
-        return "ptr" if self.ctype.endswith("*") else self.ctype
+        return "blob" if self.blob else "ptr" if self.ctype.endswith("*") else self.ctype
+
+    @property
+    def code(self) -> tuple[str, int, int]:
+        """(struct-module code, size, alignment)."""
+        return (f"{self.blob[0]}s", *self.blob) if self.blob else _CTYPES[self.kind]
 
 
 @dataclass(frozen=True)
@@ -61,9 +68,9 @@ class ParamsLayout:
     def of(cls, struct_name: str, fields: tuple[Param, ...]) -> "ParamsLayout":
         offset, max_align, fmt, offsets = 0, 1, "<", []
         for field in fields:
-            if field.kind not in _CTYPES:
+            if field.kind not in _CTYPES and not field.blob:
                 raise ValueError(f"param {field.name}: unsupported C type {field.ctype!r}")
-            code, size, align = _CTYPES[field.kind]
+            code, size, align = field.code
             pad = -offset % align
             fmt += "x" * pad + code
             offset += pad
@@ -145,8 +152,8 @@ class BoundParams:
                 continue
             j, fmt, end = i, "<", offsets[i]
             while j < len(fields) and fields[j].name in self.runtime:
-                fmt += "x" * (offsets[j] - end) + _CTYPES[fields[j].kind][0]
-                end = offsets[j] + _CTYPES[fields[j].kind][1]
+                fmt += "x" * (offsets[j] - end) + fields[j].code[0]
+                end = offsets[j] + fields[j].code[1]
                 j += 1
             groups.append((struct.Struct(fmt), offsets[i], j - i))
             i = j
@@ -196,7 +203,7 @@ class BoundParams:
         values, in declaration order, writes the whole struct, zeros in the run-time fields (``set`` fills them)."""
         fmt, end = "<", 0
         for field, offset in zip(self.layout.fields, self.layout.offsets):
-            code, size, _ = _CTYPES[field.kind]
+            code, size, _ = field.code
             fmt += "x" * (offset - end) + (code if field.name in self._expected else f"{size}x")
             end = offset + size
         packer = struct.Struct(fmt + "x" * (self.layout.size - end))
@@ -209,7 +216,7 @@ class BoundParams:
 
 
 def _fits(field: Param, value: object) -> bool:
-    code = _CTYPES[field.kind][0]
+    code = field.code[0]
     try:
         struct.pack("<" + code, value)
         return True

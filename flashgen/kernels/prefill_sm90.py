@@ -18,7 +18,7 @@ The kernel is ``templates/include/flashgen/sm90/kernel.cuh`` (its parts by role 
 from __future__ import annotations
 
 from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError
-from .family import POSITION_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, positions_option, struct
+from .family import POSITION_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, positions_option, struct, variant_fields
 from .prefill import CPP_TYPES  # fp16 / bf16, as the portable prefill
 
 SM90_HEAD_DIMS = (64, 128, 256)
@@ -131,6 +131,7 @@ def sm90_smem_bytes(head_dim: int, elem: int = 2, gather: bool = False) -> int:
 class PrefillSM90Family(AttentionFamily):
     op = "prefill_sm90"
     template = "prefill_sm90.cu.j2"
+    variants = True
 
     def __init__(self, positions: bool = False):
         self.positions = positions
@@ -232,7 +233,7 @@ class PrefillSM90Family(AttentionFamily):
             # custom mask: the bits, each request's bit offset into them, each item's tile list (entries
             # tiles[tile_indptr[item] ..]: tile * 2 + partial); null without one
             ("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"), (i32, "tile_indptr"), (i32, "tiles"),
-            *(POSITION_FIELDS if self.positions else ()),
+            *(POSITION_FIELDS if self.positions else ()), *variant_fields(spec),
         )
         return (EntryPoint("prefill_sm90", params),)
 

@@ -21,6 +21,7 @@ from .parts import (
     check_positive,
     plain_fields,
 )
+from .variant import Variant
 
 HEAD_DIMS = (64, 128, 192, 256)  # the head dims some kernel family takes
 
@@ -36,7 +37,8 @@ class AttentionSpec:
     Structural fields (head dims, dtypes, KV layout and page size, mask kind, positional-encoding kind,
     soft-cap on/off) change the generated code and form the kernel key. Numbers (``sm_scale``, a window's
     ``left``, RoPE ``theta``/``scale``, the ``soft_cap`` value) are runtime parameters: specs that differ
-    only in them share one kernel.
+    only in them share one kernel. ``variant``: user-defined hooks (``flashgen.Variant``); only their text and
+    declarations enter the key (the uri ends ``_var<digest>``), never a scalar's value.
 
     Integer fields (head dims, and the parts' page size, block shape, window) take ints, numpy's included
     (stored as ``int``: ``AttentionSpec(np.int64(128)) == AttentionSpec(128)``); a float or a bool there is a
@@ -62,6 +64,7 @@ class AttentionSpec:
     pos_encoding: object | None = None
     soft_cap: float | None = None
     sm_scale: float | None = None
+    variant: Variant | None = None
 
     def __post_init__(self) -> None:
         # normalise equivalent spellings so that equal specs compare, hash and key equal
@@ -96,6 +99,10 @@ class AttentionSpec:
             self.pos_encoding.validate()
         check_positive(self.soft_cap, "soft_cap", none=True)
         check_positive(self.sm_scale, "sm_scale", none=True)
+        if self.variant is not None:
+            if not isinstance(self.variant, Variant):
+                raise SpecError(f"variant: got {type(self.variant).__name__}, expected None or Variant(...)")
+            self.variant.validate()
 
     # ------------------------------------------------------------------------------------------ identity
 
@@ -110,6 +117,7 @@ class AttentionSpec:
             "mask": self.mask.uri,
             "pos_encoding": "nopos" if self.pos_encoding is None else self.pos_encoding.uri,
             "soft_cap": self.soft_cap is not None,
+            "variant": None if self.variant is None else self.variant.uri,
         }
 
     @property
@@ -126,6 +134,7 @@ class AttentionSpec:
                 f["mask"],
                 f["pos_encoding"],
                 "cap" if f["soft_cap"] else "nocap",
+                *(() if f["variant"] is None else (f["variant"],)),
             )
         )
 

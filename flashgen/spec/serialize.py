@@ -7,12 +7,15 @@ from dataclasses import fields
 from .append import AppendSpec
 from .attention import AttentionSpec, MergeSpec
 from .parts import KV_LAYOUTS, MASKS, POS_ENCODINGS, ROPE_SCALINGS, SpecError
+from .variant import Variant
 
-_PARTS = {cls.__name__: cls for cls in (*KV_LAYOUTS, *MASKS, *POS_ENCODINGS, *ROPE_SCALINGS)}
+_PARTS = {cls.__name__: cls for cls in (*KV_LAYOUTS, *MASKS, *POS_ENCODINGS, *ROPE_SCALINGS, Variant)}
 _SPECS = {cls.__name__: cls for cls in (AttentionSpec, AppendSpec, MergeSpec)}
 
 
 def _part_to_dict(part: object) -> object:
+    if isinstance(part, Variant):  # hooks as their canonical CUDA text: a traced hook reloads as a snippet
+        return {"type": "Variant", **part.to_dict()}
     if part is None or not hasattr(part, "__dataclass_fields__"):
         return part
     return {"type": type(part).__name__, **{f.name: _part_to_dict(getattr(part, f.name)) for f in fields(part)}}

@@ -43,6 +43,13 @@ struct LogitsTransform {
     if constexpr (SOFT_CAP) x = soft_cap * tanhf(x * rcp_soft_cap);
     return x * LOG2E;
   }
+  // the same logit in natural-log units (what a variant's hooks see)
+  __device__ __forceinline__ float natural(float score, int dist) const {
+    float x = score * sm_scale;
+    if constexpr (ALIBI) x += slope * float(dist);
+    if constexpr (SOFT_CAP) x = soft_cap * tanhf(x * rcp_soft_cap);
+    return x;
+  }
 };
 
 }  // namespace flashgen

@@ -6,6 +6,7 @@
 #include <flashgen/common/logits.cuh>
 #include <flashgen/common/mma.cuh>
 #include <flashgen/common/split_merge.cuh>
+#include <flashgen/common/variant.cuh>
 #include <flashgen/decode/tiles.cuh>
 
 namespace flashgen::decode {
@@ -22,8 +23,9 @@ struct SplitInfo {
 // item's head group.
 template <class C, class Params>
 __device__ __forceinline__ void merge_partials(const Params& p, uint8_t* smem, const SplitInfo& si, int token,
-                                               int q_head0, int rows_valid) {
+                                               int q_head0, int rows_valid, int request, int q_pos) {
   using DTypeO = typename C::DTypeO;
+  using V = typename C::Variant;
   constexpr int DV = C::HEAD_DIM_VO;
   const int num_chunks = si.num_chunks;
   // One warp per row, each lane 4 columns of every 128. The partials come a batch of MERGE_BATCH chunks at a
@@ -79,16 +81,23 @@ __device__ __forceinline__ void merge_partials(const Params& p, uint8_t* smem, c
         }
       }
     }
-    const float inv = ms.inv_sum();
+    float inv = ms.inv_sum();
+    float var_lse = 0.f;  // a variant's row lse: softmax=False has none (its partials are sums, lse 0, weight 1
+    if constexpr (V::ANY) {  // each: added), a sink moves it and scales the merged row
+      if constexpr (V::SOFTMAX) var_lse = ms.lse();
+      else inv = 1.f;
+      inv *= flashgen::variant::sink_factor<V>(p, var_lse, request, q_pos, int(head));
+    }
 #pragma unroll
     for (int cb = 0; cb < CB; ++cb) {
       const int col = cb * 128 + lane * 4;
       if (col < DV) {
-        const uint2 packed = make_uint2(pack2<DTypeO>(acc[cb].x * inv, acc[cb].y * inv), pack2<DTypeO>(acc[cb].z * inv, acc[cb].w * inv));
+        auto x = [&](float v, int i) { return flashgen::variant::output_value<V>(p, v * inv, request, q_pos, int(head), col + i); };
+        const uint2 packed = make_uint2(pack2<DTypeO>(x(acc[cb].x, 0), x(acc[cb].y, 1)), pack2<DTypeO>(x(acc[cb].z, 2), x(acc[cb].w, 3)));
         *reinterpret_cast<uint2*>(p.o + (int64_t(token) * stride + head) * DV + col) = packed;
       }
     }
-    if (lane == 0 && p.lse != nullptr) p.lse[int64_t(token) * stride + head] = ms.lse();
+    if (lane == 0 && p.lse != nullptr) p.lse[int64_t(token) * stride + head] = V::ANY ? var_lse : ms.lse();
   }
 }
 
@@ -97,9 +106,10 @@ __device__ __forceinline__ void merge_partials(const Params& p, uint8_t* smem, c
 template <class C, class Params>
 __device__ __forceinline__ void write_states(const Params& p, uint8_t* smem, const SplitInfo& si, int token,
                                              int q_head0, int rows_valid, float (&o)[C::HEAD_DIM_VO / 8][4],
-                                             float (&m)[2], float (&l)[2]) {
+                                             float (&m)[2], float (&l)[2], int request, int q_pos) {
   using L = Layout<C>;
   using DTypeO = typename C::DTypeO;
+  using V = typename C::Variant;
   constexpr int DV = C::HEAD_DIM_VO;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   float* o_part = reinterpret_cast<float*>(smem + L::K_OFFSET);      // [NUM_WARPS][16][DV]
@@ -147,11 +157,23 @@ __device__ __forceinline__ void write_states(const Params& p, uint8_t* smem, con
         for (int i = 0; i < COLS; ++i) acc[i] += wgt * o_part[(w * 16 + r) * DV + col + i];
       }
     }
-    const float inv = l_all > 0.f ? p.v_scale / l_all : 0.f;  // fp8 V: its per-tensor scale
+    float inv = l_all > 0.f ? p.v_scale / l_all : 0.f;  // fp8 V: its per-tensor scale
+    float var_lse = 0.f;  // a variant's row lse (softmax=False: the weights' sum, no normaliser, lse 0)
+    if constexpr (V::ANY) {
+      if constexpr (V::SOFTMAX) var_lse = l_all > 0.f ? (m_all + log2f(l_all)) * LN2 : -INFINITY;
+      else inv = p.v_scale;
+      if (!split) inv *= flashgen::variant::sink_factor<V>(p, var_lse, request, q_pos, q_head0 + r);
+    }
 #pragma unroll
     for (int i = 0; i < COLS; ++i) acc[i] *= inv;
-    const float lse = l_all > 0.f ? (m_all + log2f(l_all)) * LN2 : -INFINITY;
+    const float lse = V::ANY ? var_lse : l_all > 0.f ? (m_all + log2f(l_all)) * LN2 : -INFINITY;
     const int64_t head = q_head0 + r;
+    if constexpr (V::OUTPUT) {
+      if (!split) {
+#pragma unroll
+        for (int i = 0; i < COLS; ++i) acc[i] = flashgen::variant::output_value<V>(p, acc[i], request, q_pos, int(head), col + i);
+      }
+    }
     if (split) {
       float* dst = p.tmp_o + (out_row * p.num_qo_heads + head) * DV + col;
 #pragma unroll
@@ -164,7 +186,7 @@ __device__ __forceinline__ void write_states(const Params& p, uint8_t* smem, con
   }
   if (split) {  // counter of the (token, head group): the last item merges
     int* counter = p.counters + int64_t(token) * p.num_qo_heads + q_head0;
-    merge_if_last(counter, si.num_chunks, [&] { merge_partials<C>(p, smem, si, token, q_head0, rows_valid); });
+    merge_if_last(counter, si.num_chunks, [&] { merge_partials<C>(p, smem, si, token, q_head0, rows_valid, request, q_pos); });
   }
 }
 

@@ -24,6 +24,11 @@
 // its offset in the page; the window then masks keys element by element (kv_start is not moved), and RoPE and
 // ALiBi use those positions.
 //
+// Variant (common/variant.cuh): the mask and score hooks run on each (query, key) pair, after the spec's own
+// transform and before its mask, with batch = the request, qo_idx = the query's position (kv_len - 1, or q_pos),
+// kv_idx = the key's; rows past the group's heads ask for the group's last head. softmax=False keeps the hook's
+// weights as P (no max, no normaliser); the sink and the output hook run where a row is finished (epilogue).
+//
 // This header is the kernel's entry; decode/tiles.cuh holds the layout and the copies, decode/epilogue.cuh the
 // write-out and the split-KV merge (its protocol: common/split_merge.cuh).
 #pragma once
@@ -31,6 +36,7 @@
 #include <flashgen/common/logits.cuh>
 #include <flashgen/common/mma.cuh>
 #include <flashgen/common/positions.cuh>
+#include <flashgen/common/variant.cuh>
 #include <flashgen/decode/tiles.cuh>
 #include <flashgen/decode/epilogue.cuh>
 #include <flashgen/decode/append.cuh>
@@ -204,7 +210,10 @@ __device__ __forceinline__ void run(const Params& p) {
   float o[DV / 8][4];
 #pragma unroll
   for (int j = 0; j < DV / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  using V = typename C::Variant;
+  constexpr bool HOOKED = V::SCORE || V::MASK || !V::SOFTMAX;  // the pair hooks (or sigmoid weights) run
+  // softmax=False: P is the weight itself; m stays 0, so the epilogue's warp merge adds the warps' sums
+  float m[2] = {V::SOFTMAX ? -INFINITY : 0.f, V::SOFTMAX ? -INFINITY : 0.f}, l[2] = {0.f, 0.f};
   LogitsTransform<C::ALIBI, C::SOFT_CAP> transform{Q_PRESCALED ? 1.f : p.sm_scale, p.soft_cap, p.soft_cap > 0.f ? 1.f / p.soft_cap : 0.f, 0.f};
   float slope[2] = {0.f, 0.f};
   if constexpr (C::ALIBI) {
@@ -330,7 +339,18 @@ __device__ __forceinline__ void run(const Params& p) {
       for (int e = 0; e < 4; ++e) {
         const int pos = kv_start + tile * TILE + n0 + 8 * nt + 2 * t4 + (e % 2);
         transform.slope = slope[e / 2];
-        if constexpr (C::POSITIONS) {  // the window by true position, element by element
+        if constexpr (HOOKED) {  // the variant's pair hooks, on the keys the kernel sees (never past kv_end)
+          int k_pos = pos;
+          bool hidden = last_tile && pos >= kv_end;  // (only the last tile reaches past kv_end)
+          if constexpr (C::POSITIONS) {
+            k_pos = key_position<C::PAGE_SIZE>(page_pos, min(pos, kv_end - 1));
+            hidden = hidden || (C::WINDOW && k_pos < q_pos - p.window_left);
+          }
+          const int qo_head = q_head0 + min(g + 8 * (e / 2), rows_valid - 1);
+          s[nt][e] = hidden ? (V::SOFTMAX ? -INFINITY : 0.f)
+                            : flashgen::variant::pair_logit<V>(p, transform.natural(s[nt][e], k_pos - q_pos), request,
+                                                               q_pos, k_pos, qo_head, kv_head) * (V::SOFTMAX ? LOG2E : 1.f);
+        } else if constexpr (C::POSITIONS) {  // the window by true position, element by element
           const int k_pos = key_position<C::PAGE_SIZE>(page_pos, min(pos, kv_end - 1));
           const bool hidden = pos >= kv_end || (C::WINDOW && k_pos < q_pos - p.window_left);
           s[nt][e] = hidden ? -INFINITY : transform(s[nt][e], k_pos - q_pos);
@@ -339,7 +359,7 @@ __device__ __forceinline__ void run(const Params& p) {
         }
       }
     }
-    online_softmax<DV>(s, m, l, o);
+    if constexpr (V::SOFTMAX) online_softmax<DV>(s, m, l, o);
 
     // O += P V: P from the S accumulators (C layout -> A layout), V fragments by ldmatrix.trans
     uint32_t pa[4] = {pack2<DTypeMMA>(s[0][0], s[0][1]), pack2<DTypeMMA>(s[0][2], s[0][3]),
@@ -372,7 +392,7 @@ __device__ __forceinline__ void run(const Params& p) {
   cp_async_wait<0>();
   __syncthreads();  // the pipeline's shared memory is reused below
 
-  write_states<C>(p, smem, si, token, q_head0, rows_valid, o, m, l);
+  write_states<C>(p, smem, si, token, q_head0, rows_valid, o, m, l, request, q_pos);
 }
 
 }  // namespace flashgen::decode

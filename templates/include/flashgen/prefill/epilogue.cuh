@@ -7,6 +7,8 @@
 #include <flashgen/common/logits.cuh>
 #include <flashgen/common/mma.cuh>
 #include <flashgen/common/split_merge.cuh>
+#include <flashgen/common/variant.cuh>
+#include <flashgen/prefill/math.cuh>
 #include <flashgen/prefill/tiles.cuh>
 
 namespace flashgen::prefill {
@@ -21,8 +23,9 @@ struct TileRows {
 template <class C, class Params>
 __device__ __forceinline__ void write_rows(const Params& p, const TileRows& tr, float (&o)[C::MMA_Q][C::HEAD_DIM_VO / 8][4],
                                            const float (&m)[C::MMA_Q][2], float (&l)[C::MMA_Q][2], int chunk, int warp,
-                                           int lane) {
+                                           int lane, const RowInfo<C>& ri, const HookRowsOf<C>& hr) {
   using L = Layout<C>;
+  using V = typename C::Variant;
   constexpr int DV = C::HEAD_DIM_VO;
   const int g = lane / 4, t4 = lane % 4;
 #pragma unroll
@@ -35,9 +38,18 @@ __device__ __forceinline__ void write_rows(const Params& p, const TileRows& tr, 
       if (prow >= tr.rows_total) continue;
       const float lv = l[mq][h];
       float inv = lv > 0.f ? 1.f / lv : 0.f;
+      if constexpr (!V::SOFTMAX) inv = 1.f;  // the weights' sum, no normaliser
       if constexpr (L::FP8) inv *= p.v_scale;  // fp8 V: its per-tensor scale
-      const float lse = lv > 0.f ? (m[mq][h] + log2f(lv)) * LN2 : -INFINITY;
+      float lse = !V::SOFTMAX ? 0.f : lv > 0.f ? (m[mq][h] + log2f(lv)) * LN2 : -INFINITY;
       const int64_t token = tr.token(prow), head = tr.head(prow);
+      // a finished row (not a split partial): the variant's sink, and its output hook below
+      const int batch = V::ANY ? hr.batch : 0, q_idx = V::ANY ? ri.q_pos[prow - tr.row0] : 0;
+      if constexpr (V::SINK) {
+        if (chunk < 0) inv *= flashgen::variant::sink_factor<V>(p, lse, batch, q_idx, int(head));
+      }
+      auto out = [&](float x, int col) {
+        return flashgen::variant::output_value<V>(p, x * inv, batch, q_idx, int(head), col);
+      };
       if (chunk >= 0) {
         const int64_t row = (p.merge_indptr[token] + chunk) * int64_t(p.num_qo_heads) + head;
         if constexpr (L::FP8) {  // columns 16 c + 4 t4 .. + 3
@@ -59,15 +71,18 @@ __device__ __forceinline__ void write_rows(const Params& p, const TileRows& tr, 
         if constexpr (L::FP8) {
           DTypeO* dst = p.o + row * DV + 4 * t4;
 #pragma unroll
-          for (int c = 0; c < DV / 16; ++c)
+          for (int c = 0; c < DV / 16; ++c) {
+            const int col = 16 * c + 4 * t4;
             *reinterpret_cast<uint2*>(dst + 16 * c) =
-                make_uint2(pack2<DTypeO>(o[mq][2 * c][2 * h] * inv, o[mq][2 * c + 1][2 * h] * inv),
-                           pack2<DTypeO>(o[mq][2 * c][2 * h + 1] * inv, o[mq][2 * c + 1][2 * h + 1] * inv));
+                make_uint2(pack2<DTypeO>(out(o[mq][2 * c][2 * h], col), out(o[mq][2 * c + 1][2 * h], col + 1)),
+                           pack2<DTypeO>(out(o[mq][2 * c][2 * h + 1], col + 2), out(o[mq][2 * c + 1][2 * h + 1], col + 3)));
+          }
         } else {
           DTypeO* dst = p.o + row * DV + 2 * t4;
 #pragma unroll
           for (int j = 0; j < DV / 8; ++j)
-            *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack2<DTypeO>(o[mq][j][2 * h] * inv, o[mq][j][2 * h + 1] * inv);
+            *reinterpret_cast<uint32_t*>(dst + 8 * j) =
+                pack2<DTypeO>(out(o[mq][j][2 * h], 8 * j + 2 * t4), out(o[mq][j][2 * h + 1], 8 * j + 2 * t4 + 1));
         }
         if (t4 == 0 && p.lse != nullptr) p.lse[row] = lse;
       }
@@ -83,7 +98,9 @@ __device__ __forceinline__ void write_rows(const Params& p, const TileRows& tr, 
 constexpr int MERGE_BATCH = 8;
 
 template <class C, class Params>
-__device__ __forceinline__ void merge_row(const Params& p, int64_t token, int64_t head, int col, int num_chunks) {
+__device__ __forceinline__ void merge_row(const Params& p, int64_t token, int64_t head, int col, int num_chunks,
+                                          int batch, int q_idx) {
+  using V = typename C::Variant;
   constexpr int DV = C::HEAD_DIM_VO, B = MERGE_BATCH;
   const int64_t first = (p.merge_indptr[token] * p.num_qo_heads + head), stride = p.num_qo_heads;
   const float* lse_at = p.tmp_lse + first;
@@ -120,22 +137,32 @@ __device__ __forceinline__ void merge_row(const Params& p, int64_t token, int64_
       }
     }
   }
-  const float inv = ms.inv_sum();
+  float inv = ms.inv_sum();
+  float var_lse = 0.f;  // a variant's row lse: softmax=False has none (its partials are sums, lse 0, weight 1
+  if constexpr (V::ANY) {  // each: added), a sink moves it and scales the merged row
+    if constexpr (V::SOFTMAX) var_lse = ms.lse();
+    else inv = 1.f;
+    inv *= flashgen::variant::sink_factor<V>(p, var_lse, batch, q_idx, int(head));
+  }
   uint4 packed;
   uint32_t* w = reinterpret_cast<uint32_t*>(&packed);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = pack2<typename C::DTypeO>(acc[2 * i] * inv, acc[2 * i + 1] * inv);
+  for (int i = 0; i < 4; ++i)
+    w[i] = pack2<typename C::DTypeO>(flashgen::variant::output_value<V>(p, acc[2 * i] * inv, batch, q_idx, int(head), col + 2 * i),
+                                     flashgen::variant::output_value<V>(p, acc[2 * i + 1] * inv, batch, q_idx, int(head), col + 2 * i + 1));
   const int64_t out = token * p.num_qo_heads + head;
   *reinterpret_cast<uint4*>(p.o + out * DV + col) = packed;
-  if (col == 0 && p.lse != nullptr) p.lse[out] = ms.lse();
+  if (col == 0 && p.lse != nullptr) p.lse[out] = V::ANY ? var_lse : ms.lse();
 }
 
 // A split tile's finish (common/split_merge.cuh: merge_if_last): every chunk of a (request, qo tile, kv head)
 // writes its partial and counts itself in; the last merges the tile's rows. The counter of a tile sits at its
 // first packed row's (token, q head), unique over the batch.
 template <class C, class Params>
-__device__ __forceinline__ void merge_tile(const Params& p, const TileRows& tr) {
+__device__ __forceinline__ void merge_tile(const Params& p, const TileRows& tr, const RowInfo<C>& ri,
+                                           const HookRowsOf<C>& hr) {
   using L = Layout<C>;
+  using V = typename C::Variant;
   const int64_t first = tr.token(tr.row0);
   int* counter = p.counters + first * p.num_qo_heads + tr.head(tr.row0);
   // the tile's chunks: its tokens' merge range (a request's uniform split, or this tile's own when the plan
@@ -145,7 +172,9 @@ __device__ __forceinline__ void merge_tile(const Params& p, const TileRows& tr) 
     constexpr int COLS = C::HEAD_DIM_VO / 8;
     for (int job = threadIdx.x; job < L::TILE_Q * COLS; job += L::THREADS) {
       const int prow = tr.row0 + job / COLS;
-      if (prow < tr.rows_total) merge_row<C>(p, tr.token(prow), tr.head(prow), (job % COLS) * 8, num_chunks);
+      if (prow < tr.rows_total)
+        merge_row<C>(p, tr.token(prow), tr.head(prow), (job % COLS) * 8, num_chunks, V::ANY ? hr.batch : 0,
+                     V::ANY ? ri.q_pos[prow - tr.row0] : 0);
     }
   });
 }

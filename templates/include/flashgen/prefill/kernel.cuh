@@ -30,10 +30,20 @@
 // by sm_scale on the way (so the scores are scaled by 1 here); k_scale is folded into sm_scale on the host and
 // v_scale applied at the output (write_rows).
 //
+// Variant (common/variant.cuh): the pair hooks run on every tile after the spec's mask (prefill/math.cuh
+// hook_logits), batch = the request, qo_idx = the query's position (kv_len - qo_len + i, or q_pos), kv_idx = the
+// key's; softmax=False keeps the weights as P (no max, no normaliser); the sink and the output hook run where a
+// row is finished (prefill/epilogue.cuh). A tile predicate (mask_tile), without explicit positions: the CTA's
+// KV range is first cut to its first and last tiles that some row sees (live_tiles: the tiles classed in
+// parallel, one a thread), so empty tiles at either end are never loaded; inside it each warp classes its tile:
+// TILE_EMPTY skips the warp's Q K^T, softmax and P V (the tile is still loaded: the CTA shares it), TILE_FULL
+// runs without the per-pair mask hook.
+//
 // POSITIONS (common/positions.cuh): query token i sits at q_pos[i] and key t at its page's kv_page_pos entry +
 // its offset in the page. Keys need not be contiguous in position, so the KV range is not clipped by the mask:
 // under causal / window every tile runs the element mask, by true positions (as do RoPE and ALiBi).
 #pragma once
+#include <flashgen/common/variant.cuh>
 #include <flashgen/prefill/tiles.cuh>
 #include <flashgen/prefill/math.cuh>
 #include <flashgen/prefill/fp8.cuh>
@@ -48,6 +58,9 @@ __device__ __forceinline__ void run(const Params& p) {
   using DTypeMMA = typename C::DTypeMMA;  // q's dtype; fp16 for fp8 K/V (a bf16 q pre-scaled: load_q_fp8)
   constexpr bool Q_PRESCALED = !std::is_same_v<DTypeMMA, typename C::DTypeQ>;
   constexpr int S = C::STAGES, MQ = C::MMA_Q, QR = C::Q_IN_REGS ? L::D / 16 : 1;
+  using V = typename C::Variant;
+  constexpr bool HOOKED = V::SCORE || V::MASK || !V::SOFTMAX;  // the pair hooks (or sigmoid weights) run
+  constexpr bool TILED = V::MASK_TILE && !C::POSITIONS;  // the tile predicate classes tiles
 
   // items are listed by request, q tiles ascending: block x takes item capacity - 1 - x / H of kv head x % H, so
   // that under a causal mask the longest q tiles of every head start first and the shortest fill the last wave
@@ -68,6 +81,13 @@ __device__ __forceinline__ void run(const Params& p) {
   if constexpr (C::CAUSAL && !C::POSITIONS) kv_hi = min(kv_hi, q_base + last_row / group + 1);
   if constexpr (C::WINDOW && !C::POSITIONS) kv_lo = max(kv_lo, q_base + tr.row0 / group - p.window_left);
   int num_tiles = kv_hi > kv_lo ? (kv_hi - kv_lo + L::TILE_KV - 1) / L::TILE_KV : 0;
+  if constexpr (TILED && !C::CUSTOM_MASK) {  // the range cut to its first and last tiles some row sees
+    const int2 live = live_tiles<C>(p, request, kv_head, q_base + tr.row0 / group, q_base + last_row / group + 1,
+                                    kv_lo, kv_hi, num_tiles);
+    kv_hi = live.y < live.x ? kv_lo : min(kv_hi, kv_lo + (live.y + 1) * L::TILE_KV);
+    kv_lo = live.y < live.x ? kv_lo : kv_lo + live.x * L::TILE_KV;
+    num_tiles = live.y < live.x ? 0 : live.y - live.x + 1;
+  }
   const int32_t* tiles = nullptr;
   if constexpr (C::CUSTOM_MASK) {
     tiles = p.tiles + p.tile_indptr[item];
@@ -90,6 +110,7 @@ __device__ __forceinline__ void run(const Params& p) {
   // KV source, the rows' mask and ALiBi state, and the epilogue's tile and chunk (read after the loop)
   __shared__ KVSource<C> src;
   __shared__ RowInfo<C> ri;
+  __shared__ HookRowsOf<C> hook_rows;  // a variant's hooks only (unused, it takes no space)
   __shared__ TileRows tr_saved;
   __shared__ int chunk_saved;
   __shared__ const int32_t* page_pos;  // POSITIONS: the request's kv_page_pos entries
@@ -129,11 +150,16 @@ __device__ __forceinline__ void run(const Params& p) {
   if (lane == 0) {
     ri.full_lo[warp] = full_lo;
     ri.full_hi[warp] = full_hi;
+    if constexpr (TILED) hook_rows.qo_begin[warp] = q_base + w_first / group, hook_rows.qo_end[warp] = q_base + w_last / group + 1;
   }
   for (int r = threadIdx.x; r < L::TILE_Q; r += L::THREADS) {
     if constexpr (C::POSITIONS) ri.q_pos[r] = p.q_pos[token0 + min((tr.row0 + r) / group, max(qo_len - 1, 0))];
     else ri.q_pos[r] = q_base + (tr.row0 + r) / group;
     if constexpr (C::ALIBI) ri.slope[r] = alibi_slope(int(tr.head(tr.row0 + r)), p.num_qo_heads);
+    if constexpr (V::ANY) hook_rows.qo_head[r] = int(tr.head(tr.row0 + r));
+  }
+  if constexpr (V::ANY) {
+    if (threadIdx.x == 0) hook_rows.batch = request, hook_rows.kv_head = kv_head;
   }
   if constexpr (C::PAGED) load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
   __syncthreads();  // src and ri are written
@@ -196,6 +222,17 @@ __device__ __forceinline__ void run(const Params& p) {
     const int e = src.entry(tile), t0 = src.start(e);
     const bool boundary = ri.boundary(warp, tile, e, t0);
     more = tile + 1 < src.num_tiles;
+    // the tile predicate's class of the warp's tile (TILE_PARTIAL without one): an empty tile costs the warp only
+    // the CTA's shared steps (the next copies, the paged offsets), on a side path that leaves the main one as it is
+    const int cls = TILED ? hook_tile_class<C>(p, ri, hook_rows, warp, t0) : flashgen::variant::TILE_PARTIAL;
+    if (TILED && cls == flashgen::variant::TILE_EMPTY) {
+      pipe.issue(tile + S - 1);
+      if constexpr (C::PAGED) {
+        pipe.store_offset(tile + S, next_page);
+        next_page = pipe.page_of(tile + S + 1);
+      }
+      continue;
+    }
     float s[MQ][L::TILE_KV / 8][4];
     if constexpr (L::FP8) scores_fp8<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
     else scores<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
@@ -203,11 +240,14 @@ __device__ __forceinline__ void run(const Params& p) {
     // loads, branches and 16 cp.async between the barrier and the first mma of every warp), or with LATE_COPIES
     // after the softmax, where ptxas interleaves them with the exp2 and P V
     if constexpr (!C::LATE_COPIES) pipe.issue(tile + S - 1);
-    if constexpr (C::ALIBI || C::SOFT_CAP) logits<C>(s, ri, transform, t0, warp, lane, C::POSITIONS ? page_pos : nullptr);
+    if constexpr ((C::ALIBI || C::SOFT_CAP) && !HOOKED) logits<C>(s, ri, transform, t0, warp, lane, C::POSITIONS ? page_pos : nullptr);
     if (boundary) apply_mask<C>(s, ri, t0, warp, lane, entry_kind(e), C::POSITIONS ? page_pos : nullptr);
+    if constexpr (HOOKED)
+      hook_logits<C>(p, s, ri, hook_rows, transform, t0, warp, lane, C::POSITIONS ? page_pos : nullptr,
+                     cls != flashgen::variant::TILE_FULL);
     float m[MQ][2], l[MQ][2];
     ri.load_stats(m, l);
-    online_softmax<C>(s, o, m, l, C::ALIBI || C::SOFT_CAP ? 1.f : scale_log2);
+    if constexpr (V::SOFTMAX) online_softmax<C>(s, o, m, l, C::ALIBI || C::SOFT_CAP || HOOKED ? 1.f : scale_log2);
     if constexpr (C::LATE_COPIES) pipe.issue(tile + S - 1);
     // after P V: ptxas keeps shared loads behind an earlier shared store, so a store before accumulate_pv held
     // every V ldmatrix (and P V mma) behind the whole softmax; each thread's own slot, read after the next
@@ -230,8 +270,8 @@ __device__ __forceinline__ void run(const Params& p) {
 
   const TileRows tr_out = tr_saved;
   const int chunk = chunk_saved;
-  write_rows<C>(p, tr_out, o, m, l, chunk, warp, lane);
-  if (chunk >= 0) merge_tile<C>(p, tr_out);
+  write_rows<C>(p, tr_out, o, m, l, chunk, warp, lane, ri, hook_rows);
+  if (chunk >= 0) merge_tile<C>(p, tr_out, ri, hook_rows);
 }
 
 }  // namespace flashgen::prefill

@@ -17,6 +17,16 @@ struct MaskInfo {
   int64_t bit0;
 };
 
+// What a variant's hooks ask of a row besides its query position: the request, the kv head, the row's q head
+// (a __shared__ variable of its own, beside RowInfo: a kernel without a variant never names it, so it takes no space)
+template <int N, int WARPS>
+struct HookRows {
+  int batch, kv_head, qo_head[N];
+  int qo_begin[WARPS], qo_end[WARPS];  // a warp's query positions (the tile predicate's rows)
+};
+template <class C>
+using HookRowsOf = HookRows<Layout<C>::TILE_Q, C::Variant::MASK_TILE ? C::NUM_WARPS : 1>;
+
 // The CTA's row state that waits in shared memory, where it costs no registers over the scores tile (the
 // register peak: 64-key tiles at d=128 spill with it in registers): the mask bounds, each packed row's query
 // position and ALiBi slope (read on boundary tiles; ALiBi: every tile), and each thread's online-softmax
@@ -181,6 +191,79 @@ __device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
         for (int e = 2 * h; e < 2 * h + 2; ++e)
           s[mq][nt][e] = transform(s[mq][nt][e], tile_start + nt * 8 + 2 * (lane % 4) + (e % 2) - q_pos);
     }
+}
+
+// A variant's pair hooks (common/variant.cuh) on every tile, after the spec's mask: each pair the mask left
+// visible (and before kv_hi: a hook never sees a key past the request's) gets its natural-log logit (the spec's
+// ALiBi and soft-cap applied here, not in logits()) through the hooks, and leaves in base 2; a hidden pair is
+// -inf (softmax=False: weight 0). qo_idx is the row's query position (a row past the request's queries asks
+// for its last query), kv_idx the key's position.
+template <class C, class Params>
+__device__ __forceinline__ void hook_logits(const Params& p, float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const RowInfo<C>& ri,
+                                            const HookRowsOf<C>& hr,
+                                            LogitsTransform<C::ALIBI, C::SOFT_CAP>& transform, int tile_start,
+                                            int warp, int lane, const int32_t* page_pos, bool use_mask) {
+  using V = typename C::Variant;
+  const MaskInfo& mi = ri.mi;
+  const int base = tile_start + 2 * (lane % 4), batch = hr.batch, kv_head = hr.kv_head;
+  constexpr float HIDDEN = V::SOFTMAX ? -INFINITY : 0.f, UNITS = V::SOFTMAX ? LOG2E : 1.f;
+#pragma unroll
+  for (int mq = 0; mq < C::MMA_Q; ++mq)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = RowInfo<C>::row(warp, lane, mq, h);
+      int q_pos = ri.q_pos[r];
+      if constexpr (!C::POSITIONS) q_pos = min(q_pos, mi.q_base + mi.qo_len - 1);
+      const int qo_head = hr.qo_head[r];
+      if constexpr (C::ALIBI) transform.slope = ri.slope[r];
+#pragma unroll
+      for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          const int t = base + nt * 8 + e % 2;
+          int k_pos = t;
+          if constexpr (C::POSITIONS) k_pos = key_position<C::PAGE_SIZE>(page_pos, min(t, mi.kv_hi - 1));
+          const bool hidden = t >= mi.kv_hi || s[mq][nt][e] == -INFINITY;
+          s[mq][nt][e] = hidden ? HIDDEN
+                                : flashgen::variant::pair_logit<V>(p, transform.natural(s[mq][nt][e], k_pos - q_pos),
+                                                                   batch, q_pos, k_pos, qo_head, kv_head, use_mask) *
+                                                UNITS;
+        }
+    }
+}
+
+// The tile predicate's class of the warp's rows against keys [tile_start, tile_start + TILE_KV) (cut at kv_hi),
+// over every q head of the group (a class holds only where it holds for all of them)
+template <class C, class Params>
+__device__ __forceinline__ int hook_tile_class(const Params& p, const RowInfo<C>& ri, const HookRowsOf<C>& hr, int warp,
+                                               int tile_start) {
+  const int group = p.group_size;
+  return flashgen::variant::tile_class<typename C::Variant>(
+      p, hr.batch, hr.kv_head * group, group, hr.kv_head, hr.qo_begin[warp], hr.qo_end[warp],
+      tile_start, min(tile_start + C::TILE_KV, ri.mi.kv_hi));
+}
+
+// {first, last} of the tiles [kv_lo + t TILE_KV, + TILE_KV) (cut at kv_hi), t < num_tiles, that the tile predicate
+// does not call empty for queries [qo_begin, qo_end) of the group's q heads (last < first: every tile is empty).
+// Every thread of the CTA calls it (two barriers); each classes tiles tid, tid + THREADS, ...
+template <class C, class Params>
+__device__ __forceinline__ int2 live_tiles(const Params& p, int batch, int kv_head, int qo_begin, int qo_end, int kv_lo,
+                                           int kv_hi, int num_tiles) {
+  __shared__ int first, last;
+  if (threadIdx.x == 0) first = num_tiles, last = -1;
+  __syncthreads();
+  const int group = p.group_size;
+  for (int t = threadIdx.x; t < num_tiles; t += Layout<C>::THREADS) {
+    const int k0 = kv_lo + t * C::TILE_KV;
+    const int cls = flashgen::variant::tile_class<typename C::Variant>(p, batch, kv_head * group, group, kv_head, qo_begin,
+                                                                       qo_end, k0, min(k0 + C::TILE_KV, kv_hi));
+    if (cls != flashgen::variant::TILE_EMPTY) {
+      atomicMin(&first, t);
+      atomicMax(&last, t);
+    }
+  }
+  __syncthreads();
+  return make_int2(first, last);
 }
 
 // boundary tiles only: logits of (row, key) pairs the mask hides become -inf. A thread's keys of a row are

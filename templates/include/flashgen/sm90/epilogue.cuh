@@ -6,7 +6,9 @@
 #include <flashgen/common/fastdiv.cuh>
 #include <flashgen/common/logits.cuh>
 #include <flashgen/common/mma.cuh>
+#include <flashgen/common/variant.cuh>
 #include <flashgen/sm90/layout.cuh>
+#include <flashgen/sm90/positions.cuh>
 #include <flashgen/sm90/tile_scheduler.cuh>
 #include <flashgen/sm90/tma.cuh>
 
@@ -19,26 +21,45 @@ namespace flashgen::sm90 {
 // divides 16), else straight from registers (rows past the request are not written).
 template <class C, class Params>
 __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const float (&o)[C::HEAD_DIM / 2],
-                                           const float (&m)[2], const float (&l_part)[2], uint32_t smem_base, int wg) {
+                                           const float (&m)[2], const float (&l_part)[2], uint32_t smem_base, int wg,
+                                           int request = 0) {
   using L = Layout<C>;
+  using V = typename C::Variant;
   const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32, q4 = lane % 4;
-  float l[2], inv[2];
+  const int prow_w = w.row0 + wg * 64 + warp * 16, prow0 = prow_w + lane / 4;
+  float l[2], inv[2], lse_h[2];
+  int q_idx[2] = {0, 0}, qo_head[2] = {0, 0};  // a variant's rows: the query position and q head
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l[h] = l_part[h];
     l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
     l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
     inv[h] = l[h] > 0.f ? rcp_fast(l[h]) : 0.f;  // rcp.approx: a row's O / l to within an ulp, no slow path
+    if constexpr (V::ANY) {  // the sink and the output hook of a finished row (softmax=False: the weights' sum)
+      lse_h[h] = l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY;
+      const FastDiv group = group_of(p);
+      int token, head;
+      group.divmod(min(prow0 + 8 * h, w.rows_total - 1), token, head);
+      q_idx[h] = query_position<C>(p, w, token, C::POSITIONS ? group.div(w.rows_total) : 0);
+      qo_head[h] = w.kv_head * group.d + head;
+      if constexpr (!V::SOFTMAX) inv[h] = 1.f, lse_h[h] = 0.f;
+      inv[h] *= flashgen::variant::sink_factor<V>(p, lse_h[h], request, q_idx[h], qo_head[h]);
+    }
   }
-  auto value = [&](int i, int h) { return o[i] * inv[h]; };
-  auto lse = [&](int h) { return l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY; };
+  // register i of a row holds column 8 (i / 4) + 2 q4 + i % 2 (wgmma.cuh)
+  auto value = [&](int i, int h) {
+    return flashgen::variant::output_value<V>(p, o[i] * inv[h], request, q_idx[h], qo_head[h], 8 * (i / 4) + 2 * q4 + i % 2);
+  };
+  auto lse = [&](int h) {
+    if constexpr (V::ANY) return lse_h[h];
+    else return l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY;
+  };
   auto o_row = [&](int prow) {  // packed row -> row of o and lse: (token, q head)
     const FastDiv group = group_of(p);
     int token, head;
     group.divmod(prow, token, head);
     return int64_t(w.token0 + token) * p.num_qo_heads + w.kv_head * group.d + head;
   };
-  const int prow_w = w.row0 + wg * 64 + warp * 16, prow0 = prow_w + lane / 4;
   if constexpr (C::O_STAGED) {
     // every row of the warp inside the request (the vote, uniform by construction, shares the register
     // stores' row test; prow_w + 16 <= rows_total spilled in the heaviest variant)

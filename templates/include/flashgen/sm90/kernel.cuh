@@ -89,8 +89,10 @@ __device__ __forceinline__ void run(const Params& p) {
       mbarrier_wait(bars.q_full(k % C::Q_BUFFERS), (k / C::Q_BUFFERS) & 1);
       const Work w = slots[k % WORK_SLOTS];
       if (!w.valid) break;
+      // a variant's hooks' batch: the item's request, published beside its slot
+      const int request = C::Variant::ANY ? reinterpret_cast<const int*>(smem + L::REQUEST_OFFSET)[k % WORK_SLOTS] : 0;
       mbarrier_arrive(bars.work_empty(k % WORK_SLOTS));
-      consume<C>(p, w, smem, base, bars, wg - 1, it, k, pd, o, pa);
+      consume<C>(p, w, smem, base, bars, wg - 1, it, k, pd, o, pa, request);
       it += w.num_tiles;
     }
     if (pd.active) flush<C>(p, pd, o, pa, smem, base, bars, wg - 1);

@@ -36,7 +36,10 @@ struct Layout {
   static_assert((4 * C::STAGES + 2 * C::Q_BUFFERS + 2 * WORK_SLOTS) * 8 <= BAR_BYTES, "barriers fit their region");
   static_assert(C::Q_BUFFERS == 1 || C::Q_BUFFERS == 2, "one or two Q buffers");
   static_assert(Q_LOADERS % (D / 8) == 0, "the Q loaders cover whole rows of 16-byte chunks");
-  static_assert(WORK_SLOTS * sizeof(Work) <= WORK_BYTES, "the Work slots fit their region");
+  // a variant's kernel: each slot's request (the hooks' batch) after the slots, so that Work, and with it every
+  // other kernel's code, stays as it is
+  static constexpr int REQUEST_OFFSET = WORK_OFFSET + WORK_SLOTS * int(sizeof(Work));
+  static_assert(WORK_SLOTS * (sizeof(Work) + sizeof(int)) <= WORK_BYTES, "the Work slots fit their region");
   static_assert(C::PRODUCER_REGS * 128 + C::CONSUMER_REGS * 256 <= 65536, "register budgets fit the SM");
 };
 

@@ -85,6 +85,7 @@ __device__ __forceinline__ void wait_kv(uint32_t bar, uint32_t parity) {
 // tiles). O and P stay in the caller's registers.
 struct Pending {
   Work w;            // the item (its rows, for write_rows)
+  int request;       // its request (a variant's hooks)
   float m[2], l[2];  // its rows' softmax state
   uint32_t it_last;  // the CTA's running tile count of its last tile (V stage and phase)
   int tail_rows;     // valid V rows of that tile (kv_len - its start): zero_v_tail
@@ -104,7 +105,7 @@ __device__ __forceinline__ void pending_done(const Params& p, Pending& pd, float
                                              uint32_t smem_base, const Barriers<C>& bars, int wg) {
   fence_operands(o);
   mbarrier_arrive(bars.empty_v(pd.it_last % C::STAGES));
-  write_rows<C>(p, pd.w, o, pd.m, pd.l, smem_base, wg);
+  write_rows<C>(p, pd.w, o, pd.m, pd.l, smem_base, wg, pd.request);
   pd.active = false;
 }
 
@@ -131,7 +132,8 @@ __device__ __forceinline__ void flush(const Params& p, Pending& pd, float (&o)[C
 template <class C, class Params>
 __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem, uint32_t smem_base,
                                         const Barriers<C>& bars, int wg, uint32_t it, uint32_t k, Pending& pd,
-                                        float (&o)[C::HEAD_DIM / 2], uint32_t (&pa)[C::TILE_KV / 16][4]) {
+                                        float (&o)[C::HEAD_DIM / 2], uint32_t (&pa)[C::TILE_KV / 16][4],
+                                        int request) {
   using L = Layout<C>;
   const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
   const int wg_first = min(w.row0 + wg * 64, w.last_row), wg_last = min(w.row0 + wg * 64 + 63, w.last_row);
@@ -149,7 +151,18 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     group.divmod(prow, token, head);
     rs.q_pos[h] = query_position<C>(p, w, token, C::POSITIONS ? group.div(w.rows_total) : 0);
     rs.slope[h] = C::ALIBI ? alibi_slope(w.kv_head * group.d + head, p.num_qo_heads) * pre : 0.f;
+    rs.qo_head[h] = w.kv_head * group.d + head;
+    if constexpr (C::Variant::ANY && !C::POSITIONS) rs.q_pos[h] = min(rs.q_pos[h], kv_len - 1);  // past the request: its last
   }
+  const HookItem hi{request, w.kv_head};
+  // the tile predicate's class of the warpgroup's rows against the tile at t0 (without explicit positions)
+  auto tile_cls = [&](int t0) {
+    if constexpr (C::Variant::MASK_TILE && !C::POSITIONS)
+      return flashgen::variant::tile_class<typename C::Variant>(p, request, w.kv_head * group.d, group.d, w.kv_head,
+                                                              wq_min, wq_max + 1, t0, min(t0 + C::TILE_KV, w.kv_hi));
+    else
+      return flashgen::variant::TILE_PARTIAL;
+  };
   const LogitsParams lg{p.sm_scale * pre, p.soft_cap * LOG2E, w.kv_hi, p.window_left};
   const uint32_t q_wg = smem_base + (k % C::Q_BUFFERS) * L::Q_BYTES + wg * L::WG_ROWS * 128;
   const uint32_t k_base = smem_base + L::K_OFFSET, v_base = smem_base + L::V_OFFSET;
@@ -180,7 +193,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     // O = 0, l = 0. Not o zeroed: it holds the last item's rows (or nothing yet), and ordinary writes to the
     // accumulator made ptxas serialize the wgmmas (C7515)
     const float zeros[C::HEAD_DIM / 2] = {};
-    write_rows<C>(p, w, zeros, rs.m, rs.l, smem_base, wg);
+    write_rows<C>(p, w, zeros, rs.m, rs.l, smem_base, wg, request);
     return;
   }
   float sc[C::TILE_KV / 2], o_scale[2];
@@ -205,7 +218,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   wgmma_wait<1>();
   fence_operands(sc);
   mbarrier_arrive(bars.empty_k(stage(0)));
-  softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits, kp);
+  softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits, kp, p, hi, tile_cls(t0));
   wgmma_wait<0>();  // the P V (pending or dummy) read pa, and o holds its rows
   // the item's last Q K^T is done, and the dummy P V has read the Q buffer: the producer may load the next Q
   if (n == 1) mbarrier_arrive(bars.q_empty(qb));
@@ -229,7 +242,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     fence_operands(sc);
     mbarrier_arrive(bars.empty_k(stage(t)));
     if (t == n - 1) mbarrier_arrive(bars.q_empty(qb));
-    softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits, kp);
+    softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits, kp, p, hi, tile_cls(t0));
     if (t + 1 < n) wait_kv<C>(bars.full_k(stage(t + 1)), phase(t + 1));  // see above the loop
     wgmma_wait<0>();
     fence_operands(o);
@@ -242,6 +255,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   // variant a spill.
   const int last_t0 = C::CUSTOM_MASK ? t0 : w.kv_lo + (n - 1) * C::TILE_KV;
   pd.w = w;
+  pd.request = request;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     pd.m[h] = rs.m[h];

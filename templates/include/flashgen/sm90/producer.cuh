@@ -163,6 +163,10 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
     wait_slot();
     const Work w = work_of<C>(p, x);
     if (!w.valid) continue;
+    if constexpr (C::Variant::ANY) {  // the item's request, for the hooks (read after work_full, as the slot)
+      if (tid == 0)
+        reinterpret_cast<int*>(q_smem + L::REQUEST_OFFSET)[k % WORK_SLOTS] = p.request_idx[p.num_items - 1 - x % p.num_items];
+    }
     publish(w);
     const int buf = k % C::Q_BUFFERS;
     wait_q_buffer();

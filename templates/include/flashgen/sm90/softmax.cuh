@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <flashgen/common/logits.cuh>
 #include <flashgen/common/mma.cuh>
+#include <flashgen/common/variant.cuh>
 #include <flashgen/sm90/custom_mask.cuh>
 #include <flashgen/sm90/positions.cuh>
 
@@ -19,6 +20,12 @@ struct RowState {
   float m[2], l[2];
   int q_pos[2];
   float slope[2];  // ALiBi slope of the row's q head, pre-multiplied like S (see LogitsParams)
+  int qo_head[2];  // a variant's hooks only: the row's q head
+};
+
+// What a variant's pair hooks need besides the rows: the request and the kv head of the item
+struct HookItem {
+  int batch, kv_head;
 };
 
 // The logits transform's runtime values (see logits.cuh for the order of the steps), folded so that a logit
@@ -36,10 +43,19 @@ struct LogitsParams {
 // before its window or whose custom-mask bit is clear. o_scale is the factor O must be multiplied by before
 // P V is added (applied by the caller once the previous P V has completed). With explicit positions (kp) the
 // ALiBi bias and the causal / window tests take each key's true position (kv_hi still bounds places).
-template <class C, class KP>
+//
+// A variant (common/variant.cuh): after the spec's transform and mask, on every tile, each pair still visible and
+// before kv_hi goes through the hooks in natural-log units (batch = the request, qo_idx = the row's query
+// position, kv_idx = the key's) and comes back in base 2; softmax=False keeps the weights as P (no max, no sum:
+// o_scale 1). cls: the tile predicate's class of the warpgroup's tile (TILE_EMPTY: every pair hidden, no hook
+// called; TILE_FULL: no per-pair mask; the GEMMs run either way, their asynchronous groups stay uniform).
+template <class C, class KP, class Params>
 __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs, float (&o_scale)[2],
                                         const LogitsParams& lg, bool masked, int t0, const MaskBits<C>& bits,
-                                        const KP& kp) {
+                                        const KP& kp, const Params& p, const HookItem& hi,
+                                        int cls = flashgen::variant::TILE_PARTIAL) {
+  using V = typename C::Variant;
+  constexpr bool HOOKED = V::SCORE || V::MASK || !V::SOFTMAX;
   constexpr bool RAW = !C::ALIBI && !C::SOFT_CAP;
   const int q4 = threadIdx.x % 4;
   if constexpr (C::POSITIONS) {
@@ -95,7 +111,25 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
       }
     }
   }
-  const float mul = RAW ? lg.mul : 1.f;
+  if constexpr (HOOKED) {
+#pragma unroll
+    for (int i = 0; i < C::TILE_KV / 2; ++i) {
+      const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
+      int pos = place;
+      if constexpr (C::POSITIONS) pos = kp.at(t0, i);
+      const bool hidden = place >= lg.kv_hi || s[i] == -INFINITY || cls == flashgen::variant::TILE_EMPTY;
+      const float x = (RAW ? s[i] * lg.mul : s[i]) * LN2;  // the base-2 logit (RAW: S * sm_scale * log2 e) in nats
+      s[i] = hidden ? (V::SOFTMAX ? -INFINITY : 0.f)
+                    : flashgen::variant::pair_logit<V>(p, x, hi.batch, rs.q_pos[h], pos, rs.qo_head[h], hi.kv_head,
+                                                       cls != flashgen::variant::TILE_FULL) *
+                          (V::SOFTMAX ? LOG2E : 1.f);
+    }
+  }
+  if constexpr (!V::SOFTMAX) {  // the weights are P: nothing to rescale or sum
+    o_scale[0] = o_scale[1] = 1.f;
+    return;
+  }
+  const float mul = RAW && !HOOKED ? lg.mul : 1.f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = -INFINITY;

@@ -1,0 +1,139 @@
+// User-defined attention variants: the helpers a hook may call and the view of a declared tensor.
+// Integer // and % floor as Python's do (C truncates); fg_pow on ints is exponentiation by squaring
+// (a negative exponent gives 0, where Python would give a float).
+#pragma once
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math.h>
+
+namespace flashgen {
+namespace variant {
+
+constexpr int TILE_EMPTY = 0;    // every pair of the tile masked: the tile is skipped
+constexpr int TILE_PARTIAL = 1;  // evaluate the mask per pair
+constexpr int TILE_FULL = 2;     // every pair kept: the tile runs unmasked
+
+// A declared tensor: base pointer and element strides; t(i) / t(i, j) / ... read one element, t[i] for rank 1.
+template <typename T, int RANK>
+struct Tensor {
+  const T* data;
+  int64_t stride[RANK];
+
+  template <typename... I>
+  __device__ __forceinline__ T operator()(I... index) const {
+    static_assert(sizeof...(I) == RANK, "a declared tensor takes one index per dimension");
+    const long long idx[] = {static_cast<long long>(index)...};
+    long long offset = 0;
+#pragma unroll
+    for (int d = 0; d < RANK; ++d) offset += idx[d] * stride[d];
+    return data[offset];
+  }
+  __device__ __forceinline__ T operator[](long long i) const {
+    static_assert(RANK == 1, "t[i] indexes a rank-1 tensor; use t(i, j, ...)");
+    return data[i * stride[0]];
+  }
+};
+
+// The hooks of a kernel without a variant: every flag off (the kernels test the flags with if constexpr, so a
+// kernel without a variant compiles to the same code as before variants existed). A rendered variant defines
+// flashgen_variant::Hooks with the same flags and a static member per given hook (kernels/variant.py).
+struct NoHooks {
+  static constexpr bool ANY = false, SCORE = false, MASK = false, MASK_TILE = false, Q_TRANSFORM = false,
+                        K_TRANSFORM = false, OUTPUT = false, SINK = false, SOFTMAX = true;
+};
+
+// One contract for every kernel family. A pair (query qo_idx, key kv_idx) of request `batch`, query head qo_head
+// and kv head kv_head, with logit x = q.k * sm_scale in natural-log units (after the spec's ALiBi and soft-cap):
+// the mask hook first (a masked pair is -inf, or weight 0 without softmax, and its score is never computed), then
+// the score hook. The caller converts the result to its own units (base 2 for the softmax kernels).
+// P: the kernel's params (their `variant` field, present when V::ANY, is read in the hooks' branches only).
+// use_mask: false on a tile the tile predicate called TILE_FULL (every pair kept).
+template <class V, class P>
+__device__ __forceinline__ float pair_logit(const P& p, float x, int batch, int qo_idx, int kv_idx, int qo_head,
+                                            int kv_head, bool use_mask = true) {
+  if constexpr (V::MASK) {
+    if (use_mask && !V::mask(p.variant, batch, qo_idx, kv_idx, qo_head, kv_head)) return V::SOFTMAX ? -INFINITY : 0.f;
+  }
+  if constexpr (V::SCORE) x = V::score(p.variant, x, batch, qo_idx, kv_idx, qo_head, kv_head);
+  return x;
+}
+
+// The class of a tile of pairs, queries [qo_begin, qo_end) of q heads qo_head0 .. qo_head0 + heads - 1, keys
+// [kv_begin, kv_end), by the tile predicate: TILE_EMPTY (skipped) or TILE_FULL (no per-pair mask) where it says
+// so for every one of the heads, else TILE_PARTIAL (always, without a predicate).
+template <class V, class P>
+__device__ __forceinline__ int tile_class(const P& p, int batch, int qo_head0, int heads, int kv_head, int qo_begin,
+                                          int qo_end, int kv_begin, int kv_end) {
+  if constexpr (V::MASK_TILE) {
+    int lo = TILE_FULL, hi = TILE_EMPTY;
+    for (int h = 0; h < heads; ++h) {
+      const int c = V::mask_tile(p.variant, batch, qo_head0 + h, kv_head, qo_begin, qo_end, kv_begin, kv_end);
+      lo = c < lo ? c : lo;
+      hi = c > hi ? c : hi;
+    }
+    return lo == hi ? lo : TILE_PARTIAL;
+  } else {
+    return TILE_PARTIAL;
+  }
+}
+
+// The sink of a finished softmax row: a logit s that takes probability mass but carries no value (gpt-oss). A
+// row normalised over its keys, with log-sum-exp lse (natural log; -inf for no visible key), is scaled by
+// exp(lse) / (exp(lse) + exp(s)) and its lse becomes log(exp(lse) + exp(s)). Returns the factor; updates lse.
+__device__ __forceinline__ float sink_row(float sink, float& lse) {
+  const float factor = __fdividef(1.f, 1.f + expf(sink - lse));  // lse = -inf: 0
+  const float hi = fmaxf(lse, sink);
+  lse = hi + log1pf(expf(fminf(lse, sink) - hi));
+  return factor;
+}
+
+// The factor a finished row's normalised output takes for the variant's sink (1 without one), its lse updated
+// (sink_row); the sink of (batch, qo_idx, qo_head).
+template <class V, class P>
+__device__ __forceinline__ float sink_factor(const P& p, float& lse, int batch, int qo_idx, int qo_head) {
+  if constexpr (V::SINK) return sink_row(V::sink(p.variant, batch, qo_idx, qo_head), lse);
+  else return 1.f;
+}
+
+// One element (column dim) of a finished, normalised output row through the output hook (unchanged without one).
+template <class V, class P>
+__device__ __forceinline__ float output_value(const P& p, float x, int batch, int qo_idx, int qo_head, int dim) {
+  if constexpr (V::OUTPUT) return V::output(p.variant, x, batch, qo_idx, qo_head, dim);
+  else return x;
+}
+
+}  // namespace variant
+}  // namespace flashgen
+
+__device__ __forceinline__ long long fg_floordiv(long long a, long long b) {
+  long long q = a / b;
+  return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ float fg_floordiv(float a, float b) { return floorf(a / b); }
+__device__ __forceinline__ long long fg_mod(long long a, long long b) {
+  long long r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+__device__ __forceinline__ float fg_mod(float a, float b) { return a - b * floorf(a / b); }
+__device__ __forceinline__ long long fg_pow(long long a, long long e) {
+  if (e < 0) return 0;
+  long long r = 1;
+  for (; e; e >>= 1, a *= a)
+    if (e & 1) r *= a;
+  return r;
+}
+__device__ __forceinline__ float fg_pow(float a, float b) { return powf(a, b); }
+__device__ __forceinline__ long long fg_min(long long a, long long b) { return a < b ? a : b; }
+__device__ __forceinline__ float fg_min(float a, float b) { return fminf(a, b); }
+__device__ __forceinline__ long long fg_max(long long a, long long b) { return a > b ? a : b; }
+__device__ __forceinline__ float fg_max(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ long long fg_abs(long long a) { return a < 0 ? -a : a; }
+__device__ __forceinline__ float fg_abs(float a) { return fabsf(a); }
+// sigmoid(x) = (1 + tanh(x / 2)) / 2 by tanh.approx (one MUFU op, relative error ~2^-11): 1 / (1 + e^-x) took
+// two (ex2, rcp), and with them the Hopper consumers' registers spilled 160 bytes under softmax=False
+__device__ __forceinline__ float fg_sigmoid(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(0.5f * x));
+  return fmaf(0.5f, y, 0.5f);
+}

@@ -1,0 +1,99 @@
+"""The tracer: what it accepts, what it rejects and how it says so; the key of a variant."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashgen import AttentionSpec, SpecError, Variant, variant_ops as ops
+from flashgen.spec import spec_from_dict, spec_to_dict
+from flashgen.testing.variants import evaluate
+
+
+def test_operators_and_types():
+    v = Variant(score=lambda score, q_idx, kv_idx: ops.where((q_idx // 3 == kv_idx % 4) & ~(q_idx < 0),
+                                                              -score + abs(q_idx - kv_idx) ** 2, score / 2))
+    assert v.score.expr.type == "float" and "fg_floordiv" in v.score.body and "fg_mod" in v.score.body
+
+
+def test_int_division_floors_like_python():
+    v = Variant(score=lambda score, q_idx, kv_idx: score + (q_idx - kv_idx) // 3 + (q_idx - kv_idx) % 3)
+    q, k = torch.tensor([0, 1, 2, 7]).view(-1, 1), torch.arange(9).view(1, -1)
+    out = evaluate(v.score.expr, {"logit": torch.zeros(()), "qo_idx": q, "kv_idx": k})
+    expect = torch.tensor([[(a - b) // 3 + (a - b) % 3 for b in range(9)] for a in (0, 1, 2, 7)], dtype=torch.float64)
+    assert torch.equal(out, expect)
+
+
+def test_torch_functions_on_proxies():
+    v = Variant(score=lambda score: torch.tanh(score / 50.0) * 50.0)
+    assert v.score.body == "return (tanhf((logit / 50.0f)) * 50.0f);"
+
+
+@pytest.mark.parametrize("fn, words", [
+    (lambda score, q_idx, kv_idx: score if q_idx > kv_idx else 0.0, "control flow"),
+    (lambda score: math.exp(score), "variant_ops"),
+    (lambda score: score.exp(), "no attribute 'exp'"),
+    (lambda score: torch.softmax(score, 0), "torch.softmax cannot be traced"),
+    (lambda score, bogus: score + bogus, "parameter 'bogus'"),
+    (lambda score: [score for _ in score], "iterated"),
+    (lambda score: score + "x", "got str"),
+])
+def test_rejections_name_the_hook_and_line(fn, words):
+    with pytest.raises(SpecError) as info:
+        Variant(score=fn)
+    assert "'score'" in str(info.value) and words in str(info.value)
+    assert "test_variant_trace.py:" in str(info.value)
+
+
+def test_mask_must_return_bool():
+    with pytest.raises(SpecError, match="returns int, expected a bool"):
+        Variant(mask=lambda q_idx, kv_idx: q_idx - kv_idx)
+
+
+def test_snippet_unknown_name_names_the_line():
+    with pytest.raises(SpecError, match=r"'score', line 2 .*'slope' is not an input"):
+        Variant(score="float y = logit;\nreturn y * slope;")
+    Variant(score="float y = logit;\nreturn y * slope;", scalars=[("slope", "float32")])
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(tensors=[("doc", "int8", 1)]), "dtype got 'int8'"),
+    (dict(tensors=[("doc", "int32", 0)]), "rank got 0"),
+    (dict(scalars=[("qo_idx", "float32")]), "reserved"),
+    (dict(scalars=[("s", "float32"), ("s", "int32")]), "declared twice"),
+])
+def test_declarations_are_checked(kwargs, words):
+    with pytest.raises(SpecError, match=words):
+        Variant(score="logit", **kwargs)
+
+
+def test_key_same_text_one_key_other_text_other_key():
+    a = Variant(score="  return logit * 2.0f;  \n")
+    b = Variant(score="logit * 2.0f")
+    c = Variant(score="return logit * 3.0f;")
+    assert a == b and hash(a) == hash(b) and a.digest == b.digest
+    assert a.digest != c.digest
+    spec = AttentionSpec(128, variant=a)
+    assert spec.uri == AttentionSpec(128, variant=b).uri != AttentionSpec(128, variant=c).uri
+    assert spec.uri.startswith(AttentionSpec(128).uri + "_var")
+    traced = Variant(score=lambda score: score * 2.0)
+    assert traced == Variant(score=traced.score.body)  # a traced hook is its CUDA text
+
+
+def test_scalars_are_not_in_the_key_and_spec_round_trips():
+    v = Variant(score="logit * s", scalars=[("s", "float32")])
+    spec = AttentionSpec(128, variant=v)
+    assert spec_from_dict(spec_to_dict(spec)) == spec
+    assert v.missing({"s": 1.0}) == [] and v.missing({}) == ["s"]
+
+
+def test_kernel_families_refuse_the_load_transforms_they_do_not_run():
+    from flashgen import render
+
+    for op in ("decode", "prefill", "prefill_sm90"):
+        with pytest.raises(SpecError, match="q_transform"):
+            render(AttentionSpec(128, variant=Variant(q_transform="value")), op)
+        with pytest.raises(SpecError, match="k_transform"):
+            render(AttentionSpec(128, variant=Variant(k_transform="value")), op)
