@@ -48,9 +48,18 @@ def fresh(requests: list[Request]) -> list[Request]:
     return [Request(r.rid, list(r.prompt), r.max_new_tokens, n=r.n) for r in requests]
 
 
+WARM_REQUESTS = 4  # requests a warm-up serves before a measured run of another configuration
+
+
 def serve(model: TinyLlama, config: EngineConfig, make_backend: BackendFactory, requests: list[Request],
-          label: str, max_steps: int | None = None) -> tuple[Run, Engine]:
-    """Serve fresh copies of ``requests`` under ``config``; the run and its engine."""
+          label: str, max_steps: int | None = None, warm: bool = False) -> tuple[Run, Engine]:
+    """Serve fresh copies of ``requests`` under ``config``; the run and its engine. ``warm``: first serve the
+    first ``WARM_REQUESTS`` requests under the same configuration and drop that run, so that kernels this
+    configuration compiles or loads (another page size compiles its own) stay out of the measured steps."""
+    if warm:
+        warm_up = Engine(model, config, make_backend(config.page_size))
+        warm_up.submit(fresh(requests[:WARM_REQUESTS]))
+        warm_up.run(max_steps)
     engine = Engine(model, config, make_backend(config.page_size))
     engine.submit(fresh(requests))
     engine.run(max_steps)
@@ -87,9 +96,10 @@ def compare_contiguous(model: TinyLlama, config: EngineConfig, make_backend: Bac
     max_len = max_len or max_length(requests)
     if max_len < max_length(requests):
         raise ValueError(f"max_len: got {max_len}, shorter than the longest request ({max_length(requests)} tokens)")
-    paged, _ = serve(model, config, make_backend, requests, f"paged, page size {config.page_size}", max_steps)
+    paged, _ = serve(model, config, make_backend, requests, f"paged, page size {config.page_size}", max_steps,
+                     warm=True)
     contiguous, _ = serve(model, contiguous_config(config, max_len), make_backend, requests,
-                          f"contiguous, {max_len} tokens a request", max_steps)
+                          f"contiguous, {max_len} tokens a request", max_steps, warm=True)
     return paged, contiguous
 
 
@@ -142,13 +152,14 @@ def format_policies(runs: list[Run]) -> str:
 
 def sweep_page_size(model: TinyLlama, config: EngineConfig, make_backend: BackendFactory, requests: list[Request],
                     sizes: tuple[int, ...] = PAGE_SIZES, max_steps: int | None = None) -> list[Run]:
-    """One run a page size, each with ``config``'s token budget (at least the longest request's pages)."""
+    """One run a page size, each with ``config``'s token budget (at least the longest request's pages), each
+    after a warm-up at its page size (``serve(warm=True)``)."""
     budget = config.num_pages * config.page_size
     runs = []
     for ps in sizes:
         pages = max(budget // ps, pages_for(requests, ps))
         runs.append(serve(model, replace(config, num_pages=pages, page_size=ps), make_backend, requests,
-                          f"{ps}", max_steps)[0])
+                          f"{ps}", max_steps, warm=True)[0])
     return runs
 
 

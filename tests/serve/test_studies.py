@@ -138,6 +138,23 @@ def test_page_size_sweep_reports_tail_waste_beside_step_time(model):
     assert "tail waste" in text and len(text.splitlines()) == 2 + len(runs)
 
 
+def test_a_warm_run_serves_a_few_requests_first_and_measures_the_same_workload(model):
+    built = []
+
+    def counting(page_size):
+        built.append(page_size)
+        return backend(page_size)
+
+    reqs = requests(6, seed=2)
+    config = EngineConfig(num_pages=48, page_size=4, max_tokens_per_step=32)
+    cold, engine = studies.serve(model, config, counting, reqs, "cold")
+    assert built == [4] and len(engine.finished) == len(reqs)
+    warm, engine = studies.serve(model, config, counting, reqs, "warm", warm=True)
+    assert built == [4, 4, 4], "a warm-up engine, then the measured one"
+    assert len(engine.finished) == len(reqs) and warm.outputs == cold.outputs
+    assert warm.summary.steps == cold.summary.steps
+
+
 def test_the_cascade_route_equals_flat_attention(model):
     reqs = requests(8, seed=5, system=13)
     config = EngineConfig(num_pages=64, page_size=4, max_tokens_per_step=64)
