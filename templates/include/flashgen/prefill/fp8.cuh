@@ -35,22 +35,11 @@ __device__ __forceinline__ void scores_fp8(float (&s)[C::MMA_Q][C::TILE_KV / 8][
   const int mat = lane / 8, mrow = opaque(lane % 8);
   const SwizzledRow q_at(q_smem + (warp * L::WARP_ROWS + lane % 16) * L::Q_CHUNKS * 8, (lane / 16) ^ mrow);
   const SwizzledRow k_at(ks + (8 * mat + mrow) * L::K_CHUNKS * 16, mrow);
-#pragma unroll
-  for (int mq = 0; mq < C::MMA_Q; ++mq)
-#pragma unroll
-    for (int nt = 0; nt < L::TILE_KV / 8; ++nt) s[mq][nt][0] = s[mq][nt][1] = s[mq][nt][2] = s[mq][nt][3] = 0.f;
+  clear_scores<C>(s);
 #pragma unroll
   for (int j = 0; j < L::D / 16; ++j) {
     uint32_t qa[C::MMA_Q][4];
-#pragma unroll
-    for (int mq = 0; mq < C::MMA_Q; ++mq) {
-      if constexpr (C::Q_IN_REGS) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) qa[mq][i] = q_regs[mq][j][i];
-      } else {
-        ldmatrix_x4(qa[mq], q_at.at(2 * j, mq * 16 * L::Q_CHUNKS * 16));
-      }
-    }
+    q_fragments<C>(qa, q_regs, q_at, j);
 #pragma unroll
     for (int nq = 0; nq < L::TILE_KV / 32; ++nq) {
       uint32_t kr[4];  // reg i: n-tile 4 nq + i of k-step j

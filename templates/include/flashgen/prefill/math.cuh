@@ -82,6 +82,32 @@ struct SwizzledRow {
   }
 };
 
+// S accumulators of the warp's 16 * MMA_Q rows cleared
+template <class C>
+__device__ __forceinline__ void clear_scores(float (&s)[C::MMA_Q][C::TILE_KV / 8][4]) {
+#pragma unroll
+  for (int mq = 0; mq < C::MMA_Q; ++mq)
+#pragma unroll
+    for (int nt = 0; nt < C::TILE_KV / 8; ++nt) s[mq][nt][0] = s[mq][nt][1] = s[mq][nt][2] = s[mq][nt][3] = 0.f;
+}
+
+// Q's mma A fragments of k-step j for each of the warp's MMA_Q row blocks: held in registers (Q_IN_REGS) or
+// read by ldmatrix at q_at (the lane's swizzled Q row)
+template <class C, int QR>
+__device__ __forceinline__ void q_fragments(uint32_t (&qa)[C::MMA_Q][4], const uint32_t (&q_regs)[C::MMA_Q][QR][4],
+                                            const SwizzledRow& q_at, int j) {
+  using L = Layout<C>;
+#pragma unroll
+  for (int mq = 0; mq < C::MMA_Q; ++mq) {
+    if constexpr (C::Q_IN_REGS) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) qa[mq][i] = q_regs[mq][j][i];
+    } else {
+      ldmatrix_x4(qa[mq], q_at.at(2 * j, mq * 16 * L::Q_CHUNKS * 16));
+    }
+  }
+}
+
 // the custom-mask bit of (row, key 0), or -1 for a row past the request's queries
 __device__ __forceinline__ int64_t row_bit(const MaskInfo& mi, int q_pos) {
   const int token = q_pos - mi.q_base;
@@ -119,24 +145,13 @@ __device__ __forceinline__ void scores(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
   const int mat = lane / 8, mrow = opaque(lane % 8);
   const SwizzledRow q_at(q_smem + (warp * L::WARP_ROWS + lane % 16) * L::Q_CHUNKS * 8, (lane / 16) ^ mrow);
   const SwizzledRow k_at(ks + (8 * (mat / 2) + mrow) * L::K_CHUNKS * 8, (mat % 2) ^ mrow);
-#pragma unroll
-  for (int mq = 0; mq < C::MMA_Q; ++mq)
-#pragma unroll
-    for (int nt = 0; nt < L::TILE_KV / 8; ++nt) s[mq][nt][0] = s[mq][nt][1] = s[mq][nt][2] = s[mq][nt][3] = 0.f;
+  clear_scores<C>(s);
   // fully unrolled, so the first k-step's mma start from zero (no accumulator clear) and Q in registers
   // has constant indices (+2-5 % over 4-step unrolling at d=128, 2026-11-29)
 #pragma unroll
   for (int j = 0; j < L::D / 16; ++j) {
     uint32_t qa[C::MMA_Q][4];
-#pragma unroll
-    for (int mq = 0; mq < C::MMA_Q; ++mq) {
-      if constexpr (C::Q_IN_REGS) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) qa[mq][i] = q_regs[mq][j][i];
-      } else {
-        ldmatrix_x4(qa[mq], q_at.at(2 * j, mq * 16 * L::Q_CHUNKS * 16));
-      }
-    }
+    q_fragments<C>(qa, q_regs, q_at, j);
 #pragma unroll
     for (int nn = 0; nn < L::TILE_KV / 16; ++nn) {
       uint32_t kf[4];
