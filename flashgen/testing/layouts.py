@@ -3,6 +3,7 @@
 The reference reads every layout the kernels read (ragged, paged NHD/HND with a CSR page table or a block
 table, K and V as one ``[pages, 2, ...]`` tensor or as a pair, block-sparse dense KV) and turns it into one
 dense ``(k [kv_len, num_kv_heads, head_dim], v [kv_len, num_kv_heads, head_dim_vo])`` pair per request.
+``random_batch`` and ``fp8_codes`` draw test inputs in those layouts.
 """
 
 from __future__ import annotations
@@ -137,3 +138,16 @@ def random_batch(spec: AttentionSpec, qo_lens: list[int], kv_lens: list[int], nu
         return q, kv, {"kv_indptr": indptr, "kv_indices": indices, "kv_last_page_len": last}
     kv = (torch.cat(ks), torch.cat(vs))
     return q, kv, {"kv_indptr": torch.tensor(np.concatenate([[0], np.cumsum(kv_lens)]), dtype=torch.int32)}
+
+
+def fp8_codes(like: torch.Tensor, fp8: torch.dtype, subnormal_only: bool, gen: torch.Generator) -> torch.Tensor:
+    """Random fp8 codes shaped like ``like``: every finite code (or only the subnormals and zeros), NaN where
+    ``like`` is NaN (the slots no request owns)."""
+    codes = torch.randint(0, 256, like.shape, generator=gen, dtype=torch.int32)
+    exp_mask = 0x78 if fp8 == torch.float8_e4m3fn else 0x7C
+    if subnormal_only:
+        codes &= ~exp_mask
+    special = (codes & 0x7F) == 0x7F if fp8 == torch.float8_e4m3fn else (codes & exp_mask) == exp_mask
+    codes = torch.where(special, codes & 0x80, codes)  # NaN / inf codes -> signed zeros
+    out = codes.to(torch.uint8).view(fp8)
+    return torch.where(torch.isnan(like), torch.full_like(out, float("nan")), out)

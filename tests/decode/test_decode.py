@@ -11,7 +11,7 @@ import flashgen
 from flashgen import ALiBi, AttentionSpec, Paged, Ragged, RoPE, SlidingWindow
 from flashgen.plan import PlanError, csr_to_block_table
 from flashgen.testing.check import assert_matches_reference, check_attention
-from flashgen.testing.layouts import random_batch
+from flashgen.testing.layouts import fp8_codes, random_batch
 from graph_replay import fill_pools, fresh_page_ids, replay_after_replanning
 
 pytestmark = pytest.mark.cuda
@@ -118,19 +118,6 @@ def test_fp8_kv_with_scales(kv_dtype, dtype, page_size, head_dim, extra, kv_lens
     kv_ref = (kv8[0].double() * k_scale, kv8[1].double() * v_scale)  # what the fp8 cache means
     check_attention(lambda out: wrapper.run(q_gpu, kv8_gpu, out=out, return_lse=True), spec, q, kv_ref,
                     kv_dtype=fp8, qo_indptr=decode_indptr(q), **table)
-
-
-def fp8_codes(like: torch.Tensor, fp8: torch.dtype, subnormal_only: bool, gen: torch.Generator) -> torch.Tensor:
-    """Random fp8 codes shaped like ``like``: every finite code (or only the subnormals and zeros), NaN where
-    ``like`` is NaN (the slots no request owns)."""
-    codes = torch.randint(0, 256, like.shape, generator=gen, dtype=torch.int32)
-    exp_mask = 0x78 if fp8 == torch.float8_e4m3fn else 0x7C
-    if subnormal_only:
-        codes &= ~exp_mask
-    special = (codes & 0x7F) == 0x7F if fp8 == torch.float8_e4m3fn else (codes & exp_mask) == exp_mask
-    codes = torch.where(special, codes & 0x80, codes)  # NaN / inf codes -> signed zeros
-    out = codes.to(torch.uint8).view(fp8)
-    return torch.where(torch.isnan(like), torch.full_like(out, float("nan")), out)
 
 
 @pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])

@@ -19,7 +19,7 @@ from flashgen.kernels import family
 from flashgen.kernels.prefill import prefill_smem_bytes, prefill_stages
 from flashgen.plan import PlanError
 from flashgen.testing.check import check_attention
-from flashgen.testing.layouts import random_batch
+from flashgen.testing.layouts import fp8_codes, random_batch
 from flashgen.testing.reference import pack_custom_mask
 from stub_cuda import on_device, stubbed_cuda
 
@@ -202,19 +202,6 @@ def fp8_batch(spec, qo_lens, kv_lens, scales=(0.37, 1.9), codes=None, seed=None)
     if isinstance(spec.mask, CustomMask):
         mask = [torch.rand(a, b, generator=gen) < 0.7 for a, b in zip(qo_lens, kv_lens)]
     return q, kv8, kv_ref, table, qo_indptr, mask, k_scale, v_scale
-
-
-def fp8_codes(like: torch.Tensor, fp8: torch.dtype, subnormal_only: bool, gen: torch.Generator) -> torch.Tensor:
-    """Random fp8 codes shaped like ``like``: every finite code (or only the subnormals and zeros), NaN where
-    ``like`` is NaN (the slots no request owns)."""
-    codes = torch.randint(0, 256, like.shape, generator=gen, dtype=torch.int32)
-    exp_mask = 0x78 if fp8 == torch.float8_e4m3fn else 0x7C
-    if subnormal_only:
-        codes &= ~exp_mask
-    special = (codes & 0x7F) == 0x7F if fp8 == torch.float8_e4m3fn else (codes & exp_mask) == exp_mask
-    codes = torch.where(special, codes & 0x80, codes)  # NaN / inf codes -> signed zeros
-    out = codes.to(torch.uint8).view(fp8)
-    return torch.where(torch.isnan(like), torch.full_like(out, float("nan")), out)
 
 
 def run_fp8(spec, qo_lens, kv_lens, *, codes=None, plan_kwargs=None, kernel_options=None, **runtime):
