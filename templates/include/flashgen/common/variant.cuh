@@ -137,6 +137,10 @@ __device__ __forceinline__ float output_value(const P& p, float x, int batch, in
 }  // namespace variant
 }  // namespace flashgen
 
+// a traced hook's `a & b` / `a | b` on bools: both operands evaluated, as in Python (&& and || would put a load of
+// the right one under a branch a pair, where it cannot be merged with its row's)
+__device__ __forceinline__ bool fg_and(bool a, bool b) { return a & b; }
+__device__ __forceinline__ bool fg_or(bool a, bool b) { return a | b; }
 __device__ __forceinline__ long long fg_floordiv(long long a, long long b) {
   long long q = a / b;
   return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
