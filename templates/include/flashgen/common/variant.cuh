@@ -90,6 +90,18 @@ __device__ __forceinline__ float pair_logit(const P& p, float x, int batch, int 
   return x;
 }
 
+// pair_logit evaluated whether or not the pair is hidden, then selected: a hidden pair gives -inf (weight 0
+// without softmax). Evaluated on every pair of a row, a hook's loads that depend on the row alone (slopes[qo_head],
+// prefix_len[batch], doc_ids[qo_idx]) become common to the row's pairs and are read once a tile (under a branch a
+// pair, they were read pair by pair). The caller passes a key of the request for a pair past its keys, so that
+// the hooks only ever see real pairs; what they return for a hidden pair is discarded.
+template <class V, class P>
+__device__ __forceinline__ float pair_value(const P& p, bool hidden, float x, int batch, int qo_idx, int kv_idx,
+                                            int qo_head, int kv_head, bool use_mask = true) {
+  const float y = pair_logit<V>(p, x, batch, qo_idx, kv_idx, qo_head, kv_head, use_mask);
+  return hidden ? (V::SOFTMAX ? -INFINITY : 0.f) : y;
+}
+
 // The class of a tile of pairs, queries [qo_begin, qo_end) of q heads qo_head0 .. qo_head0 + heads - 1, keys
 // [kv_begin, kv_end), by the tile predicate: TILE_EMPTY (skipped) or TILE_FULL (no per-pair mask) where it says
 // so for every one of the heads, else TILE_PARTIAL (always, without a predicate).
