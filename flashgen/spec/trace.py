@@ -5,7 +5,8 @@ The hook is called once with symbolic proxies (``Sym``) for its inputs and the v
 scalars; operator overloading records an expression tree of ``Node``s. Every node has one of three types:
 ``float`` (C ``float``), ``int`` (C ``long long``) or ``bool``. Python's semantics are kept where C's differ:
 ``//`` and ``%`` on ints floor (``fg_floordiv`` / ``fg_mod``, not C's truncation), ``/`` is true division
-(a float), ``%`` on floats takes the sign of the divisor. Shifts by 64 or more and int overflow are undefined,
+(a float), ``%`` on floats takes the sign of the divisor, ``&`` / ``|`` on bools evaluate both sides
+(``fg_and`` / ``fg_or``, not C's short-circuit ``&&`` / ``||``). Shifts by 64 or more and int overflow are undefined,
 as in C (Python's ints are unbounded).
 
 Anything the tracer cannot turn into an expression -- an ``if`` on a proxy, a loop over one, ``math.exp`` on
@@ -361,8 +362,8 @@ def to_cuda(node: Node) -> str:
     if op in ("//", "%", "**"):
         name = {"//": "fg_floordiv", "%": "fg_mod", "**": "fg_pow"}[op]
         return f"{name}({_helper_arg(a[0])}, {_helper_arg(a[1])})"
-    if op in ("&", "|") and node.type == "bool":
-        return f"({to_cuda(a[0])} {op * 2} {to_cuda(a[1])})"
+    if op in ("&", "|") and node.type == "bool":  # both sides, as Python's: no load of one under a branch
+        return f"{'fg_and' if op == '&' else 'fg_or'}({to_cuda(a[0])}, {to_cuda(a[1])})"
     if op in _ARITH or op in _CMP or op in _BITS:
         return f"({to_cuda(a[0])} {op} {to_cuda(a[1])})"
     if op in ("minimum", "maximum"):

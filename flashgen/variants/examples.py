@@ -74,10 +74,11 @@ SIGMOID = Variant(score=lambda score, bias: ops.sigmoid(score + bias), scalars=[
                   softmax=False)
 SIGMOID_CUDA = Variant(score="return fg_sigmoid(logit + bias);", scalars=[Scalar("bias", "float32")], softmax=False)
 
-# prefix-LM: the first prefix_len[b] tokens see each other both ways; the rest is causal
+# prefix-LM: the first prefix_len[b] tokens see each other both ways; the rest is causal. The snippet says | where
+# || would do: || reads prefix_len[batch] under a branch a pair, | reads it once a row (as the traced hook does).
 PREFIX_LM = Variant(mask=lambda b, q_idx, kv_idx, prefix_len: (kv_idx <= q_idx) | (kv_idx < prefix_len[b]),
                     tensors=[Tensor("prefix_len", "int32", 1)])
-PREFIX_LM_CUDA = Variant(mask="return kv_idx <= qo_idx || kv_idx < prefix_len[batch];",
+PREFIX_LM_CUDA = Variant(mask="return (kv_idx <= qo_idx) | (kv_idx < prefix_len[batch]);",
                          tensors=[Tensor("prefix_len", "int32", 1)])
 
 EXAMPLES = {

@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math.h>
+#include <type_traits>
 
 namespace flashgen {
 namespace variant {
@@ -13,6 +14,36 @@ namespace variant {
 constexpr int TILE_EMPTY = 0;    // every pair of the tile masked: the tile is skipped
 constexpr int TILE_PARTIAL = 1;  // evaluate the mask per pair
 constexpr int TILE_FULL = 2;     // every pair kept: the tile runs unmasked
+
+// One element of a declared tensor by ld.global.nc. No kernel writes a declared tensor, so the load is stated as
+// a pure function of its address (asm without volatile or a memory clobber; __ldg's asm is volatile): the
+// compiler may merge identical loads and move them across the kernel's own stores and barriers, so that a per-row
+// value (slopes[qo_head], doc_ids[qo_idx]) is read once, not once per (query, key) pair.
+template <typename T>
+__device__ __forceinline__ T load_input(const T* ptr) {
+  if constexpr (sizeof(T) == 1) {  // bool, uint8_t
+    uint32_t v;
+    asm("ld.global.nc.u8 %0, [%1];" : "=r"(v) : "l"(ptr));
+    if constexpr (std::is_same_v<T, bool>) return v != 0;
+    else return static_cast<T>(v);
+  } else if constexpr (sizeof(T) == 2) {  // __half, __nv_bfloat16
+    unsigned short v;
+    asm("ld.global.nc.b16 %0, [%1];" : "=h"(v) : "l"(ptr));
+    if constexpr (std::is_same_v<T, __half>) return __ushort_as_half(v);
+    else return __ushort_as_bfloat16(v);
+  } else if constexpr (sizeof(T) == 4) {  // int32_t, float
+    uint32_t v;
+    asm("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(ptr));
+    if constexpr (std::is_same_v<T, float>) return __uint_as_float(v);
+    else return static_cast<T>(v);
+  } else {  // int64_t
+    static_assert(sizeof(T) == 8 && std::is_integral_v<T>, "a declared tensor's element: bool, uint8, int32, int64, "
+                  "float16, bfloat16 or float32");
+    unsigned long long v;
+    asm("ld.global.nc.b64 %0, [%1];" : "=l"(v) : "l"(ptr));
+    return static_cast<T>(v);
+  }
+}
 
 // A declared tensor: base pointer and element strides; t(i) / t(i, j) / ... read one element, t[i] for rank 1.
 template <typename T, int RANK>
@@ -27,11 +58,11 @@ struct Tensor {
     long long offset = 0;
 #pragma unroll
     for (int d = 0; d < RANK; ++d) offset += idx[d] * stride[d];
-    return data[offset];
+    return load_input(data + offset);
   }
   __device__ __forceinline__ T operator[](long long i) const {
     static_assert(RANK == 1, "t[i] indexes a rank-1 tensor; use t(i, j, ...)");
-    return data[i * stride[0]];
+    return load_input(data + i * stride[0]);
   }
 };
 
@@ -57,6 +88,18 @@ __device__ __forceinline__ float pair_logit(const P& p, float x, int batch, int 
   }
   if constexpr (V::SCORE) x = V::score(p.variant, x, batch, qo_idx, kv_idx, qo_head, kv_head);
   return x;
+}
+
+// pair_logit evaluated whether or not the pair is hidden, then selected: a hidden pair gives -inf (weight 0
+// without softmax). Evaluated on every pair of a row, a hook's loads that depend on the row alone (slopes[qo_head],
+// prefix_len[batch], doc_ids[qo_idx]) become common to the row's pairs and are read once a tile (under a branch a
+// pair, they were read pair by pair). The caller passes a key of the request for a pair past its keys, so that
+// the hooks only ever see real pairs; what they return for a hidden pair is discarded.
+template <class V, class P>
+__device__ __forceinline__ float pair_value(const P& p, bool hidden, float x, int batch, int qo_idx, int kv_idx,
+                                            int qo_head, int kv_head, bool use_mask = true) {
+  const float y = pair_logit<V>(p, x, batch, qo_idx, kv_idx, qo_head, kv_head, use_mask);
+  return hidden ? (V::SOFTMAX ? -INFINITY : 0.f) : y;
 }
 
 // The class of a tile of pairs, queries [qo_begin, qo_end) of q heads qo_head0 .. qo_head0 + heads - 1, keys
@@ -106,6 +149,10 @@ __device__ __forceinline__ float output_value(const P& p, float x, int batch, in
 }  // namespace variant
 }  // namespace flashgen
 
+// a traced hook's `a & b` / `a | b` on bools: both operands evaluated, as in Python (&& and || would put a load of
+// the right one under a branch a pair, where it cannot be merged with its row's)
+__device__ __forceinline__ bool fg_and(bool a, bool b) { return a & b; }
+__device__ __forceinline__ bool fg_or(bool a, bool b) { return a | b; }
 __device__ __forceinline__ long long fg_floordiv(long long a, long long b) {
   long long q = a / b;
   return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;

@@ -339,17 +339,16 @@ __device__ __forceinline__ void run(const Params& p) {
       for (int e = 0; e < 4; ++e) {
         const int pos = kv_start + tile * TILE + n0 + 8 * nt + 2 * t4 + (e % 2);
         transform.slope = slope[e / 2];
-        if constexpr (HOOKED) {  // the variant's pair hooks, on the keys the kernel sees (never past kv_end)
-          int k_pos = pos;
+        if constexpr (HOOKED) {  // the variant's pair hooks on every pair, a key past kv_end at the last before it
+          int k_pos = min(pos, kv_end - 1);
           bool hidden = last_tile && pos >= kv_end;  // (only the last tile reaches past kv_end)
           if constexpr (C::POSITIONS) {
-            k_pos = key_position<C::PAGE_SIZE>(page_pos, min(pos, kv_end - 1));
+            k_pos = key_position<C::PAGE_SIZE>(page_pos, k_pos);
             hidden = hidden || (C::WINDOW && k_pos < q_pos - p.window_left);
           }
           const int qo_head = q_head0 + min(g + 8 * (e / 2), rows_valid - 1);
-          s[nt][e] = hidden ? (V::SOFTMAX ? -INFINITY : 0.f)
-                            : flashgen::variant::pair_logit<V>(p, transform.natural(s[nt][e], k_pos - q_pos), request,
-                                                               q_pos, k_pos, qo_head, kv_head) * (V::SOFTMAX ? LOG2E : 1.f);
+          s[nt][e] = flashgen::variant::pair_value<V>(p, hidden, transform.natural(s[nt][e], k_pos - q_pos), request,
+                                                      q_pos, k_pos, qo_head, kv_head) * (V::SOFTMAX ? LOG2E : 1.f);
         } else if constexpr (C::POSITIONS) {  // the window by true position, element by element
           const int k_pos = key_position<C::PAGE_SIZE>(page_pos, min(pos, kv_end - 1));
           const bool hidden = pos >= kv_end || (C::WINDOW && k_pos < q_pos - p.window_left);

@@ -209,9 +209,10 @@ __device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
 }
 
 // A variant's pair hooks (common/variant.cuh) on every tile, after the spec's mask: each pair the mask left
-// visible (and before kv_hi: a hook never sees a key past the request's) gets its natural-log logit (the spec's
-// ALiBi and soft-cap applied here, not in logits()) through the hooks, and leaves in base 2; a hidden pair is
-// -inf (softmax=False: weight 0). qo_idx is the row's query position (a row past the request's queries asks
+// visible gets its natural-log logit (the spec's ALiBi and soft-cap applied here, not in logits()) through the
+// hooks, and leaves in base 2; a hidden pair is -inf (softmax=False: weight 0). Every pair is evaluated and the
+// hidden ones discarded (pair_value), a key past kv_hi at the last before it: a hook never sees a key past the
+// request's. qo_idx is the row's query position (a row past the request's queries asks
 // for its last query), kv_idx the key's position.
 template <class C, class Params>
 __device__ __forceinline__ void hook_logits(const Params& p, float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const RowInfo<C>& ri,
@@ -221,7 +222,7 @@ __device__ __forceinline__ void hook_logits(const Params& p, float (&s)[C::MMA_Q
   using V = typename C::Variant;
   const MaskInfo& mi = ri.mi;
   const int base = tile_start + 2 * (lane % 4), batch = hr.batch, kv_head = hr.kv_head;
-  constexpr float HIDDEN = V::SOFTMAX ? -INFINITY : 0.f, UNITS = V::SOFTMAX ? LOG2E : 1.f;
+  constexpr float UNITS = V::SOFTMAX ? LOG2E : 1.f;
 #pragma unroll
   for (int mq = 0; mq < C::MMA_Q; ++mq)
 #pragma unroll
@@ -236,13 +237,12 @@ __device__ __forceinline__ void hook_logits(const Params& p, float (&s)[C::MMA_Q
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
           const int t = base + nt * 8 + e % 2;
-          int k_pos = t;
-          if constexpr (C::POSITIONS) k_pos = key_position<C::PAGE_SIZE>(page_pos, min(t, mi.kv_hi - 1));
+          int k_pos = min(t, mi.kv_hi - 1);
+          if constexpr (C::POSITIONS) k_pos = key_position<C::PAGE_SIZE>(page_pos, k_pos);
           const bool hidden = t >= mi.kv_hi || s[mq][nt][e] == -INFINITY;
-          s[mq][nt][e] = hidden ? HIDDEN
-                                : flashgen::variant::pair_logit<V>(p, transform.natural(s[mq][nt][e], k_pos - q_pos),
-                                                                   batch, q_pos, k_pos, qo_head, kv_head, use_mask) *
-                                                UNITS;
+          s[mq][nt][e] = flashgen::variant::pair_value<V>(p, hidden, transform.natural(s[mq][nt][e], k_pos - q_pos),
+                                                          batch, q_pos, k_pos, qo_head, kv_head, use_mask) *
+                         UNITS;
         }
     }
 }

@@ -112,17 +112,33 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
     }
   }
   if constexpr (HOOKED) {
+    constexpr float HIDDEN = V::SOFTMAX ? -INFINITY : 0.f, UNITS = V::SOFTMAX ? LOG2E : 1.f;
+    const bool use_mask = cls != flashgen::variant::TILE_FULL;
+    if (!C::POSITIONS && !V::MASK_TILE && t0 + C::TILE_KV <= lg.kv_hi) {  // (uniform over the warpgroup)
+      // every key of the tile inside the item: every pair evaluated, the hidden ones discarded (pair_value), so
+      // that what the hooks read for a row is read once a tile. ptxas spilled (sm_90a, nvcc 13.0) where the
+      // item's last tile came this way too, its keys clamped to kv_hi, and where a tile predicate's classes were
+      // computed beside it (or an empty tile took a branch of its own): those take the branch a pair below (with
+      // a predicate, only its partial tiles evaluate pairs).
 #pragma unroll
-    for (int i = 0; i < C::TILE_KV / 2; ++i) {
-      const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
-      int pos = place;
-      if constexpr (C::POSITIONS) pos = kp.at(t0, i);
-      const bool hidden = place >= lg.kv_hi || s[i] == -INFINITY || cls == flashgen::variant::TILE_EMPTY;
-      const float x = (RAW ? s[i] * lg.mul : s[i]) * LN2;  // the base-2 logit (RAW: S * sm_scale * log2 e) in nats
-      s[i] = hidden ? (V::SOFTMAX ? -INFINITY : 0.f)
-                    : flashgen::variant::pair_logit<V>(p, x, hi.batch, rs.q_pos[h], pos, rs.qo_head[h], hi.kv_head,
-                                                       cls != flashgen::variant::TILE_FULL) *
-                          (V::SOFTMAX ? LOG2E : 1.f);
+      for (int i = 0; i < C::TILE_KV / 2; ++i) {
+        const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
+        const float x = (RAW ? s[i] * lg.mul : s[i]) * LN2;  // the base-2 logit (RAW: S * sm_scale * log2 e) in nats
+        s[i] = flashgen::variant::pair_value<V>(p, s[i] == -INFINITY, x, hi.batch, rs.q_pos[h], place,
+                                                rs.qo_head[h], hi.kv_head, use_mask) * UNITS;
+      }
+    } else {  // a pair per branch: the hooks never see a key past kv_hi (nor, with positions, one's position)
+#pragma unroll
+      for (int i = 0; i < C::TILE_KV / 2; ++i) {
+        const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
+        int pos = place;
+        if constexpr (C::POSITIONS) pos = kp.at(t0, i);
+        const bool hidden = place >= lg.kv_hi || s[i] == -INFINITY || cls == flashgen::variant::TILE_EMPTY;
+        const float x = (RAW ? s[i] * lg.mul : s[i]) * LN2;
+        s[i] = hidden ? HIDDEN
+                      : flashgen::variant::pair_logit<V>(p, x, hi.batch, rs.q_pos[h], pos, rs.qo_head[h], hi.kv_head,
+                                                         use_mask) * UNITS;
+      }
     }
   }
   if constexpr (!V::SOFTMAX) {  // the weights are P: nothing to rescale or sum
