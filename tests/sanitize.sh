@@ -5,13 +5,14 @@
 #   TOOLS="memcheck" FAMILIES="sm90" bash tests/sanitize.sh
 #   COLLECT_ONLY=1 bash tests/sanitize.sh        # no GPU needed: check that every selection collects tests
 #
-# Families and their selections (pytest -k over the files named; override one with K_DECODE, K_PORTABLE, K_SM90 or
-# K_MERGE): decode (every page size and order, RoPE / ALiBi / soft-cap / window, head dims 64 / 256, fp8 K/V, ragged,
+# Families and their selections (pytest -k over the files named; override one with K_<FAMILY>, e.g.
+# K_DECODE or K_VARIANTS): decode (every page size and order, RoPE / ALiBi / soft-cap / window, head dims 64 / 256, fp8 K/V, ragged,
 # split-KV merges, CUDA-graph replay), portable prefill (layouts and masks, options, head dims, split plans, host and
 # device custom masks), sm90 prefill (ragged TMA, paged TMA and gathered page sizes, head dims, logits transforms,
 # custom masks, the rope_gather pre-pass), merge (every merge kernel), append (append_kv and the fused append +
 # decode), fp8prefill (the portable prefill over fp8 K/V) and positions (explicit positions: sparse decode,
-# block-sparse on the portable and the sm90 kernels).
+# block-sparse on the portable and the sm90 kernels) and variants (every shipped variant in decode, the portable
+# and the sm90 prefill, paged and ragged, with CUDA-graph replay).
 #
 # The selections first run once without a sanitizer (kernels compile into $FLASHGEN_CACHE_DIR, the tests must pass);
 # then each tool runs over each family, JOBS (default 4) families at a time. Logs go to $LOGDIR (default
@@ -24,7 +25,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} FLASHGEN_CACHE_DIR=${FLASHGEN_
 OUT=${OUT:-/tmp/out}
 LOGDIR=${LOGDIR:-/tmp/sanitize-logs}
 TOOLS=${TOOLS:-memcheck racecheck synccheck}
-FAMILIES=${FAMILIES:-decode portable sm90 merge append fp8prefill positions}
+FAMILIES=${FAMILIES:-decode portable sm90 merge append fp8prefill positions variants}
 JOBS=${JOBS:-4}
 RACECHECK_REPORT=${RACECHECK_REPORT:-hazard}  # every hazard on its own (compute-sanitizer: all, hazard or analysis)
 mkdir -p "$OUT" "$LOGDIR"
@@ -55,6 +56,9 @@ FILES_positions="tests/sparse/test_positions_gpu.py"
 K_positions=${K_POSITIONS:-"test_sparse_decode or test_variable_blocks or graph_replay or (test_block_sparse_with_positions \
 and not sm90 and (16-16 or 32-1)) or (test_block_sparse_with_positions_on_sm90 and causal_rope)"}
 
+FILES_variants="tests/variants/test_variants_gpu.py"
+K_variants=${K_VARIANTS:-"test_"}
+
 pytest_args() {  # the pytest arguments of family $1
   local files="FILES_$1" k="K_$1"
   # shellcheck disable=SC2086
@@ -63,7 +67,7 @@ pytest_args() {  # the pytest arguments of family $1
 
 for family in $FAMILIES; do
   if ! declare -p "FILES_$family" >/dev/null 2>&1; then
-    echo "sanitize: unknown family '$family' (expected decode, portable, sm90, merge, append, fp8prefill, positions)"; exit 2
+    echo "sanitize: unknown family '$family' (expected decode, portable, sm90, merge, append, fp8prefill, positions, variants)"; exit 2
   fi
 done
 
