@@ -5,7 +5,9 @@ fp8 quantise + append, rope_quantize_fp8_append_paged_kv_cache, where RoPE and f
 without RoPE on K: a decode step of 64 and of 256 requests (one token each, at position 1000) and a 4096-token
 prefill chunk of one request. Every timed call follows an L2 flush; the median of --reps calls is reported, in
 µs, GB/s of K/V bytes read and written, and % of 4.3 TB/s (the H200's copy rate; docs/performance.md). The
-fused FlashInfer op also rotates and quantises q: its row carries q's bytes too.
+fused FlashInfer op also rotates and quantises q: its row carries q's bytes too. Two floors share each bf16 shape's
+table: a one-element torch kernel (what a launch between two events costs, with no bytes) and one torch copy of
+the same K/V bytes (read and written once, contiguous: what the bytes cost without a page table).
 
 Then fused append + decode (``BatchDecodeWrapper(kernel_options={"append": True}).run(..., k_new=, v_new=)``)
 against append_kv followed by a plain decode run, and the plain decode alone (what fusing can at best reach), at
@@ -91,6 +93,15 @@ def peers(fi, s: dict, fp8: bool, rope: bool) -> list[tuple[str, object, bool]]:
     return out
 
 
+def floors(s: dict) -> list[tuple[str, object, bool]]:
+    """The launch floor (a one-element kernel) and the bytes floor (one contiguous copy of the K/V bytes)."""
+    one = torch.zeros(1, device="cuda")
+    src = torch.stack([s["k"], s["v"]])
+    dst = torch.empty_like(src)
+    return [("floor: one-element kernel (launch)", lambda: one.add_(1.0), None),  # no bytes to rate
+            ("floor: contiguous copy of the K/V bytes", lambda: dst.copy_(src), False)]
+
+
 FUSED_SHAPES = [(64, 4096), (256, 4096)]
 
 
@@ -160,12 +171,16 @@ def append_rows(fi, reps: int, gen: torch.Generator) -> None:
                 ours = ("flashgen append_kv", lambda: flashgen.append_kv(
                     s["k"], s["v"], s["cache"], kv_indptr=s["kv_indptr"], kv_indices=s["kv_indices"],
                     batch_indices=s["batch_indices"], positions=s["positions"], **extra), False)
-                for name, fn, with_q in [ours, *peers(fi, s, fp8, rope)]:
+                rows = [ours, *peers(fi, s, fp8, rope)]
+                if not fp8 and not rope:
+                    rows += floors(s)
+                for name, fn, with_q in rows:
                     fn()
                     us = timed(fn, reps)
-                    rate = moved_bytes(s, fp8, with_q) / (us * 1e-6)
+                    rate = None if with_q is None else moved_bytes(s, fp8, with_q) / (us * 1e-6)
+                    rated = f"{'-':>8} {'-':>10}" if rate is None else f"{rate / 1e9:8.0f} {100 * rate / COPY_RATE:9.1f}%"
                     print(f"{label:<14} {'fp8' if fp8 else 'bf16':<6} {'yes' if rope else 'no':<5} {name:<46} "
-                          f"{us:8.2f} {rate / 1e9:8.0f} {100 * rate / COPY_RATE:9.1f}%")
+                          f"{us:8.2f} {rated}")
 
 
 if __name__ == "__main__":
