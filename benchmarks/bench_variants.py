@@ -85,6 +85,10 @@ def flex_call(name: str, q, k, v, batch: int, seqlen: int, args: dict):
 
     if name == "sigmoid":
         return None
+    # each example and shape compiles its own graph: past dynamo's default limit of 8 Flex would run eager
+    # (materialised scores, ~40x slower) and time the wrong thing
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
     flex = torch.compile(flex_attention, dynamic=False)
     causal = lambda b, h, qi, ki: ki <= qi  # noqa: E731
     mask_mod, score_mod = causal, None
