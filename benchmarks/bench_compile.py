@@ -1,0 +1,80 @@
+"""Compile time of the variants against the built-in spec they extend, on this machine (no GPU needed).
+
+For each family (decode over pages of 16, the portable prefill and the Hopper prefill over ragged K/V, all d128
+bf16 at sm_90a), the built-in spec (causal where the example is causal, else no mask) and the same spec with
+each shipped example's variant (``flashgen/variants/examples.py``) are compiled one at a time into a fresh,
+empty cache: render, key and nvcc, what a first use pays. The median of --runs compiles is reported, with the
+ratio to the built-in spec of its family (the goal: a variant within 20 % of it).
+
+    python3 benchmarks/bench_compile.py --runs 3 --out benchmarks/results/compile-variants.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from flashgen import ensure_compiled  # noqa: E402
+from flashgen.cache.store import CacheStore  # noqa: E402
+from flashgen.spec import AttentionSpec, Causal, NoMask, Paged, Ragged  # noqa: E402
+from flashgen.variants.examples import EXAMPLES  # noqa: E402
+
+FAMILIES = {"decode": (Paged(16), "decode"), "portable": (Ragged(), "prefill"), "sm90": (Ragged(), "prefill_sm90")}
+NON_CAUSAL = ("prefix_lm", "sigmoid")  # attend past the diagonal (prefix-LM) or are compared without a mask
+
+
+def spec(family: str, example: str | None, causal: bool) -> AttentionSpec:
+    layout, op = FAMILIES[family]
+    mask = Causal() if causal else NoMask()
+    return AttentionSpec(128, kv_layout=layout, mask=mask, variant=None if example is None else EXAMPLES[example][0])
+
+
+def compile_seconds(family: str, example: str | None, causal: bool) -> float:
+    """One compile into a fresh, empty cache."""
+    with tempfile.TemporaryDirectory() as root:
+        start = time.perf_counter()
+        ensure_compiled(spec(family, example, causal), FAMILIES[family][1], arch="sm_90a", store=CacheStore(Path(root)))
+        return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--examples", default=",".join(EXAMPLES))
+    parser.add_argument("--out", help="JSON output")
+    args = parser.parse_args()
+    rows = []
+    print(f"{'family':<9} {'spec':<24} {'compile s':>9} {'x built-in':>10}")
+
+    def row(family: str, name: str, seconds: float, base: float) -> None:
+        rows.append(dict(family=family, spec=name, seconds=seconds, ratio=seconds / base))
+        print(f"{family:<9} {name:<24} {seconds:9.2f} {seconds / base:9.2f}x", flush=True)
+
+    for family in args.families.split(","):
+        base: dict[bool, float] = {}
+        for example in args.examples.split(","):
+            causal = example not in NON_CAUSAL and family != "decode"  # a decode step has no mask to apply
+            if causal not in base:
+                base[causal] = statistics.median(compile_seconds(family, None, causal) for _ in range(args.runs))
+                row(family, "built-in" + (" causal" if causal else ", no mask"), base[causal], base[causal])
+            try:
+                seconds = statistics.median(compile_seconds(family, example, causal) for _ in range(args.runs))
+            except Exception as exc:  # a family that refuses a hook says why; the row records it
+                print(f"{family:<9} {example:<24} refused: {exc}"[:160], flush=True)
+                continue
+            row(family, example, seconds, base[causal])
+    if args.out:
+        Path(args.out).write_text(json.dumps({"runs": args.runs, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
