@@ -12,7 +12,7 @@
 # custom masks, the rope_gather pre-pass), merge (every merge kernel), append (append_kv and the fused append +
 # decode), fp8prefill (the portable prefill over fp8 K/V) and positions (explicit positions: sparse decode,
 # block-sparse on the portable and the sm90 kernels) and variants (every shipped variant in decode, the portable
-# and the sm90 prefill, paged and ragged, with CUDA-graph replay).
+# and the sm90 prefill, paged and ragged, with CUDA-graph replay) and sm90fp8 (the Hopper prefill over fp8 K/V).
 #
 # The selections first run once without a sanitizer (kernels compile into $FLASHGEN_CACHE_DIR, the tests must pass);
 # then each tool runs over each family, JOBS (default 4) families at a time. Logs go to $LOGDIR (default
@@ -25,7 +25,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} FLASHGEN_CACHE_DIR=${FLASHGEN_
 OUT=${OUT:-/tmp/out}
 LOGDIR=${LOGDIR:-/tmp/sanitize-logs}
 TOOLS=${TOOLS:-memcheck racecheck synccheck}
-FAMILIES=${FAMILIES:-decode portable sm90 merge append fp8prefill positions variants}
+FAMILIES=${FAMILIES:-decode portable sm90 merge append fp8prefill positions variants sm90fp8}
 JOBS=${JOBS:-4}
 RACECHECK_REPORT=${RACECHECK_REPORT:-hazard}  # every hazard on its own (compute-sanitizer: all, hazard or analysis)
 mkdir -p "$OUT" "$LOGDIR"
@@ -58,6 +58,8 @@ and not sm90 and (16-16 or 32-1)) or (test_block_sparse_with_positions_on_sm90 a
 
 FILES_variants="tests/variants/test_variants_gpu.py"
 K_variants=${K_VARIANTS:-"test_"}
+FILES_sm90fp8="tests/sm90/test_prefill_sm90_fp8.py"
+K_sm90fp8=${K_SM90FP8:-"test_"}
 
 pytest_args() {  # the pytest arguments of family $1
   local files="FILES_$1" k="K_$1"
@@ -67,7 +69,7 @@ pytest_args() {  # the pytest arguments of family $1
 
 for family in $FAMILIES; do
   if ! declare -p "FILES_$family" >/dev/null 2>&1; then
-    echo "sanitize: unknown family '$family' (expected decode, portable, sm90, merge, append, fp8prefill, positions, variants)"; exit 2
+    echo "sanitize: unknown family '$family' (expected decode, portable, sm90, merge, append, fp8prefill, positions, variants, sm90fp8)"; exit 2
   fi
 done
 
