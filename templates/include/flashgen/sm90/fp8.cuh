@@ -30,7 +30,7 @@ __device__ __forceinline__ void convert_tile(uint32_t staging, uint32_t stage, i
   const int r = lane / 4, c = lane % 4;                         // the lane's row modulo 8 and its 16-column chunk
   const uint32_t src = staging + lane * 16;
   const uint32_t dst = stage + r * 128, lo = ((2 * c) ^ r) * 16, hi = ((2 * c + 1) ^ r) * 16;
-#pragma unroll 4
+#pragma unroll 2  // two passes' loads in flight within the producer's 40 registers
   for (int k = 0; k < PASSES; ++k) {
     // pass k: rows 8 k .. 8 k + 7 of the tile's 64-column blocks in order (block 8 k / TILE_KV)
     const uint32_t at = dst + (8 * k / C::TILE_KV) * L::KV_BLOCK + (8 * k % C::TILE_KV) * 128;
