@@ -31,7 +31,7 @@ __device__ __forceinline__ void convert_tile(uint32_t staging, uint32_t stage, i
   const uint32_t src = staging + lane * 16;
   const uint32_t dst = stage + r * 128, lo = ((2 * c) ^ r) * 16, hi = ((2 * c + 1) ^ r) * 16;
 #pragma unroll 2  // two passes' loads in flight within the producer's 40 registers
-  for (int k = 0; k < PASSES; ++k) {
+  for (uint32_t k = 0; k < PASSES; ++k) {  // unsigned: the block and row below are a shift and a mask
     // pass k: rows 8 k .. 8 k + 7 of the tile's 64-column blocks in order (block 8 k / TILE_KV)
     const uint32_t at = dst + (8 * k / C::TILE_KV) * L::KV_BLOCK + (8 * k % C::TILE_KV) * 128;
     uint32_t w[4];
