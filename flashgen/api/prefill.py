@@ -86,7 +86,7 @@ class BatchPrefillWrapper:
         self.num_sms = self._core.num_sms
         self._impl = (SM90Prefill if self.backend == "sm90" else PortablePrefill)(self._core, kernel_options)
         self._positions = Positions(max_total_q if graph else None, max_num_pages) if positions else None
-        self._fp8 = self.spec.kv_dtype.startswith("float8")  # the portable backend's (sm90 refuses fp8 K/V)
+        self._fp8 = self.spec.kv_dtype.startswith("float8")  # k_scale / v_scale taken (both backends)
         self._view = prefill_kv_view  # run()'s view of kv_cache (BlockSparseWrapper's inner wrappers set their own)
         self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 

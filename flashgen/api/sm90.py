@@ -3,7 +3,7 @@ the host, plan buffers and the launch.
 
 ``BatchPrefillWrapper`` selects it by itself (``backend="auto"``, ``backends.select``) on a compute-capability
 9.0 GPU for what ``PrefillSM90Family.check`` accepts (Ragged or paged KV, NoMask / Causal / SlidingWindow / CustomMask, fp16 /
-bf16, head_dim == head_dim_vo in 64 / 128 / 256); it plans every request unsplit (one item per (request,
+bf16, or fp8 K/V under TMA-loaded pages, head_dim == head_dim_vo in 64 / 128 / 256); it plans every request unsplit (one item per (request,
 128-row q tile), its whole KV). A custom mask becomes a tile list per item (``plan.mask_tiles``): a host mask
 is classified on the host (fully masked tiles skipped, fully visible ones unmasked); a device mask is read
 in place with every tile treated as partial (no sync, no skipping).
@@ -33,7 +33,8 @@ from .staging import DeviceBuffer
 from .variant_args import variant_args
 from .wrapper import Runtime, WrapperCore
 
-_TMA_DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", torch.float16: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"}
+_TMA_DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", torch.float16: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16",
+               torch.float8_e4m3fn: "CU_TENSOR_MAP_DATA_TYPE_UINT8", torch.float8_e5m2: "CU_TENSOR_MAP_DATA_TYPE_UINT8"}
 TMA_BOX_COLS = 64  # 64 16-bit values = the 128-byte swizzle span; a head_dim of 128 is two boxes
 O_WARP_ROWS = 16  # packed rows of a consumer warp: one TMA store box of O (the kernel's O_WARP_ROWS)
 NO_MAP = bytes(128)  # a CUtensorMap param the kernel does not read (q_tma / o_tma off)
@@ -41,12 +42,12 @@ MAPS_HELD = 64  # q / out tensor maps memoised (by address, shape, strides, grou
 
 
 def kv_tensor_map(spec: AttentionSpec, kv: KVView, t: torch.Tensor, tile_kv: int) -> bytes:
-    """The 128-byte TMA descriptor of ``t`` (K or V of ``kv``: fp16/bf16, rows contiguous, 16-byte aligned
+    """The 128-byte TMA descriptor of ``t`` (K or V of ``kv``: fp16/bf16 or fp8, rows contiguous, 16-byte aligned
     strides) as a 4-D tensor, innermost first, dims ordered by stride: paged NHD ``{head_dim, kv_heads,
     page_size, pages}``, paged HND ``{head_dim, page_size, kv_heads, pages}``, ragged ``{head_dim, kv_heads,
     rows, 1}``. Boxes are one head's 64 columns of ``min(page_size, tile_kv)`` rows (ragged: ``tile_kv`` rows, the
     kernel's KV tile, ``launch_config.tile_kv``),
-    landing 128B-swizzled. The map is bounded by the tensor's own size, never a plan's: it is a kernel
+    landing 128B-swizzled (fp8: unswizzled 64-byte rows, the staging stage the kernel converts from). The map is bounded by the tensor's own size, never a plan's: it is a kernel
     parameter, captured by value in a CUDA graph, so it must not depend on the plan; rows past the end read
     zeros.
 
@@ -71,10 +72,11 @@ def kv_tensor_map(spec: AttentionSpec, kv: KVView, t: torch.Tensor, tile_kv: int
         heads = t.shape[1]
         dims = [t.shape[2], heads, max(t.shape[0], 1), 1]
         strides, box = [kv.stride_head, kv.stride_token, kv.stride_token * max(t.shape[0], 1)], [1, tile_kv]
+    swizzle = "CU_TENSOR_MAP_SWIZZLE_NONE" if elem == 1 else "CU_TENSOR_MAP_SWIZZLE_128B"
     tensor_map = check(cu.cuTensorMapEncodeTiled(
         getattr(cu.CUtensorMapDataType, _TMA_DTYPES[t.dtype]), 4, t.data_ptr(), [u64(x) for x in dims],
         [u64(x * elem) for x in strides], [u32(TMA_BOX_COLS), *(u32(x) for x in box), u32(1)], [u32(1)] * 4,
-        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, getattr(cu.CUtensorMapSwizzle, swizzle),
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
     return ctypes.string_at(tensor_map.getPtr(), 128)
@@ -163,10 +165,12 @@ class SM90Prefill:
         self.params_buffer = self._params.buffer
 
     def plan(self, qo: np.ndarray, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime,
-             custom_mask, enable_split: bool, split_policy=None, positions: dict | None = None) -> int:
+             custom_mask, enable_split: bool, split_policy=None, positions: dict | None = None,
+             v_scale: float | None = None) -> int:
         """Plan unsplit (``enable_split`` and ``split_policy`` are ignored) and upload; returns the rows of q and
         out (total_q, or max_total_q in CUDA-graph mode). ``custom_mask``: CustomMask specs only (the wrapper
-        checked). ``positions``: the ``q_pos`` and ``kv_page_pos`` extras of a wrapper with explicit positions."""
+        checked). ``positions``: the ``q_pos`` and ``kv_page_pos`` extras of a wrapper with explicit positions.
+        ``v_scale``: fp8 V's per-tensor scale (k_scale is in ``runtime.sm_scale``)."""
         core = self.core
         if self._kernel is None:
             self._load()
@@ -217,6 +221,8 @@ class SM90Prefill:
                           q_pos=addresses["q_pos"])
         if self.variant is not None:
             fields["variant"] = b""  # packed by run() (variant_args)
+        if v_scale is not None:
+            fields["v_scale"] = v_scale
         self._params.pack(fields)
         return plan.info.max_total_q
 

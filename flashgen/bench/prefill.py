@@ -13,12 +13,12 @@ calls is reported as TFLOP/s (4·b·h·sq·sk·d, halved
 for causal; visible pairs for window and document masks) and % of the bf16 matmul rate (8192³) measured in
 the same run. FlexAttention's compile time is reported separately. Output: JSON, markdown table, PNG.
 ``--kv-dtypes bf16,e4m3,e5m2``: flashgen also over an fp8 cache (the bf16 K/V rounded, scale 1), rows
-``flashgen-<backend>-e4m3`` timed round-robin with the bf16 ones (the sm90 kernel takes no fp8 K/V, so the
-portable one runs them; the peers stay bf16).
+``flashgen-<backend>-e4m3`` timed round-robin with the bf16 ones (the sm90 kernel runs fp8 K/V where TMA loads
+them: ragged and paged16, not paged1; the peers stay bf16).
 
     python3 benchmarks/bench_prefill.py --out benchmarks/results/prefill.json
     python3 benchmarks/bench_prefill.py --head-dims 128 --shapes 4x4096 --masks causal --layouts ragged,paged16 \
-        --peers "" --backends portable --kv-dtypes bf16,e4m3,e5m2
+        --peers "" --backends portable,sm90 --kv-dtypes bf16,e4m3,e5m2
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The Hopper prefill family (op ``prefill_sm90``): TMA + wgmma, a producer and two consumer warpgroups (sm_90a).
 
-Scope (``check`` raises ``SpecError`` for the rest): fp16 / bf16 with ``kv_dtype == dtype``, ``head_dim ==
+Scope (``check`` raises ``SpecError`` for the rest): fp16 / bf16 with ``kv_dtype == dtype`` or an fp8 ``kv_dtype``
+(e4m3, e5m2: ragged or TMA-loaded pages, no gathered page size, RoPE or variant; ``sm90_kv8_stages``), ``head_dim ==
 head_dim_vo`` in {64, 128, 256}, ``Ragged()`` KV or ``Paged(page_size)`` NHD / HND at any page size: TMA loads
 a page per box where pages are multiples of 8 that divide the KV tile or are divided by it (8 ... 256 and beyond
 at d <= 128), the K and V producer warps gather other page sizes row by row with cp.async (``sm90_gather``),
@@ -17,9 +18,9 @@ The kernel is ``templates/include/flashgen/sm90/kernel.cuh`` (its parts by role 
 
 from __future__ import annotations
 
-from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError
+from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
 from .family import POSITION_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, positions_option, struct, variant_fields
-from .prefill import CPP_TYPES  # fp16 / bf16, as the portable prefill
+from .prefill import CPP_TYPES, KV_BYTES  # fp16 / bf16 (and fp8 K/V), as the portable prefill
 
 SM90_HEAD_DIMS = (64, 128, 256)
 TILE_Q = 128  # two consumer warpgroups of 64 packed rows
@@ -67,12 +68,12 @@ def sm90_gather(page_size: int, head_dim: int) -> bool:
 SMEM_FIXED = 256 + 512 + 1024  # barriers, the 4 Work slots, slack to align the dynamic base up to 1024
 
 
-def _smem(head_dim: int, q_buffers: int, elem: int, gather: bool = False) -> int:
+def _smem(head_dim: int, q_buffers: int, elem: int, gather: bool = False, kv8: int = 0) -> int:
     """Q tiles + STAGES K and V stages + SMEM_FIXED (+ a gathered cache's row offsets: one KV tile of int64 for
-    each of the K and V warps)."""
+    each of the K and V warps; + fp8 K/V's ``kv8`` TMA staging stages of K and of V, one byte an element)."""
     tile = sm90_tile_kv(head_dim)
     return (q_buffers * TILE_Q * head_dim * elem + 2 * STAGES * tile * head_dim * elem + SMEM_FIXED
-            + (2 * tile * 8 if gather else 0))
+            + (2 * tile * 8 if gather else 0) + 2 * kv8 * tile * head_dim)
 
 
 def sm90_q_buffers(head_dim: int, elem: int = 2) -> int:
@@ -90,16 +91,29 @@ def sm90_o_stage_bytes(head_dim: int, elem: int = 2) -> int:
     return 8 * 16 * head_dim * elem
 
 
-def sm90_o_staged(head_dim: int, gather: bool, elem: int = 2) -> bool:
+def sm90_kv8_stages(head_dim: int) -> int:
+    """fp8 K/V: the TMA staging stages of K and of V (the producer warp converts one while the next loads), two
+    where they fit beside the Q buffers and the 16-bit stages, else one (its load then issued as soon as the
+    previous tile is converted, a tile ahead of the consumers); they come before the O staging.
+
+    head_dim 64: 96 KB + 2 x 2 x 8 KB -> 2; head_dim 128: 192 KB + 2 x 2 x 16 KB = 256 KB -> 1 (224 KB); head_dim
+    256 (one Q buffer, 64-token tiles): 192 KB + 2 x 2 x 16 KB -> 1.
+    """
+    return 2 if _smem(head_dim, sm90_q_buffers(head_dim), 2, kv8=2) <= SMEM_LIMIT else 1
+
+
+def sm90_o_staged(head_dim: int, gather: bool, elem: int = 2, kv8: int = 0) -> bool:
     """Whether the epilogue may stage O in shared memory and store it by TMA (the kernel then does so for a
     warp's rows inside the request where the GQA group divides 16; else, and where this is False, it stores
     straight from registers): where the staging fits beside the Q buffers and KV stages, never at the cost of a
     Q buffer.
 
     head_dim 128: 192 KB + 1.75 KB + 32 KB = 225.75 KB <= 227 KB -> staged; a gathered cache's 2 KB of row
-    offsets push it to 227.75 KB -> not; head_dim 256 (64 KB of staging) -> not; head_dim 64 -> staged.
+    offsets push it to 227.75 KB -> not; head_dim 256 (64 KB of staging) -> not; head_dim 64 -> staged; fp8 K/V
+    (``kv8`` staging stages): head_dim 128: 224 KB + 1.75 KB -> not; head_dim 64 -> staged.
     """
-    return _smem(head_dim, sm90_q_buffers(head_dim, elem), elem, gather) + sm90_o_stage_bytes(head_dim, elem) <= SMEM_LIMIT
+    return (_smem(head_dim, sm90_q_buffers(head_dim, elem), elem, gather, kv8) + sm90_o_stage_bytes(head_dim, elem)
+            <= SMEM_LIMIT)
 
 
 def sm90_uniform_wg(head_dim: int) -> bool:
@@ -121,11 +135,11 @@ def sm90_qo_tma(group: int, o_staged: bool) -> tuple[bool, bool]:
     return TILE_Q % group == 0, o_staged and O_WARP_ROWS % group == 0
 
 
-def sm90_smem_bytes(head_dim: int, elem: int = 2, gather: bool = False) -> int:
+def sm90_smem_bytes(head_dim: int, elem: int = 2, gather: bool = False, kv8: int = 0) -> int:
     """The dynamic shared memory of a CTA (see ``_smem``, plus the O staging where ``sm90_o_staged``); ``gather``:
-    a gathered paged cache (``sm90_gather``)."""
-    stage = sm90_o_stage_bytes(head_dim, elem) if sm90_o_staged(head_dim, gather, elem) else 0
-    return _smem(head_dim, sm90_q_buffers(head_dim, elem), elem, gather) + stage
+    a gathered paged cache (``sm90_gather``); ``kv8``: fp8 K/V's staging stages (``sm90_kv8_stages``)."""
+    stage = sm90_o_stage_bytes(head_dim, elem) if sm90_o_staged(head_dim, gather, elem, kv8) else 0
+    return _smem(head_dim, sm90_q_buffers(head_dim, elem), elem, gather, kv8) + stage
 
 
 class PrefillSM90Family(AttentionFamily):
@@ -150,12 +164,15 @@ class PrefillSM90Family(AttentionFamily):
         if spec.head_dim not in SM90_HEAD_DIMS or spec.head_dim_vo != spec.head_dim:
             raise SpecError(f"head_dim: got {spec.head_dim} (head_dim_vo {spec.head_dim_vo}), prefill_sm90 supports "
                             f"head_dim == head_dim_vo in {SM90_HEAD_DIMS}")
-        if spec.dtype not in CPP_TYPES or spec.kv_dtype != spec.dtype:
+        fp8 = KV_BYTES.get(spec.kv_dtype) == 1
+        if spec.dtype not in ("float16", "bfloat16") or (spec.kv_dtype != spec.dtype and not fp8):
             raise SpecError(f"kv_dtype: got dtype {spec.dtype} / kv_dtype {spec.kv_dtype}, prefill_sm90 supports "
-                            "float16 or bfloat16 with kv_dtype == dtype")
+                            "float16 or bfloat16 with kv_dtype == dtype, float8_e4m3fn or float8_e5m2")
         layout = spec.kv_layout
         if not isinstance(layout, (Ragged, Paged)):
             raise SpecError(f"kv_layout: got {layout!r}, prefill_sm90 supports Ragged() or Paged(page_size)")
+        if fp8:
+            _check_fp8(spec)
         if not isinstance(spec.mask, (NoMask, Causal, SlidingWindow, CustomMask)):
             raise SpecError(f"mask: got {spec.mask!r}, prefill_sm90 supports NoMask(), Causal(), SlidingWindow() or "
                             "CustomMask()")
@@ -168,17 +185,20 @@ class PrefillSM90Family(AttentionFamily):
     def context(self, spec: AttentionSpec) -> dict:
         d = spec.head_dim
         paged = isinstance(spec.kv_layout, Paged)
-        smem = sm90_smem_bytes(d, gather=_gathered(spec))
+        kv8 = _kv8(spec)
+        smem = sm90_smem_bytes(d, gather=_gathered(spec), kv8=kv8)
         assert smem <= SMEM_LIMIT, (d, smem)
         regs = sm90_registers(d, _gathered(spec))
         return {
             "DTypeQ": CPP_TYPES[spec.dtype],
             "DTypeKV": CPP_TYPES[spec.kv_dtype],
+            "DTypeMMA": "__half" if kv8 else CPP_TYPES[spec.dtype],  # fp8 K/V: the GEMMs in fp16 (sm90/fp8.cuh)
             "DTypeO": CPP_TYPES[spec.dtype],
             "HEAD_DIM": d,
             "TILE_Q": TILE_Q,
             "TILE_KV": sm90_tile_kv(d),
             "STAGES": STAGES,
+            "KV8_STAGES": kv8,
             "Q_BUFFERS": sm90_q_buffers(d),
             "SMEM_BYTES": smem,
             "PRODUCER_REGS": regs[0],
@@ -194,7 +214,7 @@ class PrefillSM90Family(AttentionFamily):
             "PAGE_SIZE": spec.kv_layout.page_size if paged else 0,
             "HND": "true" if paged and spec.kv_layout.order == "HND" else "false",
             "GATHER": "true" if _gathered(spec) else "false",
-            "O_STAGED": "true" if sm90_o_staged(d, _gathered(spec)) else "false",
+            "O_STAGED": "true" if sm90_o_staged(d, _gathered(spec), kv8=kv8) else "false",
             "UNIFORM_WG": "true" if sm90_uniform_wg(d) else "false",
             "PINGPONG": "true",
             "POSITIONS": "true" if self.positions else "false",
@@ -202,10 +222,10 @@ class PrefillSM90Family(AttentionFamily):
 
     def launch(self, spec: AttentionSpec) -> LaunchConfig:
         """One persistent CTA an SM (the grid is at most ``num_sms``), a producer and two consumer warpgroups."""
-        d, gather = spec.head_dim, _gathered(spec)
-        return LaunchConfig(block=(THREADS, 1, 1), smem_bytes=sm90_smem_bytes(d, gather=gather), tile_q=TILE_Q,
-                            tile_kv=sm90_tile_kv(d), ctas_per_sm=1, stages=STAGES, gather=gather,
-                            o_staged=sm90_o_staged(d, gather))
+        d, gather, kv8 = spec.head_dim, _gathered(spec), _kv8(spec)
+        return LaunchConfig(block=(THREADS, 1, 1), smem_bytes=sm90_smem_bytes(d, gather=gather, kv8=kv8),
+                            tile_q=TILE_Q, tile_kv=sm90_tile_kv(d), ctas_per_sm=1, stages=STAGES, gather=gather,
+                            o_staged=sm90_o_staged(d, gather, kv8=kv8))
 
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
         q = CPP_TYPES[spec.dtype]
@@ -213,7 +233,7 @@ class PrefillSM90Family(AttentionFamily):
         # q and o as 3-D TMA descriptors (qo_tensor_map; o only where the epilogue stages O), first: 128-byte
         # aligned, as the K and V descriptors after them, or for a gathered cache its base pointers and element
         # strides (KVView)
-        staged = sm90_o_staged(spec.head_dim, _gathered(spec))
+        staged = sm90_o_staged(spec.head_dim, _gathered(spec), kv8=_kv8(spec))
         maps = (("CUtensorMap", "tma_q"),) + ((("CUtensorMap", "tma_o"),) if staged else ())
         kv = ((f"const {q}*", "k"), (f"const {q}*", "v"), ("int64_t", "stride_page"), ("int64_t", "stride_token"),
               ("int64_t", "stride_head")) if _gathered(spec) else (("CUtensorMap", "tma_k"), ("CUtensorMap", "tma_v"))
@@ -234,6 +254,7 @@ class PrefillSM90Family(AttentionFamily):
             # tiles[tile_indptr[item] ..]: tile * 2 + partial); null without one
             ("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"), (i32, "tile_indptr"), (i32, "tiles"),
             *(POSITION_FIELDS if self.positions else ()), *variant_fields(spec),
+            *((("float", "v_scale"),) if _kv8(spec) else ()),  # fp8 V's per-tensor scale, applied to the output
         )
         return (EntryPoint("prefill_sm90", params),)
 
@@ -241,4 +262,21 @@ class PrefillSM90Family(AttentionFamily):
 
 def _gathered(spec: AttentionSpec) -> bool:
     return isinstance(spec.kv_layout, Paged) and sm90_gather(spec.kv_layout.page_size, spec.head_dim)
+
+
+def _kv8(spec: AttentionSpec) -> int:
+    """fp8 K/V's TMA staging stages (``sm90_kv8_stages``), 0 for a 16-bit cache."""
+    return sm90_kv8_stages(spec.head_dim) if KV_BYTES.get(spec.kv_dtype) == 1 else 0
+
+
+def _check_fp8(spec: AttentionSpec) -> None:
+    """What fp8 K/V take on Hopper: TMA loads (ragged, or pages a box takes), no RoPE pre-pass, no variant."""
+    if _gathered(spec):
+        raise SpecError(f"kv_dtype: {spec.kv_dtype} K/V on prefill_sm90 need TMA-loaded pages (a multiple of 8 that "
+                        f"divides the KV tile of {sm90_tile_kv(spec.head_dim)} tokens or is divided by it) or "
+                        f"Ragged(), got {spec.kv_layout!r}")
+    if isinstance(spec.pos_encoding, RoPE):
+        raise SpecError(f"kv_dtype: {spec.kv_dtype} K/V on prefill_sm90 take no RoPE (its pre-pass writes 16-bit K/V)")
+    if spec.variant is not None:
+        raise SpecError(f"kv_dtype: {spec.kv_dtype} K/V on prefill_sm90 take no variant hooks (fp16 or bf16 K/V do)")
 

@@ -57,13 +57,14 @@ def test_fp8_specs_refused_with_the_field_named(spec, tiles, message):
         family("prefill", {"tiles": tiles} if tiles else None).check(spec)
 
 
-def test_sm90_refuses_fp8_and_auto_picks_portable():
-    spec = AttentionSpec(128, kv_dtype=E4M3, kv_layout=Ragged(), mask=Causal())
-    with pytest.raises(SpecError, match="^kv_dtype: got dtype bfloat16 / kv_dtype float8_e4m3fn, prefill_sm90"):
-        family("prefill_sm90").check(spec)
+def test_auto_picks_sm90_for_fp8_where_it_runs():
+    """fp8 K/V run on the Hopper kernel where TMA loads them (tests/sm90/test_prefill_sm90_fp8.py); gathered
+    page sizes stay on the portable kernel."""
     from flashgen.api.backends import select
+    assert select(AttentionSpec(128, kv_dtype=E4M3, kv_layout=Ragged(), mask=Causal()), "auto", (9, 0)) == "sm90"
+    spec = AttentionSpec(128, kv_dtype=E4M3, kv_layout=Paged(5), mask=Causal())
     assert select(spec, "auto", (9, 0)) == "portable"
-    with pytest.raises(SpecError, match="^backend: 'sm90' cannot run this spec"):
+    with pytest.raises(SpecError, match="^backend: 'sm90' cannot run this spec \\(kv_dtype: float8_e4m3fn K/V"):
         select(spec, "sm90", (9, 0))
 
 
@@ -89,21 +90,24 @@ def stubbed(monkeypatch):
         yield
 
 
-def _prefill(spec, **plan):
-    w = flashgen.BatchPrefillWrapper(spec, num_sms=132)
+def _prefill(spec, backend="portable", **plan):
+    w = flashgen.BatchPrefillWrapper(spec, num_sms=132, backend=backend)
     w.plan(qo_indptr=[0, 3, 5], **HEADS, **CSR, **plan)
     return w
 
 
-def test_plan_folds_k_scale_and_packs_v_scale(stubbed):
+@pytest.mark.parametrize("backend", ["portable", "sm90"])
+def test_plan_folds_k_scale_and_packs_v_scale(stubbed, backend):
     spec = AttentionSpec(128, kv_dtype=E4M3, kv_layout=Paged(16), mask=Causal())
-    w = _prefill(spec, k_scale=0.5, v_scale=2.0, sm_scale=0.1)
-    assert w.backend == "portable"  # auto on a Hopper: sm90 refuses fp8 K/V
+    w = _prefill(spec, backend, k_scale=0.5, v_scale=2.0, sm_scale=0.1)
+    assert w.backend == backend
     fields = w._impl._params.values()
     assert fields["sm_scale"] == pytest.approx(0.05) and fields["v_scale"] == 2.0
     w.plan(qo_indptr=[0, 3, 5], **HEADS, **CSR)  # scales default to 1
     fields = w._impl._params.values()
     assert fields["sm_scale"] == pytest.approx(128 ** -0.5) and fields["v_scale"] == 1.0
+    if backend == "sm90":  # run() encodes TMA maps: the driver's (GPU tests)
+        return
     cache = tuple(on_device(torch.zeros(5, 16, 2, 128, dtype=torch.float8_e4m3fn)) for _ in range(2))
     w.run(on_device(torch.zeros(5, 8, 128, dtype=torch.bfloat16)), cache)
     with pytest.raises(TypeError, match=r"^kv_cache \(k\): expected dtype torch.float8_e4m3fn"):
@@ -138,7 +142,8 @@ def test_bench_kv_dtypes_option(monkeypatch):
     with pytest.raises(ValueError, match=r"^--kv-dtypes: unknown \['fp8'\]"):
         bench.config(parser.parse_args(["--kv-dtypes", "fp8"]))
     fp8 = bench.spec_for(128, "paged16", "causal", "e4m3")
-    assert fp8.kv_dtype == E4M3 and bench.runs(fp8, "portable") and not bench.runs(fp8, "sm90")
+    assert fp8.kv_dtype == E4M3 and bench.runs(fp8, "portable") and bench.runs(fp8, "sm90")
+    assert not bench.runs(bench.spec_for(128, "paged1", "causal", "e5m2"), "sm90")  # gathered: portable only
     shape = {"head_dim": 128, "batch": 4, "seqlen": 4096, "mask": "causal", "layout": "ragged"}
     rows = [{"peer": "flashgen-portable", "us": 1000.0, "kv_dtype": "bf16", **shape},
             {"peer": "flashgen-portable-e4m3", "us": 500.0, "kv_dtype": "e4m3", **shape},
@@ -204,12 +209,13 @@ def fp8_batch(spec, qo_lens, kv_lens, scales=(0.37, 1.9), codes=None, seed=None)
     return q, kv8, kv_ref, table, qo_indptr, mask, k_scale, v_scale
 
 
-def run_fp8(spec, qo_lens, kv_lens, *, codes=None, plan_kwargs=None, kernel_options=None, **runtime):
+def run_fp8(spec, qo_lens, kv_lens, *, codes=None, plan_kwargs=None, kernel_options=None, backend="portable",
+            scales=(0.37, 1.9), **runtime):
     """Plan with the scales, run into NaN-poisoned out / lse, check against the fp64 reference of the dequantised
     cache; returns the wrapper."""
-    q, kv8, kv_ref, table, qo_indptr, mask, k_scale, v_scale = fp8_batch(spec, qo_lens, kv_lens, codes=codes)
-    wrapper = flashgen.BatchPrefillWrapper(spec, kernel_options=kernel_options)
-    assert wrapper.backend == "portable"
+    q, kv8, kv_ref, table, qo_indptr, mask, k_scale, v_scale = fp8_batch(spec, qo_lens, kv_lens, scales, codes=codes)
+    wrapper = flashgen.BatchPrefillWrapper(spec, kernel_options=kernel_options, backend=backend)
+    assert wrapper.backend == backend
     tab = dict(table)
     if "kv_indices" in tab:
         tab["kv_indices"] = tab["kv_indices"].cuda()

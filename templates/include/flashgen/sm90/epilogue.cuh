@@ -45,6 +45,7 @@ __device__ __forceinline__ void write_rows(const Params& p, const Work& w, const
       if constexpr (!V::SOFTMAX) inv[h] = 1.f, lse_h[h] = 0.f;
       inv[h] *= flashgen::variant::sink_factor<V>(p, lse_h[h], request, q_idx[h], qo_head[h]);
     }
+    if constexpr (L::FP8) inv[h] *= p.v_scale;  // fp8 V: its per-tensor scale
   }
   // register i of a row holds column 8 (i / 4) + 2 q4 + i % 2 (wgmma.cuh)
   auto value = [&](int i, int h) {

@@ -8,6 +8,7 @@
 //       TILE_KV rows a 64-column block, paged: one box a page, lanes issuing in parallel) into STAGES-deep rings, each stage with a full
 //       barrier (1 arrival + the tile's bytes) and an empty barrier (every consumer thread arrives); the stage
 //       counter runs on across items, so the next item's tiles stream in while the consumers finish the last.
+//       fp8 K/V land in staging stages the same warp converts to fp16 tiles (sm90/fp8.cuh).
 //       Pages TMA cannot take (C::GATHER) are gathered row by row by the warp's lanes with cp.async into the same
 //       swizzled layout (kv_gather.cuh); the full barrier then takes 32 arrivals, one a lane once its copies landed
 //       (cp.async.mbarrier.arrive.noinc), and consumers fence the async proxy after it.
@@ -70,10 +71,10 @@ __device__ __forceinline__ void run(const Params& p) {
         produce_q_warps<C>(p, smem, bars);
     } else if (threadIdx.x < 32)
       produce_kv<C>(p, p.custom_mask, smem, &p.tma_k, base + L::K_OFFSET, &Barriers<C>::full_k, &Barriers<C>::empty_k,
-                    bars);
+                    bars, base + L::K8_OFFSET, &Barriers<C>::full_k8);
     else if (threadIdx.x < 64)
       produce_kv<C>(p, nullptr, smem, &p.tma_v, base + L::V_OFFSET, &Barriers<C>::full_v, &Barriers<C>::empty_v,
-                    bars);
+                    bars, base + L::V8_OFFSET, &Barriers<C>::full_v8);
     else
       produce_q_warps<C>(p, smem, bars);
   } else {

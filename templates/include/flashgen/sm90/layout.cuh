@@ -1,5 +1,6 @@
 // The Hopper prefill's shared memory (Q buffers, K and V stage rings, the O staging of the TMA-store epilogue,
-// the mbarriers, the Work slots, a gathered cache's row addresses) and its mbarrier ring.
+// an fp8 cache's TMA staging rings, the mbarriers, the Work slots, a gathered cache's row addresses) and its
+// mbarrier ring.
 #pragma once
 #include <cstdint>
 #include <flashgen/sm90/tile_scheduler.cuh>
@@ -21,7 +22,12 @@ struct Layout {
   // 128B-swizzled block of 16 rows a 64-column block; 1024-aligned, as all above
   static constexpr int O_STAGE_BLOCK = 16 * 128, O_STAGE_WARP = BLOCKS * O_STAGE_BLOCK;
   static constexpr int O_STAGE_OFFSET = V_OFFSET + C::STAGES * KV_STAGE, O_STAGE_BYTES = C::O_STAGED ? 8 * O_STAGE_WARP : 0;
-  static constexpr int BAR_OFFSET = O_STAGE_OFFSET + O_STAGE_BYTES;
+  // fp8 K/V (sm90/fp8.cuh): the TMA lands each tile in a staging ring of KV8_STAGES stages, unswizzled 64-column
+  // blocks of 64-byte rows, which the K or V warp converts into the 16-bit stage above
+  static constexpr bool FP8 = sizeof(typename C::DTypeKV) == 1;
+  static constexpr int KV8_BLOCK = C::TILE_KV * 64, KV8_STAGE = BLOCKS * KV8_BLOCK;
+  static constexpr int K8_OFFSET = O_STAGE_OFFSET + O_STAGE_BYTES, V8_OFFSET = K8_OFFSET + C::KV8_STAGES * KV8_STAGE;
+  static constexpr int BAR_OFFSET = V8_OFFSET + (FP8 ? C::KV8_STAGES * KV8_STAGE : 0);
   // barriers, then the Work slots; the dynamic base is aligned up to 1024 at run time
   static constexpr int BAR_BYTES = 256, WORK_OFFSET = BAR_OFFSET + BAR_BYTES, WORK_BYTES = 512, ALIGN_SLACK = 1024;
   // a gathered cache: the K and the V warp's row addresses of the tile they copy (8 bytes each)
@@ -33,7 +39,10 @@ struct Layout {
   static_assert(D % 64 == 0 && sizeof(typename C::DTypeQ) == 2, "rows of whole 128-byte blocks of 16-bit values");
   static_assert(C::TILE_KV % 16 == 0 && C::TILE_KV <= 256 && (C::TILE_KV == 64 || C::TILE_KV == 128 || C::TILE_KV == 256),
                 "wgmma N of S");
-  static_assert((4 * C::STAGES + 2 * C::Q_BUFFERS + 2 * WORK_SLOTS) * 8 <= BAR_BYTES, "barriers fit their region");
+  static_assert((4 * C::STAGES + 2 * C::Q_BUFFERS + 2 * WORK_SLOTS + 2 * C::KV8_STAGES) * 8 <= BAR_BYTES,
+                "barriers fit their region");
+  static_assert(FP8 ? C::KV8_STAGES >= 1 && !C::GATHER && sizeof(typename C::DTypeMMA) == 2 : C::KV8_STAGES == 0,
+                "fp8 K/V: TMA staging stages (no gathered pages); 16-bit K/V: none");
   static_assert(C::Q_BUFFERS == 1 || C::Q_BUFFERS == 2, "one or two Q buffers");
   static_assert(Q_LOADERS % (D / 8) == 0, "the Q loaders cover whole rows of 16-byte chunks");
   // a variant's kernel: each slot's request (the hooks' batch) after the slots, so that Work, and with it every
@@ -58,6 +67,14 @@ struct Barriers {
   __device__ __forceinline__ uint32_t work_empty(int j) const {
     return base + 8 * (4 * C::STAGES + 2 * C::Q_BUFFERS + WORK_SLOTS + j);
   }
+  // fp8 K/V: the staging stages' full barriers (one arrival + the tile's bytes); the K or V warp that waits for
+  // one also refills it, so a staging stage needs no empty barrier
+  __device__ __forceinline__ uint32_t full_k8(int s) const {
+    return base + 8 * (4 * C::STAGES + 2 * C::Q_BUFFERS + 2 * WORK_SLOTS + s);
+  }
+  __device__ __forceinline__ uint32_t full_v8(int s) const {
+    return base + 8 * (4 * C::STAGES + 2 * C::Q_BUFFERS + 2 * WORK_SLOTS + C::KV8_STAGES + s);
+  }
   // q_tma: Q by TMA (one arrival + the tile's bytes), else by the Q_LOADERS threads' cp.async (each arrives)
   __device__ __forceinline__ void init(bool q_tma) const {
     for (int b = 0; b < C::Q_BUFFERS; ++b) {
@@ -68,9 +85,14 @@ struct Barriers {
       mbarrier_init(work_full(j), 1);
       mbarrier_init(work_empty(j), WORK_READERS);
     }
+    for (int s = 0; s < C::KV8_STAGES; ++s) {
+      mbarrier_init(full_k8(s), 1);
+      mbarrier_init(full_v8(s), 1);
+    }
+    constexpr bool LANES = C::GATHER || sizeof(typename C::DTypeKV) == 1;
     for (int s = 0; s < C::STAGES; ++s) {
-      mbarrier_init(full_k(s), C::GATHER ? 32 : 1);  // gathered: each lane of the warp; TMA: one + the bytes
-      mbarrier_init(full_v(s), C::GATHER ? 32 : 1);
+      mbarrier_init(full_k(s), LANES ? 32 : 1);  // gathered or fp8: each lane of the warp; TMA: one + the bytes
+      mbarrier_init(full_v(s), LANES ? 32 : 1);
       mbarrier_init(empty_k(s), 256);  // every consumer thread arrives once it has finished the tile
       mbarrier_init(empty_v(s), 256);
     }

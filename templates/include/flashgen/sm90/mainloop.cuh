@@ -10,6 +10,7 @@
 #include <flashgen/common/tile_entry.cuh>
 #include <flashgen/sm90/custom_mask.cuh>
 #include <flashgen/sm90/epilogue.cuh>
+#include <flashgen/sm90/fp8.cuh>
 #include <flashgen/sm90/layout.cuh>
 #include <flashgen/sm90/named_barrier.cuh>
 #include <flashgen/sm90/positions.cuh>
@@ -30,7 +31,7 @@ __device__ __forceinline__ void issue_qk(float (&s)[C::TILE_KV / 2], uint32_t q_
 #pragma unroll
   for (int k = 0; k < L::D / 16; ++k) {
     const uint32_t col = (k / 4), in_row = (k % 4) * 32;
-    Wgmma<C::TILE_KV, typename C::DTypeKV>::ss(s, desc_advance(q_desc, col * L::Q_BLOCK + in_row),
+    Wgmma<C::TILE_KV, typename C::DTypeMMA>::ss(s, desc_advance(q_desc, col * L::Q_BLOCK + in_row),
                                                 desc_advance(k_desc, col * L::KV_BLOCK + in_row), k > 0);
   }
 }
@@ -46,7 +47,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[C::HEAD_DIM / 2], uint32_t (
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < C::TILE_KV / 16; ++kk)
-    Wgmma<C::HEAD_DIM, typename C::DTypeKV>::rs(o, pa[kk], desc_advance(v_desc, kk * 16 * 128),
+    Wgmma<C::HEAD_DIM, typename C::DTypeMMA>::rs(o, pa[kk], desc_advance(v_desc, kk * 16 * 128),
                                                 kk > 0 || !fresh);  // an item's first P V overwrites O (scale-d 0)
 }
 
@@ -163,7 +164,9 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     else
       return flashgen::variant::TILE_PARTIAL;
   };
-  const LogitsParams lg{p.sm_scale * pre, p.soft_cap * LOG2E, w.kv_hi, p.window_left};
+  // fp8 K/V under a bf16 q: Q holds q * sm_scale in fp16 (prescale_q), the scores are scaled by 1
+  constexpr bool PRESCALED = !std::is_same_v<typename C::DTypeMMA, typename C::DTypeQ>;
+  const LogitsParams lg{(PRESCALED ? 1.f : p.sm_scale) * pre, p.soft_cap * LOG2E, w.kv_hi, p.window_left};
   const uint32_t q_wg = smem_base + (k % C::Q_BUFFERS) * L::Q_BYTES + wg * L::WG_ROWS * 128;
   const uint32_t k_base = smem_base + L::K_OFFSET, v_base = smem_base + L::V_OFFSET;
   const PingPong<C> turn{wg};
@@ -196,6 +199,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     write_rows<C>(p, w, zeros, rs.m, rs.l, smem_base, wg, request);
     return;
   }
+  if constexpr (PRESCALED) prescale_q<C>(smem + qb * L::Q_BYTES, p.sm_scale, wg);
   float sc[C::TILE_KV / 2], o_scale[2];
   MaskBits<C> bits;
   next_tile(0);

@@ -7,6 +7,7 @@
 #include <flashgen/common/mma.cuh>
 #include <flashgen/common/tile_entry.cuh>
 #include <flashgen/sm90/custom_mask.cuh>
+#include <flashgen/sm90/fp8.cuh>
 #include <flashgen/sm90/kv_gather.cuh>
 #include <flashgen/sm90/layout.cuh>
 #include <flashgen/sm90/tile_scheduler.cuh>
@@ -17,9 +18,11 @@ namespace flashgen::sm90 {
 // The boxes of one KV tile (per 64-column block): TILE_KV rows of a ragged tensor, or BOX rows of each page it
 // spans (PAGE_SIZE is a multiple of 8 that divides TILE_KV or is divided by it, so boxes never straddle pages
 // and land on whole 8-row swizzle atoms). Maps are 4-D, innermost first: NHD {dim, head, row, page}, HND
-// {dim, row, head, page}; a ragged tensor is one page of all its rows.
+// {dim, row, head, page}; a ragged tensor is one page of all its rows. fp8 K/V land in their staging stage,
+// rows of 64 bytes (Layout::KV8_BLOCK).
 template <class C>
 struct KVBoxes {
+  static constexpr int ROW = Layout<C>::FP8 ? 64 : 128, BLOCK = C::TILE_KV * ROW;
   static constexpr int BOX = C::PAGED && C::PAGE_SIZE < C::TILE_KV ? C::PAGE_SIZE : C::TILE_KV;
   static constexpr int PER_TILE = C::TILE_KV / BOX * Layout<C>::BLOCKS;
   static constexpr int PS = C::PAGED ? C::PAGE_SIZE : C::TILE_KV;
@@ -41,7 +44,7 @@ struct KVBoxes {
     const int b = j % Layout<C>::BLOCKS, chunk = j / Layout<C>::BLOCKS, pos = pos0 + chunk * BOX;
     int row = w.kv_row0 + pos;
     if constexpr (C::PAGED) row = pos % C::PAGE_SIZE;
-    dst += b * Layout<C>::KV_BLOCK + chunk * BOX * 128;
+    dst += b * BLOCK + chunk * BOX * ROW;
     if constexpr (C::HND) tma_load_4d(dst, map, bar, 64 * b, row, w.kv_head, page);
     else tma_load_4d(dst, map, bar, 64 * b, w.kv_head, row, page);
   }
@@ -52,11 +55,15 @@ struct KVBoxes {
 // is refilled once every consumer thread released it; a fresh empty barrier passes the first wait (parity 1).
 // The next tile's position (custom mask: its list entry) and page ids are read one tile ahead.
 // With a custom mask the K warp (mask != nullptr) also prefetches each BITS tile's mask bits into L2.
+// fp8 K/V (sm90/fp8.cuh): tile it lands in staging stage it % KV8_STAGES (full8), and the warp converts tile
+// it + 1 - KV8_STAGES once it has issued tile it, so KV8_STAGES - 1 tiles' loads stay in flight while it converts
+// (across items: the conversion reads no Work); the last ones after the end of the list.
 template <class C, class Params>
 __device__ __forceinline__ void produce_kv(const Params& p, const uint8_t* mask, const uint8_t* smem,
                                            const CUtensorMap* map, uint32_t ring,
                                            uint32_t (Barriers<C>::*full)(int) const,
-                                           uint32_t (Barriers<C>::*empty)(int) const, const Barriers<C>& bars) {
+                                           uint32_t (Barriers<C>::*empty)(int) const, const Barriers<C>& bars,
+                                           uint32_t staging, uint32_t (Barriers<C>::*full8)(int) const) {
   using L = Layout<C>;
   using Boxes = KVBoxes<C>;
   const int lane = threadIdx.x % 32;
@@ -81,14 +88,35 @@ __device__ __forceinline__ void produce_kv(const Params& p, const uint8_t* mask,
         next_pos = TileList<C>::pos(w.kv_lo, t + 1, next_entry);
         if (boxer) next_page = Boxes::page(w, next_pos, lane);
       }
-      mbarrier_wait((bars.*empty)(s), ((it / C::STAGES) & 1) ^ 1);
-      if (lane == 0) mbarrier_arrive_expect_tx((bars.*full)(s), L::KV_STAGE);
-      __syncwarp();
-      if (boxer) Boxes::load(ring + s * L::KV_STAGE, map, (bars.*full)(s), w, pos0, lane, page);
+      if constexpr (L::FP8) {
+        // the staging stage's previous tile was converted by this warp: its reads come before the TMA's writes
+        const int s8 = it % C::KV8_STAGES;
+        fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive_expect_tx((bars.*full8)(s8), L::KV8_STAGE);
+        __syncwarp();
+        if (boxer) Boxes::load(staging + s8 * L::KV8_STAGE, map, (bars.*full8)(s8), w, pos0, lane, page);
+      } else {
+        mbarrier_wait((bars.*empty)(s), ((it / C::STAGES) & 1) ^ 1);
+        if (lane == 0) mbarrier_arrive_expect_tx((bars.*full)(s), L::KV_STAGE);
+        __syncwarp();
+        if (boxer) Boxes::load(ring + s * L::KV_STAGE, map, (bars.*full)(s), w, pos0, lane, page);
+      }
       if constexpr (C::CUSTOM_MASK)
         if (bits && mask != nullptr) prefetch_mask_bits(mask, w, group_of(p), pos0, lane);
+      if constexpr (L::FP8) {
+        const uint32_t i = it + 1 - C::KV8_STAGES;  // the tile to convert, if any (unsigned: it + 1 >= KV8_STAGES)
+        if (it + 1 >= C::KV8_STAGES)
+          convert_kv<C>(i, staging, ring, (bars.*full)(i % C::STAGES), (bars.*empty)(i % C::STAGES),
+                        (bars.*full8)(i % C::KV8_STAGES), lane);
+      }
     }
     mbarrier_arrive(bars.work_empty(j % WORK_SLOTS));
+  }
+  if constexpr (L::FP8) {
+    for (uint32_t i = it + 1 >= C::KV8_STAGES ? it + 1 - C::KV8_STAGES : 0; i < it; ++i)
+      convert_kv<C>(i, staging, ring, (bars.*full)(i % C::STAGES), (bars.*empty)(i % C::STAGES),
+                    (bars.*full8)(i % C::KV8_STAGES), lane);
   }
 }
 

@@ -180,7 +180,7 @@ __device__ __forceinline__ void pack_p(uint32_t (&pa)[C::TILE_KV / 16][4], const
 #pragma unroll
   for (int kk = 0; kk < C::TILE_KV / 16; ++kk)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) pa[kk][r] = pack2<typename C::DTypeKV>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+    for (int r = 0; r < 4; ++r) pa[kk][r] = pack2<typename C::DTypeMMA>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
 }
 
 }  // namespace flashgen::sm90
