@@ -10,7 +10,9 @@ sigmoid(lse - sink) (one extra elementwise kernel, timed with it); sigmoid atten
 example's ancestor bits cover 64 tokens, so it is not run at these lengths. ``document_tiled`` is the
 document mask with its tile predicate (the issue's 1k-token document row): the portable prefill never loads the
 empty tiles at either end of a CTA's range and skips the compute of the empty ones inside it; the Hopper prefill
-so far only skips the hooks of empty tiles (its GEMMs run over the whole causal range).
+classifies each item's tiles by the predicate in a pre-pass kernel (timed with it) and never loads the empty ones,
+running the full ones without the mask hook. prefix-LM has a tile predicate too (the empty upper triangle past
+the prefix is skipped the same way).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_variants.py --out benchmarks/results/variants.json
     PYTHONPATH=$PWD python3 benchmarks/bench_variants.py --examples document --shapes 1x16384 --reps 20

@@ -6,7 +6,10 @@ the host, plan buffers and the launch.
 bf16, or fp8 K/V under TMA-loaded pages, head_dim == head_dim_vo in 64 / 128 / 256); it plans every request unsplit (one item per (request,
 128-row q tile), its whole KV). A custom mask becomes a tile list per item (``plan.mask_tiles``): a host mask
 is classified on the host (fully masked tiles skipped, fully visible ones unmasked); a device mask is read
-in place with every tile treated as partial (no sync, no skipping).
+in place with every tile treated as partial (no sync, no skipping). A variant's tile predicate (``mask_tile``;
+``kernels.sm90_tile_lists``) becomes tile lists on the device: ``run()`` launches the kernel's pre-pass
+(``prefill_sm90_tiles``) ahead of it on the same stream, into a buffer sized at ``plan()``
+(``plan.mask_tiles.tile_list_indptr``), so no host sync and CUDA-graph capture keep working.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ import ctypes
 import numpy as np
 import torch
 
-from ..kernels import sm90_qo_tma
+from ..kernels import TILE_LIST_THREADS, sm90_qo_tma, sm90_tile_lists
 from ..plan import plan_prefill
-from ..plan.mask_tiles import plan_mask_tiles
+from ..plan.mask_tiles import plan_mask_tiles, tile_list_indptr
 from ..spec import AttentionSpec, CustomMask, Paged, RoPE
 from .backends import kernels_for
 from .custom_mask import custom_mask_bits, device_mask, mask_extras
@@ -39,6 +42,8 @@ TMA_BOX_COLS = 64  # 64 16-bit values = the 128-byte swizzle span; a head_dim of
 O_WARP_ROWS = 16  # packed rows of a consumer warp: one TMA store box of O (the kernel's O_WARP_ROWS)
 NO_MAP = bytes(128)  # a CUtensorMap param the kernel does not read (q_tma / o_tma off)
 MAPS_HELD = 64  # q / out tensor maps memoised (by address, shape, strides, group) before the memo starts over
+# a CUDA-graph wrapper's tile-list buffer (a variant's tile predicate) is sized by its first plan
+TILE_LISTS_HINT = "make the first plan the one with the most KV tiles summed over its q tiles"
 
 
 def kv_tensor_map(spec: AttentionSpec, kv: KVView, t: torch.Tensor, tile_kv: int) -> bytes:
@@ -144,6 +149,10 @@ class SM90Prefill:
         self._empty: dict[tuple, torch.Tensor] = {}  # one-row stand-ins for an empty K / V (a map needs an address)
         self.variant = None  # the variant's run() keywords (variant_args), once the kernel is loaded
         self.params_buffer = None
+        # a variant's tile predicate: the pre-pass that writes the items' tile lists, and their buffer
+        self.tile_lists = sm90_tile_lists(self.kernel_spec, self.positions)
+        self._tile_buffer = DeviceBuffer(torch.int32, core.device, core.fixed) if self.tile_lists else None
+        self._tiles_fn = None
 
     def _load(self) -> None:
         from ..jit import build
@@ -156,6 +165,8 @@ class SM90Prefill:
                 ("q", "k", "v", "stride_page", "stride_token", "stride_head"))
         self._kernel = build(self.kernel_spec, "prefill_sm90", device=index, options=self._options)
         self._fn = self._kernel["prefill_sm90"]
+        if self.tile_lists:
+            self._tiles_fn = self._kernel["prefill_sm90_tiles"]
         cfg = self._launch = self._kernel.launch_config
         self.gather, self._o_staged, self._tile_kv = cfg.gather, cfg.o_staged, cfg.tile_kv
         layout = self._kernel.params["prefill_sm90"]
@@ -190,9 +201,12 @@ class SM90Prefill:
         custom = isinstance(self.spec.mask, CustomMask)
         if custom:
             extras = self._mask_extras(plan, qo, table.kv_lens, custom_mask, extras, pages_host)
-        elif pages_host is not None:
-            extras["pages"] = pages_host
-        fixed = ("kv_indptr" in extras) + ("src_indptr" in extras) + 2 * bool(positions)
+        else:
+            if self.tile_lists:  # a fixed length in CUDA-graph mode: before the page ids, as positions
+                extras["tile_indptr"] = tile_list_indptr(plan.numpy("kv_start"), plan.numpy("kv_end"), self._tile_kv)
+            if pages_host is not None:
+                extras["pages"] = pages_host
+        fixed = ("kv_indptr" in extras) + ("src_indptr" in extras) + 2 * bool(positions) + self.tile_lists
         hint = HOST_ARRAYS_HINT if len(extras) > fixed else "raise max_batch_size"
         addresses = core.upload(plan, extras, hint, host_ids_reserve(core, table, pages_host))
         tables, self._page_ids_held = page_fields(table, core.device, addresses)
@@ -213,9 +227,10 @@ class SM90Prefill:
         fields.update(tables)
         fields.update(heads[0], sm_scale=runtime.sm_scale, num_items=plan.info.capacity,
                       window_left=runtime.window_left, soft_cap=runtime.soft_cap)
+        tiles = base if custom else self._tile_lists_at(extras, num_kv_heads, plan.info.capacity)
         fields.update(custom_mask=(self._mask_held.data_ptr() if self._mask_held is not None else base) if custom else 0,
                       mask_offset=addresses["mask_offset"] if custom else 0,
-                      tile_indptr=addresses["tile_indptr"] if custom else 0, tiles=base if custom else 0)
+                      tile_indptr=addresses["tile_indptr"] if custom or self.tile_lists else 0, tiles=tiles)
         if positions:  # with RoPE the keys' positions are the pre-pass's, one a scratch row
             fields.update(kv_page_pos=self._key_pos_at if self.rope else addresses["kv_page_pos"],
                           q_pos=addresses["q_pos"])
@@ -225,6 +240,15 @@ class SM90Prefill:
             fields["v_scale"] = v_scale
         self._params.pack(fields)
         return plan.info.max_total_q
+
+    def _tile_lists_at(self, extras: dict, num_kv_heads: int, capacity: int) -> int:
+        """The address of the tile-list buffer of a variant's tile predicate (0 without one), sized for this
+        plan's items; the pre-pass grid, a warp a work item."""
+        if not self.tile_lists:
+            return 0
+        self._tiles_grid = (max(1, -(-capacity * num_kv_heads * 32 // TILE_LIST_THREADS)), 1, 1)
+        return self._tile_buffer.address_of(num_kv_heads * int(extras["tile_indptr"][-1]), "tile lists",
+                                            TILE_LISTS_HINT)
 
     def _head_fields(self, num_qo_heads: int, num_kv_heads: int) -> tuple[dict, tuple]:
         """The params that follow from the head counts (memoised per wrapper: a loop plans with the same ones),
@@ -316,6 +340,8 @@ class SM90Prefill:
             maps += (self._qo_map(out, O_WARP_ROWS // self._group) if self._o_tma else NO_MAP,)
         params = self._params
         params.set(*maps, *kv, q.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr())
+        if self._tiles_fn is not None:  # the items' tile lists, ahead of the kernel that reads them (same params)
+            self._tiles_fn.launch_params(self._tiles_grid, (TILE_LIST_THREADS, 1, 1), 0, stream, params.address)
         self._fn.launch_params(self._grid, self._launch.block, self._launch.smem_bytes, stream, params.address)
 
 

@@ -11,6 +11,9 @@ as the ``rope_gather`` pre-pass and this kernel over its output), soft-cap, any 
 plans (``enable_split=False``: every item covers its whole KV). Option ``positions`` (bool, as the portable
 prefill's): keys and queries at explicit true positions (``kv_page_pos``, ``q_pos`` params after the others;
 ``family.positions_option``), not with a custom mask; the uri ends in ``_pos``.
+A variant with a ``mask_tile`` hook (without positions or a custom mask: ``sm90_tile_lists``) adds a second entry
+point, ``prefill_sm90_tiles``: a pre-pass over the same params that writes each work item's tile list by the
+predicate, so the prefill skips empty tiles and runs full ones without the mask hook.
 The kernel is ``templates/include/flashgen/sm90/kernel.cuh`` (its parts by role beside it); the runner
 ``flashgen.api.sm90``. Its two consumer warpgroups always take turns issuing their GEMMs (the ping-pong;
 ``PINGPONG`` stays a template constant, always true).
@@ -33,6 +36,7 @@ GATHER_PRODUCER_REGS, GATHER_CONSUMER_REGS = 56, 224
 THREADS = 384
 O_WARP_ROWS = 16  # packed rows of a consumer warp: one TMA store box of O
 SMEM_LIMIT = 227 * 1024
+TILE_LIST_THREADS = 128  # the tile-list pre-pass: a warp a work item (sm90/tile_lists.cuh: TILE_LIST_WARPS)
 
 
 def sm90_registers(head_dim: int, gathered: bool) -> tuple[int, int, int]:
@@ -114,6 +118,15 @@ def sm90_o_staged(head_dim: int, gather: bool, elem: int = 2, kv8: int = 0) -> b
     """
     return (_smem(head_dim, sm90_q_buffers(head_dim, elem), elem, gather, kv8) + sm90_o_stage_bytes(head_dim, elem)
             <= SMEM_LIMIT)
+
+
+def sm90_tile_lists(spec: AttentionSpec, positions: bool = False) -> bool:
+    """Whether the kernel of ``spec`` takes its items' KV tiles from lists that its pre-pass writes by the
+    variant's tile predicate (``mask_tile``): not with explicit positions (keys need not be contiguous) nor with
+    a custom mask (whose lists the host plans; the predicate then only spares the mask hook)."""
+    variant = spec.variant
+    return (variant is not None and variant.mask_tile is not None and not positions
+            and not isinstance(spec.mask, CustomMask))
 
 
 def sm90_uniform_wg(head_dim: int) -> bool:
@@ -218,6 +231,8 @@ class PrefillSM90Family(AttentionFamily):
             "UNIFORM_WG": "true" if sm90_uniform_wg(d) else "false",
             "PINGPONG": "true",
             "POSITIONS": "true" if self.positions else "false",
+            "TILE_LIST": "true" if sm90_tile_lists(spec, self.positions) else "false",
+            "TILE_LIST_THREADS": TILE_LIST_THREADS,
         }
 
     def launch(self, spec: AttentionSpec) -> LaunchConfig:
@@ -251,12 +266,14 @@ class PrefillSM90Family(AttentionFamily):
             ("int32_t", "num_items"), ("int32_t", "num_kv_heads"), ("int32_t", "block_table_stride"),
             ("int32_t", "window_left"), ("float", "soft_cap"),
             # custom mask: the bits, each request's bit offset into them, each item's tile list (entries
-            # tiles[tile_indptr[item] ..]: tile * 2 + partial); null without one
+            # tiles[tile_indptr[item] ..]: tile << 2 | kind); a tile predicate's lists (sm90_tile_lists): per
+            # (item, kv head), written by the pre-pass (tile_list_of in sm90/tile_scheduler.cuh); null otherwise
             ("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"), (i32, "tile_indptr"), (i32, "tiles"),
             *(POSITION_FIELDS if self.positions else ()), *variant_fields(spec),
             *((("float", "v_scale"),) if _kv8(spec) else ()),  # fp8 V's per-tensor scale, applied to the output
         )
-        return (EntryPoint("prefill_sm90", params),)
+        tiles = (EntryPoint("prefill_sm90_tiles", params),) if sm90_tile_lists(spec, self.positions) else ()
+        return (EntryPoint("prefill_sm90", params),) + tiles
 
 
 

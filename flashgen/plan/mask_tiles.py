@@ -15,6 +15,9 @@ mask it arithmetically without reading bits; the diagonal tiles of document mask
 whole mask and two word lookups per (token, tile) boundary, so it reads the mask once and touches
 ``qo_len * (kv_len / tile_kv + 1)`` boundaries a request: about 0.1 s for a 16k x 16k mask (32 MB) on a
 2-core host (measured in tests/plan/test_mask_tiles.py's docstring).
+
+A variant's tile predicate (``mask_tile``) has lists of the same entries, written on the device by the Hopper
+prefill's pre-pass; ``tile_list_indptr`` sizes them.
 """
 
 from __future__ import annotations
@@ -251,3 +254,22 @@ def split_plan_mask_tiles(plan, packed: np.ndarray | None, bit_offsets: np.ndarr
                                      np.where(real, plan.numpy("kv_end")[:n], 0), tile_kv=tile_kv)
     padded = np.concatenate([indptr, np.full(info.capacity - n, indptr[-1], np.int64)])
     return padded.astype(np.int32), entries.astype(np.int32)
+
+
+def tile_list_indptr(kv_start: np.ndarray, kv_end: np.ndarray, tile_kv: int) -> np.ndarray:
+    """int32 ``[items + 1]``: where each item's tile lists start in the buffer a tile predicate's pre-pass fills
+    (the Hopper prefill with a variant's ``mask_tile``), in units of ``num_kv_heads`` ints. Item ``i`` gets one
+    int a kv head more than its KV range ``[kv_start[i], kv_end[i])`` has tiles: the count, then at most that
+    many entries (the kernel's range, clipped by causal or a window, never has more). The buffer holds
+    ``num_kv_heads * indptr[-1]`` ints; padding items (an empty range) get one a head, never written.
+
+    >>> tile_list_indptr(np.array([0, 0, 0]), np.array([300, 128, 0]), 128).tolist()
+    [0, 4, 6, 7]
+    """
+    sizes = (np.maximum(kv_end - kv_start, 0) + (tile_kv - 1)) // tile_kv + 1
+    indptr = np.zeros(sizes.size + 1, np.int64)
+    np.cumsum(sizes, out=indptr[1:])
+    if indptr[-1] > np.iinfo(np.int32).max:
+        raise PlanError(f"kv lengths: the tile lists need {int(indptr[-1])} ints a kv head, more than int32 offsets "
+                        "reach; plan fewer or shorter requests at a time")
+    return indptr.astype(np.int32)

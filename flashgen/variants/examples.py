@@ -76,10 +76,22 @@ SIGMOID_CUDA = Variant(score="return fg_sigmoid(logit + bias);", scalars=[Scalar
 
 # prefix-LM: the first prefix_len[b] tokens see each other both ways; the rest is causal. The snippet says | where
 # || would do: || reads prefix_len[batch] under a branch a pair, | reads it once a row (as the traced hook does).
+# Its tile predicate: a tile whose keys all lie past every query and past the prefix is empty, one whose keys all
+# lie in the prefix or at or before its first query is full.
+def _prefix_lm_tile(b, qo_begin, qo_end, kv_begin, kv_end, prefix_len):
+    prefix = prefix_len[b]
+    empty = (kv_begin >= qo_end) & (kv_begin >= prefix)
+    full = (kv_end - 1 <= qo_begin) | (kv_end <= prefix)
+    return ops.where(empty, ops.TILE_EMPTY, ops.where(full, ops.TILE_FULL, ops.TILE_PARTIAL))
+
+
 PREFIX_LM = Variant(mask=lambda b, q_idx, kv_idx, prefix_len: (kv_idx <= q_idx) | (kv_idx < prefix_len[b]),
-                    tensors=[Tensor("prefix_len", "int32", 1)])
-PREFIX_LM_CUDA = Variant(mask="return (kv_idx <= qo_idx) | (kv_idx < prefix_len[batch]);",
-                         tensors=[Tensor("prefix_len", "int32", 1)])
+                    mask_tile=_prefix_lm_tile, tensors=[Tensor("prefix_len", "int32", 1)])
+PREFIX_LM_CUDA = Variant(mask="return (kv_idx <= qo_idx) | (kv_idx < prefix_len[batch]);", mask_tile="""
+    const int prefix = prefix_len[batch];
+    if (kv_begin >= qo_end && kv_begin >= prefix) return TILE_EMPTY;
+    return kv_end - 1 <= qo_begin || kv_end <= prefix ? TILE_FULL : TILE_PARTIAL;
+""", tensors=[Tensor("prefix_len", "int32", 1)])
 
 EXAMPLES = {
     "sink": (SINK, SINK_CUDA),

@@ -4,7 +4,9 @@
 // row of its q tile can see, ascending, as entries (tile_entry.cuh). A FULL tile (every pair visible) runs
 // without the element mask; a BITS tile with the mask's bits; a CAUSAL tile (its bits are key <= the query's
 // position, the diagonal tiles of document masks) with bits made from the query positions, none read.
-// Without a custom mask an item's tiles are the contiguous range from kv_lo and no entry is read.
+// A variant's tile predicate (C::TILE_LIST) has lists of the same entries, FULL or BITS (partial: the mask hook
+// runs per pair), written on the device by a pre-pass (sm90/tile_lists.cuh). Without either an item's tiles are
+// the contiguous range from kv_lo and no entry is read.
 //
 // Mask bits: request b's [qo_len, kv_len] bit matrix starts at bit mask_offset[b] of custom_mask (row-major,
 // little-endian bits: bit i is bit i % 8 of byte i / 8; set = visible). A consumer thread holds rows g and
@@ -21,18 +23,23 @@ namespace flashgen::sm90 {
 
 template <class C>
 struct TileList {
-  // entry t of the item's list (custom mask), else 0 (nothing to read)
+  // whether an item's tiles come from a list: a custom mask's (planned on the host) or a variant tile
+  // predicate's (C::TILE_LIST: written by the pre-pass, sm90/tile_lists.cuh)
+  static constexpr bool LISTED = C::CUSTOM_MASK || C::TILE_LIST;
+  // entry t of the item's list, else 0 (nothing to read)
   __device__ __forceinline__ static int entry(const int32_t* tiles, int t) {
-    if constexpr (C::CUSTOM_MASK) return __ldg(tiles + t);
+    if constexpr (LISTED) return __ldg(tiles + t);
     else return 0;
   }
-  // the first KV position of the item's t-th tile
+  // the first KV position of the item's t-th tile (a custom mask's entries count tiles from key 0, a tile
+  // predicate's from the item's kv_lo)
   __device__ __forceinline__ static int pos(int kv_lo, int t, int e) {
     if constexpr (C::CUSTOM_MASK) return entry_tile(e) * C::TILE_KV;
+    else if constexpr (C::TILE_LIST) return kv_lo + entry_tile(e) * C::TILE_KV;
     else return kv_lo + t * C::TILE_KV;
   }
   // the tile's kind (ENTRY_FULL, ENTRY_BITS or ENTRY_CAUSAL; tile_entry.cuh)
-  __device__ __forceinline__ static int kind(int e) { return C::CUSTOM_MASK ? entry_kind(e) : ENTRY_FULL; }
+  __device__ __forceinline__ static int kind(int e) { return LISTED ? entry_kind(e) : ENTRY_FULL; }
 };
 
 // Into L2 ahead of use: the mask bits of a partial tile at key t0 for every token of item w's packed rows, one

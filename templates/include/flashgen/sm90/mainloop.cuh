@@ -156,13 +156,16 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     if constexpr (C::Variant::ANY && !C::POSITIONS) rs.q_pos[h] = min(rs.q_pos[h], kv_len - 1);  // past the request: its last
   }
   const HookItem hi{request, w.kv_head};
-  // the tile predicate's class of the warpgroup's rows against the tile at t0 (without explicit positions)
-  auto tile_cls = [&](int t0) {
-    if constexpr (C::Variant::MASK_TILE && !C::POSITIONS)
+  // the tile predicate's class of the warpgroup's rows against the tile at t0 (without explicit positions); a
+  // tile its list (C::TILE_LIST) calls full is so for every row of the item
+  auto tile_cls = [&](int t0, int kind) {
+    if constexpr (C::Variant::MASK_TILE && !C::POSITIONS) {
+      if (C::TILE_LIST && kind == ENTRY_FULL) return flashgen::variant::TILE_FULL;
       return flashgen::variant::tile_class<typename C::Variant>(p, request, w.kv_head * group.d, group.d, w.kv_head,
                                                               wq_min, wq_max + 1, t0, min(t0 + C::TILE_KV, w.kv_hi));
-    else
+    } else {
       return flashgen::variant::TILE_PARTIAL;
+    }
   };
   // fp8 K/V under a bf16 q: Q holds q * sm_scale in fp16 (prescale_q), the scores are scaled by 1
   constexpr bool PRESCALED = !std::is_same_v<typename C::DTypeMMA, typename C::DTypeQ>;
@@ -222,7 +225,8 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   wgmma_wait<1>();
   fence_operands(sc);
   mbarrier_arrive(bars.empty_k(stage(0)));
-  softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits, kp, p, hi, tile_cls(t0));
+  softmax<C>(sc, rs, o_scale, lg, masked(t0, C::CUSTOM_MASK && kind != ENTRY_FULL), t0, bits, kp, p, hi,
+             tile_cls(t0, kind));
   wgmma_wait<0>();  // the P V (pending or dummy) read pa, and o holds its rows
   // the item's last Q K^T is done, and the dummy P V has read the Q buffer: the producer may load the next Q
   if (n == 1) mbarrier_arrive(bars.q_empty(qb));
@@ -246,7 +250,8 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     fence_operands(sc);
     mbarrier_arrive(bars.empty_k(stage(t)));
     if (t == n - 1) mbarrier_arrive(bars.q_empty(qb));
-    softmax<C>(sc, rs, o_scale, lg, masked(t0, kind != ENTRY_FULL), t0, bits, kp, p, hi, tile_cls(t0));
+    softmax<C>(sc, rs, o_scale, lg, masked(t0, C::CUSTOM_MASK && kind != ENTRY_FULL), t0, bits, kp, p, hi,
+               tile_cls(t0, kind));
     if (t + 1 < n) wait_kv<C>(bars.full_k(stage(t + 1)), phase(t + 1));  // see above the loop
     wgmma_wait<0>();
     fence_operands(o);
@@ -257,7 +262,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   }
   // the last P V: pending. The last tile's start is t0 either way, but holding t0 to here cost the ALiBi + window
   // variant a spill.
-  const int last_t0 = C::CUSTOM_MASK ? t0 : w.kv_lo + (n - 1) * C::TILE_KV;
+  const int last_t0 = TileList<C>::LISTED ? t0 : w.kv_lo + (n - 1) * C::TILE_KV;
   pd.w = w;
   pd.request = request;
 #pragma unroll

@@ -48,7 +48,9 @@ struct LogitsParams {
 // before kv_hi goes through the hooks in natural-log units (batch = the request, qo_idx = the row's query
 // position, kv_idx = the key's) and comes back in base 2; softmax=False keeps the weights as P (no max, no sum:
 // o_scale 1). cls: the tile predicate's class of the warpgroup's tile (TILE_EMPTY: every pair hidden, no hook
-// called; TILE_FULL: no per-pair mask; the GEMMs run either way, their asynchronous groups stay uniform).
+// called; TILE_FULL: no per-pair mask; the GEMMs run either way, their asynchronous groups stay uniform). With a
+// tile list (C::TILE_LIST) an empty tile of the item never gets here, and a full one without a score hook skips
+// the hooks' loop.
 template <class C, class KP, class Params>
 __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs, float (&o_scale)[2],
                                         const LogitsParams& lg, bool masked, int t0, const MaskBits<C>& bits,
@@ -114,7 +116,13 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
   if constexpr (HOOKED) {
     constexpr float HIDDEN = V::SOFTMAX ? -INFINITY : 0.f, UNITS = V::SOFTMAX ? LOG2E : 1.f;
     const bool use_mask = cls != flashgen::variant::TILE_FULL;
-    if (!C::POSITIONS && !V::MASK_TILE && t0 + C::TILE_KV <= lg.kv_hi) {  // (uniform over the warpgroup)
+    if (C::TILE_LIST && !V::SCORE && V::SOFTMAX && cls == flashgen::variant::TILE_FULL) {
+      // a tile its predicate calls full, without a score hook: nothing for a hook to do, and a hidden pair (past
+      // kv_hi, causal, the window) is -inf already; the logits in the units the exponent below takes
+      if constexpr (RAW)
+#pragma unroll
+        for (int i = 0; i < C::TILE_KV / 2; ++i) s[i] *= lg.mul;
+    } else if (!C::POSITIONS && !V::MASK_TILE && t0 + C::TILE_KV <= lg.kv_hi) {  // (uniform over the warpgroup)
       // every key of the tile inside the item: every pair evaluated, the hidden ones discarded (pair_value), so
       // that what the hooks read for a row is read once a tile. ptxas spilled (sm_90a, nvcc 13.0) where the
       // item's last tile came this way too, its keys clamped to kv_hi, and where a tile predicate's classes were

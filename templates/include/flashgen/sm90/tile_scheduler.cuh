@@ -35,7 +35,18 @@ __device__ __forceinline__ FastDiv group_of(const Params& p) {
 // 64 threads of the K and V warps and the 256 consumer threads (WORK_READERS arrivals on work_empty)
 constexpr int WORK_SLOTS = 4, WORK_READERS = 64 + 256;
 
-template <class C, class Params>
+// A variant tile predicate's list of (item, kv head) (C::TILE_LIST): written by the pre-pass (sm90/tile_lists.cuh)
+// at p.tiles + num_kv_heads * tile_indptr[item] + kv_head * (tile_indptr[item + 1] - tile_indptr[item]), the
+// count first, then the entries. tile_indptr (planned on the host) gives an item one more int a kv head than its
+// KV range has tiles.
+template <class Params>
+__device__ __forceinline__ const int32_t* tile_list_of(const Params& p, int item, int kv_head) {
+  const int first = p.tile_indptr[item], size = p.tile_indptr[item + 1] - first;
+  return p.tiles + int64_t(first) * p.num_kv_heads + int64_t(kv_head) * size;
+}
+
+// Work index x's item. LISTED = false: its KV range as such (the pre-pass that writes a tile predicate's lists)
+template <class C, bool LISTED = true, class Params>
 __device__ __forceinline__ Work work_of(const Params& p, int x) {
   Work w;
   const int item = p.num_items - 1 - x % p.num_items, request = p.request_idx[item];
@@ -65,6 +76,11 @@ __device__ __forceinline__ Work work_of(const Params& p, int x) {
     w.tiles = p.tiles + first;
     w.num_tiles = p.tile_indptr[item + 1] - first;
     w.mask_bit0 = p.mask_offset[request];
+  }
+  if constexpr (C::TILE_LIST && LISTED) {  // the tiles of the range the tile predicate did not call empty
+    const int32_t* list = tile_list_of(p, item, w.kv_head);
+    w.num_tiles = list[0];
+    w.tiles = list + 1;
   }
   if constexpr (C::PAGED) {
     w.pages = p.block_table != nullptr ? p.block_table + int64_t(request) * p.block_table_stride

@@ -1,0 +1,165 @@
+"""A variant's tile predicate on the Hopper prefill (CPU and compile-only): the kernel gets a tile-list pre-pass
+exactly where ``sm90_tile_lists`` says, plan() sizes the lists' buffer from the plan's items and run() launches
+the pre-pass ahead of the prefill with the same params; the shipped predicates agree with their masks; the
+pre-pass compiles for sm_90a without spills. The GPU checks are in test_variants_sm90_tiles.py."""
+
+from __future__ import annotations
+
+import re
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+import flashgen
+from flashgen.api import sm90
+from compile_checks import build_all, prefetch
+from flashgen.kernels import family, sm90_tile_lists
+from flashgen.plan import PlanError
+from flashgen.plan.mask_tiles import tile_list_indptr
+from flashgen.spec import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow
+from flashgen.testing.variants import evaluate
+from flashgen.variants.examples import EXAMPLES
+from stub_cuda import on_device, stubbed_cuda
+
+DOC, DOC_CUDA = EXAMPLES["document_tiled"]
+PREFIX, PREFIX_CUDA = EXAMPLES["prefix_lm"]
+HEADS = dict(num_qo_heads=8, num_kv_heads=2)
+
+
+def test_the_prefix_lm_tile_predicate_agrees_with_its_mask():
+    """examples.PREFIX_LM: on random tiles and prefixes, EMPTY hides every pair, FULL keeps every one."""
+    g = torch.Generator().manual_seed(5)
+    seen = set()
+    for _ in range(400):
+        q0, k0, prefix = (int(x) for x in torch.randint(0, 200, (3,), generator=g))
+        q1, k1 = q0 + int(torch.randint(1, 40, (1,), generator=g)), k0 + int(torch.randint(1, 40, (1,), generator=g))
+        env = {"qo_begin": q0, "qo_end": q1, "kv_begin": k0, "kv_end": k1, "prefix_len": torch.tensor([prefix]),
+               "batch": 0, "qo_head": 0, "kv_head": 0}
+        cls = int(evaluate(PREFIX.mask_tile.expr, env))
+        keep = evaluate(PREFIX.mask.expr, {**env, "qo_idx": torch.arange(q0, q1).view(-1, 1),
+                                           "kv_idx": torch.arange(k0, k1).view(1, -1)})
+        seen.add(cls)
+        if cls == 0:
+            assert not keep.any()
+        elif cls == 2:
+            assert keep.all()
+    assert seen == {0, 1, 2}
+
+
+@pytest.mark.parametrize("spec,options,lists", [
+    (AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=DOC), None, True),
+    (AttentionSpec(128, kv_layout=Paged(16), mask=NoMask(), variant=PREFIX_CUDA), None, True),
+    (AttentionSpec(64, kv_layout=Paged(5), mask=SlidingWindow(40), variant=DOC_CUDA), None, True),
+    (AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=DOC), {"positions": True}, False),
+    (AttentionSpec(128, kv_layout=Ragged(), mask=CustomMask(), variant=DOC), None, False),
+    (AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=EXAMPLES["document"][0]), None, False),
+    (AttentionSpec(128, kv_layout=Ragged(), mask=Causal()), None, False),
+])
+def test_the_pre_pass_is_rendered_exactly_where_tile_lists_apply(spec, options, lists):
+    fam = family("prefill_sm90", options)
+    source = fam.render(spec)
+    assert sm90_tile_lists(spec, bool(options)) is lists
+    assert f"static constexpr bool TILE_LIST = {'true' if lists else 'false'};" in source
+    assert ("prefill_sm90_tiles" in source) is lists
+    names = [e.name for e in fam.entry_points(fam.project(spec))]
+    assert names == (["prefill_sm90", "prefill_sm90_tiles"] if lists else ["prefill_sm90"])
+
+
+def test_tile_list_indptr_gives_each_item_its_range_and_a_count():
+    indptr = tile_list_indptr(np.array([0, 0, 0, 128]), np.array([300, 128, 0, 257]), 128)
+    assert indptr.dtype == np.int32 and indptr.tolist() == [0, 4, 6, 7, 10]
+    with pytest.raises(PlanError, match="kv lengths: the tile lists need"):
+        tile_list_indptr(np.zeros(3, np.int64), np.full(3, 2**40), 128)
+
+
+class _Recorder:
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def set_max_dynamic_shared_memory(self, nbytes):
+        pass
+
+    def launch_params(self, grid, block, smem, stream, address):
+        self.calls.append((self.name, grid, block, address))
+
+
+@pytest.fixture
+def hopper():
+    with stubbed_cuda(), mock.patch.object(torch.cuda, "get_device_capability", lambda *a: (9, 0)):
+        yield
+
+
+def _wrapper(spec, **kwargs):
+    w = flashgen.BatchPrefillWrapper(spec, backend="sm90", num_sms=132, **kwargs)
+    assert w.backend == "sm90"
+    return w
+
+
+def _plan(w, qo_lens, kv_lens):
+    qo = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    kv = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    w.plan(qo_indptr=qo, kv_indptr=kv, **HEADS)
+    return int(qo[-1]), int(kv[-1])
+
+
+def test_plan_sizes_the_lists_and_run_launches_the_pre_pass_first(hopper):
+    w = _wrapper(AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=DOC))
+    total_q, total_kv = _plan(w, [1, 300, 40], [5, 1000, 40])
+    impl = w._impl
+    plan = impl.last_plan
+    indptr = tile_list_indptr(plan.numpy("kv_start"), plan.numpy("kv_end"), 128)
+    assert indptr.size == plan.info.capacity + 1
+    fields = impl._params.values()
+    assert fields["tiles"] == impl._tile_buffer.address != 0
+    assert impl._tile_buffer.numel >= HEADS["num_kv_heads"] * int(indptr[-1])
+    assert fields["tile_indptr"] != 0 and fields["custom_mask"] == 0
+    calls = []
+    impl._load()  # the fake kernels, replaced by recorders
+    impl._fn, impl._tiles_fn = _Recorder("prefill", calls), _Recorder("tiles", calls)
+    no_map = lambda *args: bytes(128)  # noqa: E731 - tensor maps need the driver
+    with mock.patch.object(sm90, "kv_tensor_map", no_map), mock.patch.object(sm90, "qo_tensor_map", no_map):
+        w.run(on_device(torch.zeros(total_q, 8, 128, dtype=torch.bfloat16)),
+              (on_device(torch.zeros(total_kv, 2, 128, dtype=torch.bfloat16)),) * 2, doc_ids=torch.zeros(1040).int())
+    assert [c[0] for c in calls] == ["tiles", "prefill"]
+    assert calls[0][3] == calls[1][3]  # one params struct
+    warps = calls[0][1][0] * calls[0][2][0] // 32
+    assert warps >= plan.info.capacity * HEADS["num_kv_heads"]
+
+
+def test_a_variant_without_a_predicate_gets_no_lists(hopper):
+    w = _wrapper(AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=EXAMPLES["document"][0]))
+    _plan(w, [3, 40], [3, 400])
+    assert w._impl._tiles_fn is None and w._impl._params.values()["tiles"] == 0
+
+
+def test_a_cuda_graph_wrapper_keeps_its_lists_in_place_and_names_the_limit(hopper):
+    w = _wrapper(AttentionSpec(128, kv_layout=Ragged(), mask=NoMask(), variant=PREFIX), use_cuda_graph=True,
+                 max_batch_size=4, max_total_q=600)
+    _plan(w, [300, 200], [300, 2000])
+    address = w._impl._params.values()["tiles"]
+    _plan(w, [5, 1, 1], [5, 1, 700])  # fewer tiles: the same buffer
+    assert w._impl._params.values()["tiles"] == address
+    with pytest.raises(PlanError, match=r"tile lists: needs \d+ elements.*most KV tiles"):
+        _plan(w, [300, 300], [4000, 4000])
+
+
+# ---------------------------------------------------------------------------------------------- compile
+
+COMPILE = [("prefill_sm90", spec, "sm_90a") for spec in (
+    AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), variant=DOC),
+    AttentionSpec(128, kv_layout=Paged(48), mask=NoMask(), variant=PREFIX_CUDA),
+    AttentionSpec(64, kv_layout=Ragged(), mask=SlidingWindow(100), variant=DOC_CUDA),
+    AttentionSpec(256, kv_layout=Ragged(), mask=Causal(), variant=PREFIX),
+)]
+prefetch(__name__, COMPILE)
+
+
+@pytest.mark.nvcc
+def test_the_pre_pass_and_the_listed_prefill_compile_without_spills(shared_cache):
+    for (_, spec, _), (entry, report) in zip(COMPILE, build_all(COMPILE)):
+        for function in ("prefill_sm90_tiles", "prefill_sm90"):
+            part = report.split(f"Function properties for {function}\n", 1)[1]
+            spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", part.split("Compile time")[0])]
+            assert spills == [0, 0], f"{entry.uri} {function}: {report}"
