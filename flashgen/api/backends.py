@@ -66,6 +66,9 @@ def check_sm90(spec: AttentionSpec, graph: bool = False, options: dict | None = 
         raise SpecError(f"pos_encoding: got {rope!r}; the sm90 backend's K pre-pass rotates every key with plain "
                         "RoPE, so k_rotated=True and Llama-3.1 / YaRN scaling are not implemented there yet; "
                         "backend='portable' runs k_rotated")
+    if isinstance(rope, RoPE) and spec.variant is not None and spec.variant.q_transform is not None:
+        raise SpecError("variant.q_transform: the sm90 backend rotates q in its RoPE pre-pass, before its kernel "
+                        "could transform it (the hook sees q before RoPE); use backend='portable'")
     for op, kernel_spec in kernels_for(spec, "sm90"):
         fam = family(op, options)
         fam.check(fam.project(kernel_spec))
