@@ -28,6 +28,8 @@
 // transform and before its mask, with batch = the request, qo_idx = the query's position (kv_len - 1, or q_pos),
 // kv_idx = the key's; rows past the group's heads ask for the group's last head. softmax=False keeps the hook's
 // weights as P (no max, no normaliser); the sink and the output hook run where a row is finished (epilogue).
+// q_transform runs on each raw element as q is staged (stage_q), k_transform on K fragments in registers after
+// their ldmatrix (fp8: dequantised by k_scale), both before RoPE.
 //
 // This header is the kernel's entry; decode/tiles.cuh holds the layout and the copies, decode/epilogue.cuh the
 // write-out and the split-KV merge (its protocol: common/split_merge.cuh).

@@ -37,7 +37,9 @@
 // KV range is first cut to its first and last tiles that some row sees (live_tiles: the tiles classed in
 // parallel, one a thread), so empty tiles at either end are never loaded; inside it each warp classes its tile:
 // TILE_EMPTY skips the warp's Q K^T, softmax and P V (the tile is still loaded: the CTA shares it), TILE_FULL
-// runs without the per-pair mask hook.
+// runs without the per-pair mask hook. q_transform runs on q's raw elements as they are loaded (through registers),
+// k_transform on a landed 16-bit K tile in shared memory (prepare_k, before its RoPE) or, fp8, on each warp's
+// converted fragments (fp8_k_map: dequantised by k_scale).
 //
 // POSITIONS (common/positions.cuh): query token i sits at q_pos[i] and key t at its page's kv_page_pos entry +
 // its offset in the page. Keys need not be contiguous in position, so the KV range is not clipped by the mask:
