@@ -15,6 +15,7 @@
 // prefill/tiles.cuh reads).
 #pragma once
 #include <flashgen/common/fp8.cuh>
+#include <flashgen/prefill/math.cuh>
 #include <flashgen/prefill/tiles.cuh>
 
 namespace flashgen::prefill {
