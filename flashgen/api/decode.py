@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import APPEND_RUNTIME_FIELDS, family
+from ..kernels import APPEND_RUNTIME_FIELDS, dequantises_k, family
 from ..plan import PlanError, SplitPolicy, plan_decode
 from ..plan.host import check_heads
 from ..spec import AttentionSpec
@@ -87,6 +87,7 @@ class BatchDecodeWrapper:
         self._positions = Positions(max_batch_size if graph else None, max_num_pages) if wants_positions(
             kernel_options) else None
         self._fp8 = self.spec.kv_dtype.startswith("float8")
+        self._dequant_k = dequantises_k(self.spec)  # a k_transform over fp8 K: k_scale is a param, not in sm_scale
         self._append = wants_append(kernel_options)
         self.op_handle = handles.assign(self)  # how flashgen.ops names this wrapper
 
@@ -122,7 +123,7 @@ class BatchDecodeWrapper:
         if self._core.page_ids is not None:
             self._core.page_ids.take(table, num_pages)
         runtime, v_scale = fp8_scaled(self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap),
-                                      self._fp8, k_scale, v_scale)
+                                      self._fp8, k_scale, v_scale, not self._dequant_k)
         positions = {}
         if self._positions is not None:
             self._positions.extras(positions, table.kv_indptr_host, batch, kv_page_pos, q_pos)
@@ -215,6 +216,8 @@ class DecodeBackend(SplitKVLaunch):
         counters = core.counters(info.max_total_q * num_qo_heads, "raise max_batch_size")
         fields.update(split_kv_fields(addresses, tmp_o, tmp_lse, counters, num_qo_heads, num_kv_heads, runtime))
         fields["v_scale"] = v_scale
+        if dequantises_k(self.spec):  # a k_transform over fp8 K: the kernel dequantises K itself
+            fields["k_scale"] = float(k_scale)
         fields.update(rope_scaling_params(self.spec, runtime))
         if self._append:
             fields.update(append_fields(k_scale, v_scale))

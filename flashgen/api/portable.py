@@ -130,10 +130,11 @@ class PortablePrefill(SplitKVLaunch):
 
     def plan(self, qo: np.ndarray, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime,
              custom_mask, enable_split: bool, split_policy: SplitPolicy | None = None,
-             positions: dict | None = None, v_scale: float | None = None) -> int:
+             positions: dict | None = None, v_scale: float | None = None, k_scale: float | None = None) -> int:
         """Plan and upload; returns the rows of q and out (total_q, or max_total_q in CUDA-graph mode).
         ``positions``: the ``q_pos`` and ``kv_page_pos`` extras of a wrapper with explicit positions. ``v_scale``:
-        fp8 V's per-tensor scale (the params field of fp8 kernels; 1.0 when not given)."""
+        fp8 V's per-tensor scale (the params field of fp8 kernels; 1.0 when not given); ``k_scale``: fp8 K's, the
+        params field of kernels whose k_transform dequantises K (``kernels.dequantises_k``)."""
         core = self.core
         if self._kernel is None:
             self._load()
@@ -171,6 +172,8 @@ class PortablePrefill(SplitKVLaunch):
             fields.update(kv_page_pos=addresses["kv_page_pos"], q_pos=addresses["q_pos"])
         if self._fp8:
             fields["v_scale"] = 1.0 if v_scale is None else v_scale
+        if k_scale is not None:
+            fields["k_scale"] = k_scale
         if self.variant is not None:
             fields["variant"] = b""  # packed by run() (variant_args)
         self._params.pack(fields)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import family
+from ..kernels import dequantises_k, family
 from ..plan import PlanError, SplitPolicy, host_array
 from ..plan.host import check_heads
 from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Ragged
@@ -126,8 +126,9 @@ class BatchPrefillWrapper:
             raise PlanError("custom_mask: this spec's mask is not CustomMask()")
         if self._core.page_ids is not None:
             self._core.page_ids.take(table, num_pages)
+        dequant_k = dequantises_k(spec)  # a k_transform over fp8 K: k_scale is a param, not in sm_scale
         runtime, v_scale = fp8_scaled(self._core.runtime(sm_scale, rope_theta, rope_scale, window_left, soft_cap),
-                                      self._fp8, k_scale, v_scale)
+                                      self._fp8, k_scale, v_scale, not dequant_k)
         positions = {}
         if self._positions is not None:
             self._positions.extras(positions, table.kv_indptr_host, int(qo[-1]), kv_page_pos, q_pos)
@@ -135,7 +136,8 @@ class BatchPrefillWrapper:
             refuse_positions(kv_page_pos, q_pos)
         rows = self._impl.plan(qo, table, num_qo_heads, num_kv_heads, runtime, custom_mask, enable_split,
                                split_policy, *((positions,) if positions else ()),
-                               **({"v_scale": v_scale} if self._fp8 else {}))
+                               **({"v_scale": v_scale} if self._fp8 else {}),
+                               **({"k_scale": float(k_scale)} if dequant_k else {}))
         self._core.set_planned(rows, num_qo_heads, num_kv_heads, table)
 
     # ------------------------------------------------------------------------------------------ run

@@ -110,10 +110,12 @@ def positive(name: str, value, note: str = "") -> float:
     return number
 
 
-def fp8_scaled(runtime: Runtime, fp8: bool, k_scale, v_scale) -> tuple[Runtime, float]:
+def fp8_scaled(runtime: Runtime, fp8: bool, k_scale, v_scale, fold_k: bool = True) -> tuple[Runtime, float]:
     """``(runtime, v_scale)`` with fp8 K's per-tensor scale folded into sm_scale (q.(k * k_scale) = (q.k) * k_scale,
     before any logits transform; V's the kernel applies to its output). Both must be finite numbers > 0, and 1.0
     unless the cache is fp8 (``fp8``); ``PlanError`` names the argument. O(1): called by every plan().
+    ``fold_k=False`` (a variant's k_transform over fp8 K, ``kernels.dequantises_k``): the kernel dequantises K by
+    its ``k_scale`` param before the hook, so sm_scale is left as it is.
 
     >>> fp8_scaled(runtime_values(AttentionSpec(128)), True, 0.5, 2.0)[0].sm_scale == 0.5 / math.sqrt(128)
     True
@@ -124,6 +126,8 @@ def fp8_scaled(runtime: Runtime, fp8: bool, k_scale, v_scale) -> tuple[Runtime, 
         if value != 1.0 and not fp8:
             raise PlanError(f"{name}: got {value!r}; per-tensor scales apply to fp8 K/V only (expected 1.0)")
         positive(name, value)
+    if not fold_k:
+        return runtime, float(v_scale)
     sm_scale = positive("k_scale", runtime.sm_scale * float(k_scale), " (sm_scale * k_scale must be a finite fp32)")
     return runtime._replace(sm_scale=sm_scale), float(v_scale)
 

@@ -8,7 +8,7 @@ Every family is registered here, by op name, and nowhere else: ``decode``, ``pre
 
 from .append import AppendFamily, rows_per_block
 from .decode import APPEND_RUNTIME_FIELDS, DecodeFamily
-from .family import EntryPoint, KernelFamily, LaunchConfig, family, launch_config, ops, register
+from .family import EntryPoint, KernelFamily, LaunchConfig, dequantises_k, family, launch_config, ops, register
 from .merge import MergeStatesFamily
 from .params import BoundParams, Param, ParamsLayout
 from .prefill import PrefillFamily
@@ -26,5 +26,5 @@ __all__ = [
     "EntryPoint", "KernelFamily", "LaunchConfig", "family", "launch_config", "ops", "register", "BoundParams",
     "Param", "ParamsLayout", "TemplateError", "include_dir", "render_template", "templates_dir", "sm90_qo_tma",
     "sm90_tile_lists", "TILE_LIST_THREADS", "ragged_twin", "rows_per_block", "APPEND_RUNTIME_FIELDS", "hook_signature",
-    "render_variant", "variant_layout", "VARIANT_FIELD",
+    "render_variant", "variant_layout", "VARIANT_FIELD", "dequantises_k",
 ]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..spec import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, ALiBi, SlidingWindow, SpecError
-from .family import (POSITION_FIELDS, ROPE_SCALING_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, positions_option,
-                     split_kv_struct, variant_fields)
+from .family import (POSITION_FIELDS, ROPE_SCALING_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, k_scale_fields,
+                     positions_option, split_kv_struct, variant_fields)
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float8_e4m3fn": "__nv_fp8_e4m3",
              "float8_e5m2": "__nv_fp8_e5m2"}
@@ -80,6 +80,7 @@ class DecodeFamily(AttentionFamily):
     op = "decode"
     template = "decode.cu.j2"
     variants = True
+    load_transforms = ("q_transform", "k_transform")
 
     def __init__(self, positions: bool = False, append: bool = False):
         self.positions, self.append = positions, append
@@ -162,6 +163,6 @@ class DecodeFamily(AttentionFamily):
         after = (("float", "v_scale"),) + (POSITION_FIELDS if self.positions else ())
         after += ROPE_SCALING_FIELDS if rope_parts(spec)[2] else ()
         after += tuple((ctype.replace("DTypeQ", q), name) for ctype, name in APPEND_FIELDS) if self.append else ()
-        after += variant_fields(spec)
+        after += k_scale_fields(spec) + variant_fields(spec)
         decode = split_kv_struct("DecodeParams", q, CPP_TYPES[spec.kv_dtype], after=after)
         return (EntryPoint("decode", decode),)

@@ -121,12 +121,31 @@ def variant_fields(spec: AttentionSpec) -> tuple:
     return (variant_param(spec.variant),) if spec.variant is not None else ()
 
 
+def k_scale_fields(spec: AttentionSpec) -> tuple:
+    """``k_scale`` (float) where a k_transform reads fp8 K: the hook sees the dequantised element (the code times
+    k_scale), so the host passes k_scale here and leaves it out of sm_scale (api/wrapper.py fp8_scaled)."""
+    return (("float", "k_scale"),) if dequantises_k(spec) else ()
+
+
+def dequantises_k(spec: AttentionSpec) -> bool:
+    """Whether ``spec``'s kernel dequantises fp8 K before a k_transform (``k_scale_fields``)."""
+    variant = spec.variant
+    return variant is not None and variant.k_transform is not None and spec.kv_dtype.startswith("float8")
+
+
 class AttentionFamily(KernelFamily):
     """A family compiled from an ``AttentionSpec`` (decode, prefill, prefill_sm90): ``project`` refuses
     anything else; subclasses that drop fields call it first. ``variants``: whether the family's kernel runs a
-    spec's variant hooks (``flashgen/common/variant.cuh``: one contract for every family)."""
+    spec's variant hooks (``flashgen/common/variant.cuh``: one contract for every family); ``load_transforms``:
+    which of the hooks ``q_transform`` / ``k_transform`` it runs (``refuse_transform`` says why not)."""
 
     variants = False
+    load_transforms: tuple[str, ...] = ()
+
+    def refuse_transform(self, name: str) -> str:
+        """The ``SpecError`` text for a load transform ``name`` this family does not run."""
+        return (f"variant.{name}: the {self.op} kernel does not run {name[0]} transforms yet; use the decode or "
+                "the portable prefill kernel (backend='portable')")
 
     def project(self, spec: object) -> AttentionSpec:
         if not isinstance(spec, AttentionSpec):
@@ -135,10 +154,9 @@ class AttentionFamily(KernelFamily):
         if variant is not None and not self.variants:  # never compile a kernel that would drop the hooks
             raise SpecError(f"variant: the {self.op} kernel does not run variant hooks yet; got {variant.uri} "
                             "(spec.replace(variant=None) for the plain kernel)")
-        if variant is not None and (variant.q_transform is not None or variant.k_transform is not None):
-            name = "q_transform" if variant.q_transform is not None else "k_transform"
-            raise SpecError(f"variant.{name}: the kernels do not run q / k transforms at load yet (score, mask, "
-                            "mask_tile, output and sink run in every family); fold it into the score hook")
+        for name in ("q_transform", "k_transform"):
+            if variant is not None and getattr(variant, name) is not None and name not in self.load_transforms:
+                raise SpecError(self.refuse_transform(name))
         return spec
 
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
-from .family import (POSITION_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, positions_option, split_kv_struct,
-                     variant_fields)
+from .family import (POSITION_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, k_scale_fields, positions_option,
+                     split_kv_struct, variant_fields)
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float8_e4m3fn": "__nv_fp8_e4m3",
              "float8_e5m2": "__nv_fp8_e5m2"}
@@ -210,6 +210,7 @@ class PrefillFamily(AttentionFamily):
     op = "prefill"
     template = "prefill.cu.j2"
     variants = True
+    load_transforms = ("q_transform", "k_transform")
 
     def __init__(self, tiles: str | None = None, positions: bool = False):
         self.tiles, self.positions = tiles, positions
@@ -308,5 +309,5 @@ class PrefillFamily(AttentionFamily):
         v_scale = (("float", "v_scale"),) if KV_BYTES[spec.kv_dtype] == 1 else ()  # fp8 V's per-tensor scale
         prefill = split_kv_struct("PrefillParams", CPP_TYPES[spec.dtype], CPP_TYPES[spec.kv_dtype],
                                   before_strides=mask, after=v_scale + (POSITION_FIELDS if self.positions else ())
-                                  + variant_fields(spec))
+                                  + k_scale_fields(spec) + variant_fields(spec))
         return (EntryPoint("prefill", prefill),)

@@ -159,6 +159,10 @@ class PrefillSM90Family(AttentionFamily):
     op = "prefill_sm90"
     template = "prefill_sm90.cu.j2"
     variants = True
+    load_transforms = ("q_transform",)  # k_transform needs a conversion stage between TMA and wgmma
+
+    def refuse_transform(self, name: str) -> str:
+        return (f"variant.{name}: the sm90 kernel does not run {name[0]} transforms yet; use backend='portable'")
 
     def __init__(self, positions: bool = False):
         self.positions = positions

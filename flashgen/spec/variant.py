@@ -20,6 +20,12 @@ Hooks (inputs -> result; indices are ``int``, ``logit``/``value`` are ``float``)
 ``sink``       batch, qo_idx, qo_head: a logit added to the softmax denominator only          float
 =============  =========================================================================  ==================
 
+``q_transform`` / ``k_transform`` see each raw element as it is loaded, at the query's / key's true position
+(``qo_idx``, ``kv_idx``: as the pair hooks see them), and their result is rounded to q's dtype (fp16 where the
+kernel multiplies fp8 K): before the spec's RoPE (the rotation turns the transformed vector), before
+``sm_scale``; fp8 K is dequantised first (the hook sees the code times ``k_scale``). Decode and the portable
+prefill run both; the Hopper prefill runs ``q_transform`` only, and not under RoPE (``backend='portable'``).
+
 ``softmax=False`` (sigmoid attention) makes the score hook's result the weight itself: ``o = sum_j w_j v_j``
 over the unmasked keys, with no normaliser (and no sink).
 """

@@ -115,7 +115,8 @@ def prefix_lm_ref(prefix_len: int, qo_len: int, kv_len: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- attention
 
-EXAMPLE_NAMES = ("sink", "document", "document_tiled", "tree", "t5_bias", "alibi", "sigmoid", "prefix_lm")
+EXAMPLE_NAMES = ("sink", "document", "document_tiled", "tree", "t5_bias", "alibi", "sigmoid", "prefix_lm", "qk_gain")
+GAIN_DIM = 256  # the qk_gain example's tables cover head dims up to this
 
 
 def example_args(name: str, *, heads: int, max_kv: int, batch: int, generator=None, device="cpu") -> dict:
@@ -151,9 +152,23 @@ def example_args(name: str, *, heads: int, max_kv: int, batch: int, generator=No
         args = {"bias": float(torch.tensor(-math.log(max_kv), dtype=torch.float32))}  # an fp32 value, as run() packs
     elif name == "prefix_lm":
         args = {"prefix_len": torch.randint(0, max_kv + 1, (batch,), generator=g).int()}
+    elif name == "qk_gain":  # gains in [0.25, 1.75) a (head, dim); k's table has a row for every q head (>= kv heads)
+        args = {"q_gain": torch.rand(heads, GAIN_DIM, generator=g) * 1.5 + 0.25,
+                "k_gain": torch.rand(heads, GAIN_DIM, generator=g) * 1.5 + 0.25}
     else:
         raise ValueError(f"name: got {name!r}, expected one of {', '.join(EXAMPLE_NAMES)}")
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def qk_gain_ref(q: torch.Tensor, k: torch.Tensor, q_gain: torch.Tensor, k_gain: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The qk_gain example's loads: ``q [n, Hq, D] * q_gain[h, d]`` and ``k [n, Hkv, D] * k_gain[h_kv, d]``, in
+    fp64 (fp32 for a lower dtype), each returned in its input's dtype (the kernels round a transformed element to
+    it)."""
+    def scaled(x, gain):
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return (x.to(work) * gain[: x.shape[1], : x.shape[2]].to(x.device, work)).to(x.dtype)
+    return scaled(q, q_gain), scaled(k, k_gain)
 
 
 def _square(fn, n: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -174,6 +189,8 @@ def example_attention(name: str, args: dict, q: torch.Tensor, k: torch.Tensor, v
     work = torch.float32 if low_precision else torch.float64
     if not low_precision:
         q, k, v = q.double(), k.double(), v.double()
+    if name == "qk_gain":
+        q, k = qk_gain_ref(q, k, args["q_gain"].cpu(), args["k_gain"].cpu())
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     logits = torch.einsum("qhd,khd->hqk", q, k).to(work) * sm_scale
     n = int(max(int(q_pos.max()) if q_pos.numel() else 0, int(k_pos.max()) if k_pos.numel() else 0)) + 1

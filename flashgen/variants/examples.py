@@ -93,6 +93,16 @@ PREFIX_LM_CUDA = Variant(mask="return (kv_idx <= qo_idx) | (kv_idx < prefix_len[
     return kv_end - 1 <= qo_begin || kv_end <= prefix ? TILE_FULL : TILE_PARTIAL;
 """, tensors=[Tensor("prefix_len", "int32", 1)])
 
+# learned per-dimension q and k gains at load (QK-norm's learned scale on its own; q_gain: [q heads, head_dim], k_gain:
+# [kv heads, head_dim], float32): q[d] * q_gain[h, d] and k[d] * k_gain[h_kv, d], each element as it is loaded,
+# before the spec's RoPE (decode and the portable prefill; the Hopper prefill runs the q half only)
+QK_GAIN = Variant(q_transform=lambda x, h, dim, q_gain: x * q_gain[h, dim],
+                  k_transform=lambda x, h, dim, k_gain: x * k_gain[h, dim],
+                  tensors=[Tensor("q_gain", "float32", 2), Tensor("k_gain", "float32", 2)])
+QK_GAIN_CUDA = Variant(q_transform="return value * q_gain(qo_head, dim);",
+                       k_transform="return value * k_gain(kv_head, dim);",
+                       tensors=[Tensor("q_gain", "float32", 2), Tensor("k_gain", "float32", 2)])
+
 EXAMPLES = {
     "sink": (SINK, SINK_CUDA),
     "document": (DOCUMENT, DOCUMENT_CUDA),
@@ -102,4 +112,5 @@ EXAMPLES = {
     "alibi": (ALIBI, ALIBI_CUDA),
     "sigmoid": (SIGMOID, SIGMOID_CUDA),
     "prefix_lm": (PREFIX_LM, PREFIX_LM_CUDA),
+    "qk_gain": (QK_GAIN, QK_GAIN_CUDA),
 }

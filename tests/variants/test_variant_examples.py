@@ -66,6 +66,17 @@ def test_prefix_lm():
     assert torch.equal(out.expand(H, Q, K)[1], ref.prefix_lm_ref(5, Q, K))
 
 
+def test_qk_gain():
+    x = torch.randn(H, Q, 16, dtype=torch.float64)
+    q_gain, k_gain = torch.rand(H, 16, dtype=torch.float64), torch.rand(H, 16, dtype=torch.float64)
+    dims = {"dim": torch.arange(16).view(1, 1, -1), "qo_head": torch.arange(H).view(-1, 1, 1)}
+    env = _env(value=x, q_gain=q_gain, k_gain=k_gain, **dims)
+    env["kv_head"] = env["qo_head"]
+    q, k = ref.qk_gain_ref(x.transpose(0, 1), x.transpose(0, 1), q_gain, k_gain)
+    _close(evaluate(EXAMPLES["qk_gain"][0].q_transform.expr, env), q.transpose(0, 1))
+    _close(evaluate(EXAMPLES["qk_gain"][0].k_transform.expr, env), k.transpose(0, 1))
+
+
 def test_examples_are_distinct_kernels_and_spellings_validate():
     digests = {v.digest for pair in EXAMPLES.values() for v in pair if v is not None}
     assert len(digests) == sum(v is not None for pair in EXAMPLES.values() for v in pair)

@@ -16,7 +16,10 @@ import flashgen
 from compile_checks import build_all, prefetch
 from flashgen import jit
 from flashgen.kernels import family
-from flashgen.spec import AttentionSpec, Causal, NoMask, Paged, Ragged, SpecError, Variant
+from flashgen.api.backends import select
+from flashgen.api.wrapper import fp8_scaled, runtime_values
+from flashgen.kernels import include_dir
+from flashgen.spec import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, SpecError, Variant
 from flashgen.testing import variants as ref
 from flashgen.testing.variants import evaluate, example_args, example_attention
 from flashgen.variants.examples import EXAMPLES
@@ -36,7 +39,26 @@ def _spec(variant, op, layout):
     return AttentionSpec(128, kv_layout=layout, mask=mask, variant=variant)
 
 
-COMPILE = [(op, _spec(v, op, layout), "sm_90a") for _, _, v in VARIANTS for op, layout in FAMILIES]
+def _runs(variant, op):
+    """Whether ``op`` runs ``variant`` (the Hopper prefill refuses k_transform)."""
+    return op != "prefill_sm90" or variant.k_transform is None
+
+
+COMPILE = [(op, _spec(v, op, layout), "sm_90a") for _, _, v in VARIANTS for op, layout in FAMILIES if _runs(v, op)]
+# the q half of the load transforms on the Hopper prefill, paged and ragged
+Q_GAIN = Variant(q_transform=EXAMPLES["qk_gain"][1].q_transform, tensors=EXAMPLES["qk_gain"][1].tensors)
+COMPILE += [("prefill_sm90", _spec(Q_GAIN, "prefill_sm90", layout), "sm_90a") for layout in (Ragged(), Paged(16))]
+# the load transforms under RoPE, fp8 K and explicit positions (options: each job's own)
+QK = EXAMPLES["qk_gain"][0]
+LOADS = [("decode", AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE(), variant=QK), None),
+         ("decode", AttentionSpec(128, kv_layout=Paged(16), kv_dtype="float8_e4m3fn", variant=QK), None),
+         ("decode", AttentionSpec(128, kv_layout=Paged(16), kv_dtype="float8_e5m2", pos_encoding=RoPE(), variant=QK),
+          {"positions": True}),
+         ("prefill", AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE(), variant=QK), None),
+         ("prefill", AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), kv_dtype="float8_e4m3fn", variant=QK), None),
+         ("prefill", AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE(), variant=QK),
+          {"positions": True}),
+         ("prefill_sm90", AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=Q_GAIN), {"positions": True})]
 prefetch(__name__, COMPILE)
 
 
@@ -54,6 +76,17 @@ def test_every_example_compiles_in_every_family_within_the_spill_bound(shared_ca
         report_lines.append(f"{entry.uri}: {regs} registers, spills {spills}")
         assert spills and max(spills) <= SPILL_BOUND[op], f"{entry.uri} spills {spills}: {report}"
         assert spec.variant.uri in entry.uri
+
+
+@pytest.mark.nvcc
+def test_load_transforms_compile_with_rope_fp8_and_positions_without_spills(shared_cache):
+    for op, spec, options in LOADS:
+        (entry, report), = build_all([(op, spec, "sm_90a")], options=options)
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+        assert spills and max(spills) <= SPILL_BOUND[op], f"{entry.uri} spills {spills}: {report}"
+        source = (entry.path / "kernel.cu").read_text()
+        assert '#line 1 "variant.q_transform"' in source
+        assert ('#line 1 "variant.k_transform"' in source) == (op != "prefill_sm90")
 
 
 @pytest.mark.nvcc
@@ -112,9 +145,54 @@ def test_the_variant_params_come_last_with_their_layout():
         assert "static_assert(sizeof(VariantParams) == 32 && alignof(VariantParams) == 8" in jit.render(spec, op)
 
 
-def test_load_transforms_are_refused_by_name():
-    with pytest.raises(SpecError, match="q_transform"):
-        jit.render(_spec(Variant(q_transform="value"), "decode", Paged(16)), "decode")
+def test_the_sm90_kernel_refuses_k_transforms_by_name():
+    with pytest.raises(SpecError, match=r"variant\.k_transform: the sm90 kernel does not run k transforms yet; "
+                                        r"use backend='portable'"):
+        jit.render(_spec(QK, "prefill_sm90", Ragged()), "prefill_sm90")
+    assert "flashgen_variant::Hooks" in jit.render(_spec(Q_GAIN, "prefill_sm90", Ragged()), "prefill_sm90")
+    for op, layout in FAMILIES[:3]:  # decode and the portable prefill run both
+        assert '#line 1 "variant.k_transform"' in jit.render(_spec(QK, op, layout), op)
+
+
+def test_the_sm90_backend_refuses_a_q_transform_under_rope():
+    """Its RoPE pre-pass would rotate q before the kernel's transform: auto falls back to portable, sm90 says why."""
+    spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), pos_encoding=RoPE(), variant=Q_GAIN)
+    assert select(spec, "auto", (9, 0)) == "portable"
+    with pytest.raises(SpecError, match=r"variant\.q_transform: the sm90 backend rotates q in its RoPE pre-pass"):
+        select(spec, "sm90", (9, 0))
+    assert select(spec.replace(pos_encoding=None), "auto", (9, 0)) == "sm90"
+    assert select(AttentionSpec(128, kv_layout=Ragged(), variant=QK), "auto", (9, 0)) == "portable"
+
+
+def test_load_transforms_enter_the_key_and_order_before_rope():
+    """A transform's text changes the kernel key; kernels without one keep theirs; the hook's call precedes the
+    RoPE rotation in the q and K loads of decode and the portable prefill."""
+    base = AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE())
+    k_only = Variant(k_transform="return value * 2.0f;")
+    k_other = Variant(k_transform="return value * 3.0f;")
+    for op in ("decode", "prefill"):
+        uris = {family(op).uri(family(op).project(base.replace(variant=v))) for v in (None, QK, k_only, k_other)}
+        assert len(uris) == 4
+    decode = (include_dir() / "flashgen/decode/tiles.cuh").read_text()
+    assert decode.index("q_value<") < decode.index("rope_rotate_by<C::ROPE_SCALING>(lo[i]")
+    kernel = (include_dir() / "flashgen/decode/kernel.cuh").read_text()
+    assert kernel.index("lo = k_in(lo") < kernel.index("rope_rotate_by<C::ROPE_SCALING>(lo.x, hi.x")
+    prefill = (include_dir() / "flashgen/prefill/tiles.cuh").read_text()
+    assert prefill.index("map_chunk<DTypeKV>(x") < prefill.index("rope_chunk_pair<DTypeKV>(x, y")
+    assert prefill.index("map_chunk<typename C::DTypeQ>(a") < prefill.index("rope_chunk_pair<typename C::DTypeQ>(a")
+
+
+def test_fp8_k_transforms_take_k_scale_out_of_sm_scale():
+    """The hook sees the dequantised element: the kernel takes k_scale as a param, and plan() leaves sm_scale."""
+    spec = family("decode").project(AttentionSpec(128, kv_layout=Paged(16), kv_dtype="float8_e4m3fn", variant=QK))
+    for op in ("decode", "prefill"):
+        names = family(op).entry_points(spec)[0].params.names()
+        assert "k_scale" in names and names[-1] == "variant"
+        plain = spec.replace(variant=Q_GAIN)
+        assert "k_scale" not in family(op).entry_points(plain)[0].params.names()
+    runtime = fp8_scaled(runtime_values(spec), True, 0.5, 2.0, fold_k=False)[0]
+    assert runtime.sm_scale == runtime_values(spec).sm_scale
+    assert fp8_scaled(runtime_values(spec), True, 0.5, 2.0)[0].sm_scale == 0.5 * runtime.sm_scale
 
 
 # ---------------------------------------------------------------------------------------------- run()
@@ -245,8 +323,18 @@ def test_cascade_and_block_sparse_refuse_a_variant():
 def _traced_reference(variant, args, q, k, v, q_pos, k_pos, visible, sm_scale, batch):
     """The traced hooks evaluated on the grid, then softmax (sink in the denominator) or the weights' sum."""
     heads, group = q.shape[1], q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    logits = torch.einsum("qhd,khd->hqk", q.double(), k) * sm_scale
+    q, k = q.double(), k.double()
+    def load(hook, x, pos, idx, head):  # each element of x [n, heads, dim] at load, over (position, head, dim)
+        if getattr(variant, hook) is None:
+            return x
+        env = {"value": x, "batch": torch.tensor(batch), idx: pos.view(-1, 1, 1),
+               head: torch.arange(x.shape[1]).view(1, -1, 1), "dim": torch.arange(x.shape[2]).view(1, 1, -1), **args}
+        return evaluate(getattr(variant, hook).expr, env).expand_as(x).double()
+
+    q = load("q_transform", q, q_pos, "qo_idx", "qo_head")
+    k = load("k_transform", k, k_pos, "kv_idx", "kv_head")
+    k, v = k.repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    logits = torch.einsum("qhd,khd->hqk", q, k) * sm_scale
     env = {"qo_head": torch.arange(heads).view(-1, 1, 1), "kv_head": torch.arange(heads).view(-1, 1, 1) // group,
            "qo_idx": q_pos.view(1, -1, 1), "kv_idx": k_pos.view(1, 1, -1), "batch": torch.tensor(batch),
            "logit": logits, **args}

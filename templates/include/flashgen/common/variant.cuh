@@ -139,6 +139,22 @@ __device__ __forceinline__ float sink_factor(const P& p, float& lse, int batch, 
   else return 1.f;
 }
 
+// One element of q (column dim of query qo_idx, head qo_head) through the q_transform hook, as it is loaded: the raw
+// element (an fp32 value of q's dtype), before the spec's RoPE and before sm_scale (unchanged without a hook).
+template <class V, class P>
+__device__ __forceinline__ float q_value(const P& p, float x, int batch, int qo_idx, int qo_head, int dim) {
+  if constexpr (V::Q_TRANSFORM) return V::q_transform(p.variant, x, batch, qo_idx, qo_head, dim);
+  else return x;
+}
+
+// One element of k (column dim of key kv_idx, kv head kv_head) through the k_transform hook, as it is loaded: the
+// raw element (fp8 K dequantised: the code times k_scale), before the spec's RoPE (unchanged without a hook).
+template <class V, class P>
+__device__ __forceinline__ float k_value(const P& p, float x, int batch, int kv_idx, int kv_head, int dim) {
+  if constexpr (V::K_TRANSFORM) return V::k_transform(p.variant, x, batch, kv_idx, kv_head, dim);
+  else return x;
+}
+
 // One element (column dim) of a finished, normalised output row through the output hook (unchanged without one).
 template <class V, class P>
 __device__ __forceinline__ float output_value(const P& p, float x, int batch, int qo_idx, int qo_head, int dim) {

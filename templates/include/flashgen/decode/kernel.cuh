@@ -28,6 +28,8 @@
 // transform and before its mask, with batch = the request, qo_idx = the query's position (kv_len - 1, or q_pos),
 // kv_idx = the key's; rows past the group's heads ask for the group's last head. softmax=False keeps the hook's
 // weights as P (no max, no normaliser); the sink and the output hook run where a row is finished (epilogue).
+// q_transform runs on each raw element as q is staged (stage_q), k_transform on K fragments in registers after
+// their ldmatrix (fp8: dequantised by k_scale), both before RoPE.
 //
 // This header is the kernel's entry; decode/tiles.cuh holds the layout and the copies, decode/epilogue.cuh the
 // write-out and the split-KV merge (its protocol: common/split_merge.cuh).
@@ -164,7 +166,7 @@ __device__ __forceinline__ void run(const Params& p) {
 #pragma unroll
   for (int tile = 0; tile <= S; ++tile) first_pages[tile] = page_of(tile);
 
-  stage_q<C>(p, q_smem, token, q_head0, rows_valid, q_pos, p.sm_scale);
+  stage_q<C>(p, q_smem, token, q_head0, rows_valid, q_pos, p.sm_scale, request);
 
   // prologue: tiles 0 .. S-2 in flight, offsets of tile S-1 stored, page ids of tile S in registers
 #pragma unroll
@@ -221,6 +223,27 @@ __device__ __forceinline__ void run(const Params& p) {
     slope[1] = alibi_slope(q_head0 + g + 8, p.num_qo_heads);
   }
 
+  // k_transform on K fragments in registers, after their ldmatrix (each warp reads its own 16 keys of a tile, so
+  // every element passes once) and before RoPE; fp8: on the dequantised value (the code times k_scale, which the
+  // host leaves out of sm_scale here), held to fp16's finite range. A key past kv_end asks for the last one.
+  auto k_index = [&](int tile, int row) {
+    int pos = min(kv_start + tile * TILE + row, kv_end - 1);
+    if constexpr (C::POSITIONS) pos = key_position<C::PAGE_SIZE>(page_pos, pos);
+    return pos;
+  };
+  constexpr bool K_DEQUANT = L::FP8 && V::K_TRANSFORM;  // the params carry k_scale
+  auto k_in = [&](float2 x, int kv_idx, int d) {
+    if constexpr (K_DEQUANT) x.x *= p.k_scale, x.y *= p.k_scale;
+    x.x = flashgen::variant::k_value<V>(p, x.x, request, kv_idx, kv_head, d);
+    x.y = flashgen::variant::k_value<V>(p, x.y, request, kv_idx, kv_head, d + 1);
+    if constexpr (K_DEQUANT) x.x = fminf(fmaxf(x.x, -65504.f), 65504.f), x.y = fminf(fmaxf(x.y, -65504.f), 65504.f);
+    return x;
+  };
+  auto k_pair = [&](uint32_t w, int kv_idx, int d) {
+    const float2 x = k_in(unpack2<DTypeMMA>(w), kv_idx, d);
+    return pack2<DTypeMMA>(x.x, x.y);
+  };
+
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<S - 2>();
     __syncthreads();
@@ -241,6 +264,8 @@ __device__ __forceinline__ void run(const Params& p) {
     // S = Q K^T for 16 q rows x 16 kv rows
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     const int mat = lane / 8, mrow = lane % 8;
+    int key[2] = {0, 0};  // K_TRANSFORM: the kv_idx of the lane's keys n0 + g and n0 + 8 + g
+    if constexpr (V::K_TRANSFORM) key[0] = k_index(tile, n0 + g), key[1] = k_index(tile, n0 + 8 + g);
     if constexpr (L::FP8 && C::ROPE_K) {
       // x4: n-tiles 0 and 1 of k-step j (regs 0, 1) and of its rotation partner j + D/32 (regs 2, 3)
       float pos[2] = {float(kv_start + tile * TILE + n0 + g), float(kv_start + tile * TILE + n0 + 8 + g)};
@@ -264,6 +289,7 @@ __device__ __forceinline__ void run(const Params& p) {
           for (int b = 0; b < 2; ++b) {  // lo[b]: head-dim columns d, d + 1 with d = 16j + 4 t4 + 2b
             float2 x = unpack2<DTypeMMA>(lo[b]), y = unpack2<DTypeMMA>(hi[b]);
             const int d = 16 * j + 4 * t4 + 2 * b;
+            if constexpr (V::K_TRANSFORM) x = k_in(x, key[nt], d), y = k_in(y, key[nt], d + D / 2);
             rope_rotate_by<C::ROPE_SCALING>(x.x, y.x, pos[nt], d, D, p);
             rope_rotate_by<C::ROPE_SCALING>(x.y, y.y, pos[nt], d + 1, D, p);
             lo[b] = pack2<DTypeMMA>(x.x, x.y);
@@ -287,6 +313,10 @@ __device__ __forceinline__ void run(const Params& p) {
           for (int nt = 0; nt < 2; ++nt) {
             uint32_t b0, b1;
             fp8_k_frag<DTypeMMA, DTypeKV>(kr[2 * step + nt], b0, b1);
+            if constexpr (V::K_TRANSFORM) {  // columns 16 (j + step) + 4 t4 + {0, 1} and {2, 3}
+              b0 = k_pair(b0, key[nt], 16 * (j + step) + 4 * t4);
+              b1 = k_pair(b1, key[nt], 16 * (j + step) + 4 * t4 + 2);
+            }
             mma_16816<DTypeMMA>(s[nt], qa, b0, b1);
           }
         }
@@ -310,6 +340,7 @@ __device__ __forceinline__ void run(const Params& p) {
           float2 lo = unpack2<DTypeMMA>(ka[r]), hi = unpack2<DTypeMMA>(kb[r]);
           const float pos = r < 2 ? pos_lo : pos_hi;
           const int d = 16 * j + 2 * t4 + 8 * (r % 2);
+          if constexpr (V::K_TRANSFORM) lo = k_in(lo, key[r / 2], d), hi = k_in(hi, key[r / 2], d + D / 2);
           rope_rotate_by<C::ROPE_SCALING>(lo.x, hi.x, pos, d, D, p);
           rope_rotate_by<C::ROPE_SCALING>(lo.y, hi.y, pos, d + 1, D, p);
           ka[r] = pack2<DTypeMMA>(lo.x, lo.y);
@@ -326,6 +357,10 @@ __device__ __forceinline__ void run(const Params& p) {
         uint32_t qa[4], kf[4];
         q_frag(j, qa);
         ldmatrix_x4(kf, ks + tile_index(n0 + 8 * (mat / 2) + mrow, 2 * j + (mat % 2), L::K_CHUNKS));
+        if constexpr (V::K_TRANSFORM) {  // reg r: key n0 + 8 (r / 2) + g, columns 16 j + 8 (r % 2) + 2 t4 + {0, 1}
+#pragma unroll
+          for (int r = 0; r < 4; ++r) kf[r] = k_pair(kf[r], key[r / 2], 16 * j + 8 * (r % 2) + 2 * t4);
+        }
         mma_16816<DTypeMMA>(s[0], qa, kf[0], kf[1]);
         mma_16816<DTypeMMA>(s[1], qa, kf[2], kf[3]);
       }

@@ -8,6 +8,7 @@
 #include <flashgen/common/fp8.cuh>
 #include <flashgen/common/logits.cuh>
 #include <flashgen/common/mma.cuh>
+#include <flashgen/common/variant.cuh>
 
 namespace flashgen::decode {
 
@@ -103,12 +104,12 @@ __device__ __forceinline__ uint32_t& q_smem_pair(T* q_smem, int row, int col, in
 // fp8_k_frag and fp8_v_frags (common/fp8.cuh): the B fragments from one ldmatrix register of a K tile, and from
 // the ldmatrix.trans registers of a V chunk
 
-// Q: 16 rows (padded with zeros) into shared memory in the mma's type, RoPE applied on the way; where the mma's
-// type is not q's (fp8 K/V under a bf16 q run the mma in fp16), q is multiplied by `scale` (sm_scale) first and
-// held to fp16's finite range
+// Q: 16 rows (padded with zeros) into shared memory in the mma's type, the variant's q_transform (request batch,
+// query q_pos) and then RoPE applied on the way; where the mma's type is not q's (fp8 K/V under a bf16 q run the
+// mma in fp16), q is multiplied by `scale` (sm_scale) last and held to fp16's finite range
 template <class C, class Params>
 __device__ __forceinline__ void stage_q(const Params& p, typename C::DTypeMMA* q_smem, int token, int q_head0,
-                                        int rows_valid, int q_pos, float scale) {
+                                        int rows_valid, int q_pos, float scale, int batch) {
   using L = Layout<C>;
   using DTypeQ = typename C::DTypeQ;
   using DTypeMMA = typename C::DTypeMMA;
@@ -128,6 +129,13 @@ __device__ __forceinline__ void stage_q(const Params& p, typename C::DTypeMMA* q
       for (int i = 0; i < 4; ++i) {
         const float2 x = unpack2<DTypeQ>(aw[i]), y = unpack2<DTypeQ>(bw[i]);
         lo[2 * i] = x.x; lo[2 * i + 1] = x.y; hi[2 * i] = y.x; hi[2 * i + 1] = y.y;
+      }
+      if constexpr (C::Variant::Q_TRANSFORM) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          lo[i] = flashgen::variant::q_value<typename C::Variant>(p, lo[i], batch, q_pos, q_head0 + r, c * 8 + i);
+          hi[i] = flashgen::variant::q_value<typename C::Variant>(p, hi[i], batch, q_pos, q_head0 + r, D / 2 + c * 8 + i);
+        }
       }
       if constexpr (C::ROPE) {
 #pragma unroll

@@ -15,16 +15,35 @@
 // prefill/tiles.cuh reads).
 #pragma once
 #include <flashgen/common/fp8.cuh>
+#include <flashgen/prefill/math.cuh>
 #include <flashgen/prefill/tiles.cuh>
 
 namespace flashgen::prefill {
 
-// S = Q K^T for the warp's 16 * MMA_Q rows and the TILE_KV keys of an fp8 K tile
-template <class C, int QR>
+// The variant's k_transform on a converted K fragment pair (fp16 codes w, key `row` of the tile that starts at key
+// t0, columns d and d + 1): the dequantised value (the code times k_scale, which the host leaves out of sm_scale
+// here) through the hook, held to fp16's finite range. A row past kv_hi asks for the last key; POSITIONS: keys at
+// their true positions. Each warp converts the tile's fragments itself, so the hook runs once a warp an element.
+template <class C, class Params>
+__device__ __forceinline__ auto fp8_k_map(const Params& p, const KVSource<C>& src, const HookRowsOf<C>& rows, int t0,
+                                          const int32_t* page_pos) {
+  return [&p, &src, &rows, t0, page_pos](uint32_t w, int row, int d) {
+    int key = min(t0 + row, src.kv_hi - 1);
+    if constexpr (C::POSITIONS) key = key_position<C::PAGE_SIZE>(page_pos, key);
+    float2 x = unpack2<__half>(w);
+    x.x = flashgen::variant::k_value<typename C::Variant>(p, x.x * p.k_scale, rows.batch, key, rows.kv_head, d);
+    x.y = flashgen::variant::k_value<typename C::Variant>(p, x.y * p.k_scale, rows.batch, key, rows.kv_head, d + 1);
+    return pack2<__half>(fminf(fmaxf(x.x, -65504.f), 65504.f), fminf(fmaxf(x.y, -65504.f), 65504.f));
+  };
+}
+
+// S = Q K^T for the warp's 16 * MMA_Q rows and the TILE_KV keys of an fp8 K tile; kx: the variant's k_transform on
+// a fragment pair (fp8_k_map), with one
+template <class C, int QR, class KX = int>
 __device__ __forceinline__ void scores_fp8(float (&s)[C::MMA_Q][C::TILE_KV / 8][4],
                                            const uint32_t (&q_regs)[C::MMA_Q][QR][4],
                                            const typename C::DTypeMMA* q_smem, const typename C::DTypeKV* ks, int warp,
-                                           int lane) {
+                                           int lane, const KX& kx = 0) {
   using L = Layout<C>;
   using T = typename C::DTypeMMA;
   using FP8 = typename C::DTypeKV;
@@ -48,6 +67,10 @@ __device__ __forceinline__ void scores_fp8(float (&s)[C::MMA_Q][C::TILE_KV / 8][
       for (int i = 0; i < 4; ++i) {
         uint32_t b0, b1;
         fp8_k_frag<T, FP8>(kr[i], b0, b1);
+        if constexpr (C::Variant::K_TRANSFORM) {  // key 32 nq + 8 i + g, columns 16 j + 4 t4 + {0, 1} and {2, 3}
+          b0 = kx(b0, 32 * nq + 8 * i + lane / 4, 16 * j + 4 * (lane % 4));
+          b1 = kx(b1, 32 * nq + 8 * i + lane / 4, 16 * j + 4 * (lane % 4) + 2);
+        }
 #pragma unroll
         for (int mq = 0; mq < C::MMA_Q; ++mq) mma_16816<T>(s[mq][4 * nq + i], qa[mq], b0, b1);
       }

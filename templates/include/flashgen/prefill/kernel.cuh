@@ -37,7 +37,9 @@
 // KV range is first cut to its first and last tiles that some row sees (live_tiles: the tiles classed in
 // parallel, one a thread), so empty tiles at either end are never loaded; inside it each warp classes its tile:
 // TILE_EMPTY skips the warp's Q K^T, softmax and P V (the tile is still loaded: the CTA shares it), TILE_FULL
-// runs without the per-pair mask hook.
+// runs without the per-pair mask hook. q_transform runs on q's raw elements as they are loaded (through registers),
+// k_transform on a landed 16-bit K tile in shared memory (prepare_k, before its RoPE) or, fp8, on each warp's
+// converted fragments (fp8_k_map: dequantised by k_scale).
 //
 // POSITIONS (common/positions.cuh): query token i sits at q_pos[i] and key t at its page's kv_page_pos entry +
 // its offset in the page. Keys need not be contiguous in position, so the KV range is not clipped by the mask:
@@ -122,7 +124,7 @@ __device__ __forceinline__ void run(const Params& p) {
   // CTA's first tile then lands ~1000 cycles after its Q. Paged keeps the order below: built this way, its
   // variants lost 2-4 % (their main loop's code moved; measured 2026-11-30).
   if constexpr (!C::PAGED) {
-    if constexpr (!L::FP8) load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
+    if constexpr (!L::FP8) load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base, request);
     const KVRows<C::PAGED, C::PAGE_SIZE> kv_rows(p, request);
     const int64_t head_row0 = int64_t(kv_head) * p.stride_head + kv_rows.offset(0, 0);  // + the first row
     const KVSource<C> mine{kv_rows, p.k + head_row0, p.v + KVPipeline<C>::v_offset(head_row0), tiles, kv_lo, kv_hi,
@@ -133,7 +135,7 @@ __device__ __forceinline__ void run(const Params& p) {
     for (int tile = 0; tile < S - 1; ++tile) early.issue(tile);
     if (threadIdx.x == 0) src = mine;
     // fp8: Q goes through registers (converted, its columns reordered), after the KV copies are in flight
-    if constexpr (L::FP8) load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
+    if constexpr (L::FP8) load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base, request);
   } else if (threadIdx.x == 0) {
     const KVRows<C::PAGED, C::PAGE_SIZE> rows(p, request);
     const int64_t head_row0 = int64_t(kv_head) * p.stride_head + rows.offset(0, 0);
@@ -161,7 +163,7 @@ __device__ __forceinline__ void run(const Params& p) {
   if constexpr (V::ANY) {
     if (threadIdx.x == 0) hook_rows.batch = request, hook_rows.kv_head = kv_head;
   }
-  if constexpr (C::PAGED) load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base);
+  if constexpr (C::PAGED) load_q<C>(p, q_smem, token0, tr.row0, tr.rows_total, kv_head, q_base, request);
   __syncthreads();  // src and ri are written
 
   const KVPipeline<C> pipe{src, reinterpret_cast<DTypeKV*>(smem + L::K_OFFSET),
@@ -215,8 +217,10 @@ __device__ __forceinline__ void run(const Params& p) {
   for (int tile = 0, more = src.num_tiles > 0; more; ++tile) {
     cp_async_wait<S - 2>();
     __syncthreads();
-    if constexpr (C::ROPE_K) {  // K turns in shared memory, unless the cache holds rotated K
-      pipe.rope_k(p, tile, C::POSITIONS ? page_pos : nullptr);
+    // 16-bit K: the variant's k_transform, then RoPE (unless the cache holds rotated K), in shared memory
+    if constexpr (C::ROPE_K || (V::K_TRANSFORM && !L::FP8)) {
+      if constexpr (V::K_TRANSFORM) pipe.prepare_k(p, tile, C::POSITIONS ? page_pos : nullptr, hook_rows.batch, hook_rows.kv_head);
+      else pipe.prepare_k(p, tile, C::POSITIONS ? page_pos : nullptr);
       __syncthreads();
     }
     const int e = src.entry(tile), t0 = src.start(e);
@@ -234,7 +238,10 @@ __device__ __forceinline__ void run(const Params& p) {
       continue;
     }
     float s[MQ][L::TILE_KV / 8][4];
-    if constexpr (L::FP8) scores_fp8<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
+    if constexpr (L::FP8 && V::K_TRANSFORM)
+      scores_fp8<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane,
+                        fp8_k_map<C>(p, src, hook_rows, t0, C::POSITIONS ? page_pos : nullptr));
+    else if constexpr (L::FP8) scores_fp8<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
     else scores<C, QR>(s, q_regs, q_smem, pipe.k_tile(tile), warp, lane);
     // the next tile's copies after this tile's K ldmatrix (not at the loop top: there they were a chain of shared
     // loads, branches and 16 cp.async between the barrier and the first mma of every warp), or with LATE_COPIES

@@ -10,6 +10,7 @@
 #include <flashgen/common/mma.cuh>
 #include <flashgen/common/positions.cuh>
 #include <flashgen/common/tile_entry.cuh>
+#include <flashgen/common/variant.cuh>
 
 namespace flashgen::prefill {
 
@@ -70,14 +71,42 @@ __device__ __forceinline__ void rope_chunk_pair(uint4& a, uint4& b, float pos, i
   }
 }
 
+// 8 elements in 16-bit storage (columns d0 .. d0 + 7) through f(value, column), in place: a variant's load
+// transform
+template <typename T, class F>
+__device__ __forceinline__ void map_chunk(uint4& a, int d0, const F& f) {
+  uint32_t* w = reinterpret_cast<uint32_t*>(&a);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = unpack2<T>(w[i]);
+    w[i] = pack2<T>(f(x.x, d0 + 2 * i), f(x.y, d0 + 2 * i + 1));
+  }
+}
+
+// the position of the request's query `token` (its first at token0): q_base + token, or POSITIONS its q_pos entry
+template <class C, class Params>
+__device__ __forceinline__ int query_position(const Params& p, int token0, int token, int q_base) {
+  if constexpr (C::POSITIONS) return p.q_pos[token0 + token];
+  else return q_base + token;
+}
+
+// the variant's q_transform of query row (token, head) of request batch at position q_pos, as a map_chunk function
+template <class C, class Params>
+__device__ __forceinline__ auto q_map(const Params& p, int batch, int q_pos, int head) {
+  return [&p, batch, q_pos, head](float x, int d) {
+    return flashgen::variant::q_value<typename C::Variant>(p, x, batch, q_pos, head, d);
+  };
+}
+
 // fp8 K/V: the Q tile in the mma's type (fp16), each 16-column k-step's columns in the order of the fp8 K
 // fragments (decode/tiles.cuh: fp8_k_slot). Column pair i (columns 2i, 2i + 1) of k-step j goes to pair i / 2 +
 // 4 (i % 2): chunk 2j of the tile holds pairs 0, 2, 4, 6 of the k-step and chunk 2j + 1 pairs 1, 3, 5, 7, two
-// 16-byte stores a k-step. A bf16 q is multiplied by sm_scale first (the kernel then scales its scores by 1)
-// and held to fp16's finite range; an fp16 q is moved as it is. Rows past the request's end are zeros.
+// 16-byte stores a k-step. The variant's q_transform first; then a bf16 q is multiplied by sm_scale (the kernel then
+// scales its scores by 1) and held to fp16's finite range; an fp16 q is moved as it is. Rows past the request's end
+// are zeros.
 template <class C, class Params>
 __device__ __forceinline__ void load_q_fp8(const Params& p, typename C::DTypeMMA* q_smem, int token0, int row0,
-                                           int rows_total, int kv_head) {
+                                           int rows_total, int kv_head, int q_base, int batch) {
   using L = Layout<C>;
   using DTypeQ = typename C::DTypeQ;
   using DTypeMMA = typename C::DTypeMMA;
@@ -92,6 +121,11 @@ __device__ __forceinline__ void load_q_fp8(const Params& p, typename C::DTypeMMA
       const DTypeQ* src = p.q + (int64_t(token0 + token) * p.num_qo_heads + head) * C::HEAD_DIM + 16 * j;
       a = *reinterpret_cast<const uint4*>(src);
       b = *reinterpret_cast<const uint4*>(src + 8);
+      if constexpr (C::Variant::Q_TRANSFORM) {
+        const auto f = q_map<C>(p, batch, query_position<C>(p, token0, token, q_base), head);
+        map_chunk<DTypeQ>(a, 16 * j, f);
+        map_chunk<DTypeQ>(b, 16 * j + 8, f);
+      }
       if constexpr (PRESCALE) {
         uint32_t* w[2] = {reinterpret_cast<uint32_t*>(&a), reinterpret_cast<uint32_t*>(&b)};
 #pragma unroll
@@ -110,14 +144,16 @@ __device__ __forceinline__ void load_q_fp8(const Params& p, typename C::DTypeMMA
 }
 
 // The CTA's Q tile: packed row r = token (r + row0) / group, q head kv_head * group + (r + row0) % group;
-// rows past the request's end are zeros. RoPE at q_pos = q_base + token (through registers); without RoPE by
-// cp.async, in the commit group of the first KV tile, so the CTA does not wait for Q before issuing its KV.
+// rows past the request's end are zeros. The variant's q_transform (request batch), then RoPE at q_pos = q_base +
+// token, through registers; without either by cp.async, in the commit group of the first KV tile, so the CTA does
+// not wait for Q before issuing its KV.
 template <class C, class Params>
 __device__ __forceinline__ void load_q_16bit(const Params& p, typename C::DTypeQ* q_smem, int token0, int row0,
-                                             int rows_total, int kv_head, int q_base) {
+                                             int rows_total, int kv_head, int q_base, int batch) {
   using L = Layout<C>;
   constexpr int ROWS_Q = L::THREADS / L::Q_CHUNKS;  // rows a pass when every thread keeps one chunk column
-  if constexpr (!C::ROPE && !C::PAGED && L::THREADS % L::Q_CHUNKS == 0 && L::TILE_Q % ROWS_Q == 0) {
+  constexpr bool THROUGH_REGS = C::ROPE || C::Variant::Q_TRANSFORM;
+  if constexpr (!THROUGH_REGS && !C::PAGED && L::THREADS % L::Q_CHUNKS == 0 && L::TILE_Q % ROWS_Q == 0) {
     // thread t copies chunk t % Q_CHUNKS of rows t / Q_CHUNKS + i * ROWS_Q: one division for the first row's
     // token and head, then a step of ROWS_Q rows (d_token tokens and d_head heads, with a carry) a pass, where a
     // division by the runtime group a copy made issuing Q ~2400 cycles of the CTA's ~5700-cycle start (clock64
@@ -138,7 +174,7 @@ __device__ __forceinline__ void load_q_16bit(const Params& p, typename C::DTypeQ
     }
     return;
   }
-  if constexpr (!C::ROPE) {
+  if constexpr (!THROUGH_REGS) {
     for (int job = threadIdx.x; job < L::TILE_Q * L::Q_CHUNKS; job += L::THREADS) {
       const int r = job / L::Q_CHUNKS, c = job % L::Q_CHUNKS, prow = min(row0 + r, rows_total - 1);
       const int token = prow / p.group_size, head = kv_head * p.group_size + prow % p.group_size;
@@ -156,6 +192,11 @@ __device__ __forceinline__ void load_q_16bit(const Params& p, typename C::DTypeQ
       const typename C::DTypeQ* src = p.q + (int64_t(token0 + token) * p.num_qo_heads + head) * C::HEAD_DIM;
       a = *reinterpret_cast<const uint4*>(src + c * 8);
       b = *reinterpret_cast<const uint4*>(src + C::HEAD_DIM / 2 + c * 8);
+      if constexpr (C::Variant::Q_TRANSFORM) {
+        const auto f = q_map<C>(p, batch, query_position<C>(p, token0, token, q_base), head);
+        map_chunk<typename C::DTypeQ>(a, c * 8, f);
+        map_chunk<typename C::DTypeQ>(b, C::HEAD_DIM / 2 + c * 8, f);
+      }
       if constexpr (C::ROPE && C::POSITIONS)  // the token's true position
         rope_chunk_pair<typename C::DTypeQ>(a, b, float(p.q_pos[token0 + token]), c * 8, C::HEAD_DIM,
                                             p.rope_rcp_scale, p.rope_log2_theta);
@@ -171,9 +212,9 @@ __device__ __forceinline__ void load_q_16bit(const Params& p, typename C::DTypeQ
 // The CTA's Q tile in shared memory, in the mma's type: load_q_16bit, or load_q_fp8 for fp8 K/V
 template <class C, class Params>
 __device__ __forceinline__ void load_q(const Params& p, typename C::DTypeMMA* q_smem, int token0, int row0, int rows_total,
-                                       int kv_head, int q_base) {
-  if constexpr (Layout<C>::FP8) load_q_fp8<C>(p, q_smem, token0, row0, rows_total, kv_head);
-  else load_q_16bit<C>(p, q_smem, token0, row0, rows_total, kv_head, q_base);
+                                       int kv_head, int q_base, int batch) {
+  if constexpr (Layout<C>::FP8) load_q_fp8<C>(p, q_smem, token0, row0, rows_total, kv_head, q_base, batch);
+  else load_q_16bit<C>(p, q_smem, token0, row0, rows_total, kv_head, q_base, batch);
 }
 
 // The CTA's K/V source: where its rows live in global memory and its num_tiles tiles, clipped at kv_hi.
@@ -348,10 +389,13 @@ struct KVPipeline {
     cp_async_commit();
   }
 
-  // RoPE over a landed K tile in shared memory (once per CTA, before any warp reads it)
+  // A landed 16-bit K tile in shared memory made ready for the mma, once per CTA before any warp reads it: the
+  // variant's k_transform on each raw element (request batch, kv head kv_head; key t0 + r, a row past kv_hi asking
+  // for the last key, POSITIONS: its true position), then RoPE (ROPE_K)
   template <class Params>
-  __device__ __forceinline__ void rope_k(const Params& p, int tile, const int32_t* page_pos = nullptr) const {
-    static_assert(!L::FP8, "RoPE over 16-bit K tiles");
+  __device__ __forceinline__ void prepare_k(const Params& p, int tile, const int32_t* page_pos = nullptr, int batch = 0,
+                                            int kv_head = 0) const {
+    static_assert(!L::FP8, "K prepared in shared memory in 16-bit tiles");
     constexpr int HALF = L::K_CHUNKS / 2;
     DTypeKV* ks = k_tile(tile);
     const int t0 = src.start(src.entry(tile));
@@ -360,9 +404,20 @@ struct KVPipeline {
       uint4* a = reinterpret_cast<uint4*>(ks + tile_index(r, c, L::K_CHUNKS));
       uint4* b = reinterpret_cast<uint4*>(ks + tile_index(r, c + HALF, L::K_CHUNKS));
       uint4 x = *a, y = *b;
-      float pos = float(t0 + r);  // POSITIONS: the key's true position (rows past kv_hi: the last key's)
-      if constexpr (C::POSITIONS) pos = float(key_position<C::PAGE_SIZE>(page_pos, min(t0 + r, src.kv_hi - 1)));
-      rope_chunk_pair<DTypeKV>(x, y, pos, c * 8, L::D, p.rope_rcp_scale, p.rope_log2_theta);
+      if constexpr (C::Variant::K_TRANSFORM) {
+        int key = min(t0 + r, src.kv_hi - 1);
+        if constexpr (C::POSITIONS) key = key_position<C::PAGE_SIZE>(page_pos, key);
+        const auto f = [&](float v, int d) {
+          return flashgen::variant::k_value<typename C::Variant>(p, v, batch, key, kv_head, d);
+        };
+        map_chunk<DTypeKV>(x, c * 8, f);
+        map_chunk<DTypeKV>(y, L::D / 2 + c * 8, f);
+      }
+      if constexpr (C::ROPE_K) {
+        float pos = float(t0 + r);  // POSITIONS: the key's true position (rows past kv_hi: the last key's)
+        if constexpr (C::POSITIONS) pos = float(key_position<C::PAGE_SIZE>(page_pos, min(t0 + r, src.kv_hi - 1)));
+        rope_chunk_pair<DTypeKV>(x, y, pos, c * 8, L::D, p.rope_rcp_scale, p.rope_log2_theta);
+      }
       *a = x;
       *b = y;
     }
