@@ -91,8 +91,14 @@ def test_the_lists_skip_empty_tiles():
     starts = tile_list_indptr(plan.numpy("kv_start"), plan.numpy("kv_end"), 128)
     items = np.flatnonzero(plan.numpy("request_idx") >= 0)
     kept = [int(lists[starts[i] * HEADS + h * (starts[i + 1] - starts[i])]) for i in items for h in range(HEADS)]
-    # a document's 8 q tiles keep 1 .. 8 tiles each (the causal range would be 1 .. 32): 4 x 36 a kv head
-    assert sum(kept) == HEADS * 4 * 36
+    # an item is 128 packed rows, 128 // group tokens of one document (group 4: 32 tokens); it keeps the 128-key
+    # tiles from its document's first to its own last token (1 .. 8; the causal range would be 1 .. 32)
+    rows = plan.numpy("qo_tile_idx")[items].astype(np.int64) * 128
+    first, last = rows // 4, np.minimum((rows + 127) // 4, 4095)
+    assert (first // 1024 == last // 1024).all()
+    expected = last // 128 - (first // 1024) * 8 + 1
+    assert kept == [int(n) for n in expected for _ in range(HEADS)]
+    assert sum(kept) == HEADS * 4 * 4 * 36  # a document: 32 items keeping 4 x (1 + ... + 8) tiles
 
 
 def test_cuda_graph_replay_after_replanning():
