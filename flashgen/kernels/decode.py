@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..spec import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, ALiBi, SlidingWindow, SpecError
+from ..spec import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
+from .builtins import builtin_flags
 from .family import (POSITION_FIELDS, ROPE_SCALING_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, k_scale_fields,
                      positions_option, split_kv_struct, variant_fields)
 
@@ -126,6 +127,7 @@ class DecodeFamily(AttentionFamily):
         paged = isinstance(spec.kv_layout, Paged)
         launch = self.launch(spec)
         rope_q, rope_k, scaled = rope_parts(spec)
+        builtin = builtin_flags(spec)
         return {
             "DTypeQ": CPP_TYPES[spec.dtype],
             "DTypeKV": CPP_TYPES[spec.kv_dtype],
@@ -144,9 +146,7 @@ class DecodeFamily(AttentionFamily):
             "ROPE_SCALING": _flag(scaled),
             "APPEND": _flag(self.append),
             "ROPE_K_ON_WRITE": _flag(self.append and rope_q and not rope_k),
-            "ALIBI": _flag(isinstance(spec.pos_encoding, ALiBi)),
-            "SOFT_CAP": _flag(spec.soft_cap is not None),
-            "WINDOW": _flag(isinstance(spec.mask, SlidingWindow)),
+            **{name: builtin[name] for name in ("ALIBI", "SOFT_CAP", "WINDOW")},  # decode has one query: no CAUSAL
             "POSITIONS": _flag(self.positions),
         }
 

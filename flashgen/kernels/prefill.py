@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
+from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
+from .builtins import builtin_flags
 from .family import (POSITION_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, k_scale_fields, positions_option,
                      split_kv_struct, variant_fields)
 
@@ -294,11 +295,7 @@ class PrefillFamily(AttentionFamily):
             "PAGED": _flag(paged),
             "ROPE": _flag(isinstance(spec.pos_encoding, RoPE)),
             "ROPE_K": _flag(isinstance(spec.pos_encoding, RoPE) and not spec.pos_encoding.k_rotated),
-            "ALIBI": _flag(isinstance(spec.pos_encoding, ALiBi)),
-            "SOFT_CAP": _flag(spec.soft_cap is not None),
-            "CAUSAL": _flag(isinstance(spec.mask, (Causal, SlidingWindow))),
-            "WINDOW": _flag(isinstance(spec.mask, SlidingWindow)),
-            "CUSTOM_MASK": _flag(isinstance(spec.mask, CustomMask)),
+            **builtin_flags(spec),  # ALIBI, SOFT_CAP, CAUSAL, WINDOW, CUSTOM_MASK: the built-in hooks
             "POSITIONS": _flag(self.positions),
         }
 

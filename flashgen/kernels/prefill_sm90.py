@@ -22,6 +22,7 @@ The kernel is ``templates/include/flashgen/sm90/kernel.cuh`` (its parts by role 
 from __future__ import annotations
 
 from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
+from .builtins import builtin_flags
 from .family import POSITION_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, positions_option, struct, variant_fields
 from .prefill import CPP_TYPES, KV_BYTES  # fp16 / bf16 (and fp8 K/V), as the portable prefill
 
@@ -222,11 +223,7 @@ class PrefillSM90Family(AttentionFamily):
             "CONSUMER_REGS": regs[1],
             "GATHER_BATCH": regs[2],
             "THREADS": THREADS,
-            "CAUSAL": "true" if isinstance(spec.mask, (Causal, SlidingWindow)) else "false",
-            "WINDOW": "true" if isinstance(spec.mask, SlidingWindow) else "false",
-            "CUSTOM_MASK": "true" if isinstance(spec.mask, CustomMask) else "false",
-            "ALIBI": "true" if isinstance(spec.pos_encoding, ALiBi) else "false",
-            "SOFT_CAP": "true" if spec.soft_cap is not None else "false",
+            **builtin_flags(spec),  # CAUSAL, WINDOW, CUSTOM_MASK, ALIBI, SOFT_CAP: the built-in hooks
             "PAGED": "true" if paged else "false",
             "PAGE_SIZE": spec.kv_layout.page_size if paged else 0,
             "HND": "true" if paged and spec.kv_layout.order == "HND" else "false",

@@ -21,6 +21,7 @@ from .parts import (
     check_positive,
     plain_fields,
 )
+from .builtins import BuiltinHook, builtin_hooks, fold_builtins
 from .variant import Variant
 
 HEAD_DIMS = (64, 128, 192, 256)  # the head dims some kernel family takes
@@ -38,7 +39,11 @@ class AttentionSpec:
     soft-cap on/off) change the generated code and form the kernel key. Numbers (``sm_scale``, a window's
     ``left``, RoPE ``theta``/``scale``, the ``soft_cap`` value) are runtime parameters: specs that differ
     only in them share one kernel. ``variant``: user-defined hooks (``flashgen.Variant``); only their text and
-    declarations enter the key (the uri ends ``_var<digest>``), never a scalar's value.
+    declarations enter the key (the uri ends ``_var<digest>``), never a scalar's value. It may also hold the
+    built-ins written as hooks (``flashgen.variants.alibi()``, ``soft_cap(30.0)``, ``sliding_window(128)``,
+    ``causal()``, ``custom_mask()``; a list of them beside at most one ``Variant``): they are folded into
+    ``pos_encoding``, ``soft_cap`` and ``mask``, so ``AttentionSpec(128, variant=variants.soft_cap(30.0)) ==
+    AttentionSpec(128, soft_cap=30.0)``.
 
     Integer fields (head dims, and the parts' page size, block shape, window) take ints, numpy's included
     (stored as ``int``: ``AttentionSpec(np.int64(128)) == AttentionSpec(128)``); a float or a bool there is a
@@ -67,7 +72,11 @@ class AttentionSpec:
     variant: Variant | None = None
 
     def __post_init__(self) -> None:
-        # normalise equivalent spellings so that equal specs compare, hash and key equal
+        # normalise equivalent spellings so that equal specs compare, hash and key equal; built-in hooks given
+        # as the variant (flashgen.variants.soft_cap(30.0), ...) become the fields they spell
+        folded = fold_builtins(self.variant, self.pos_encoding, self.soft_cap, self.mask)
+        for name, value in zip(("variant", "pos_encoding", "soft_cap", "mask"), folded):
+            object.__setattr__(self, name, value)
         plain_fields(self, "head_dim", "head_dim_vo", "soft_cap", "sm_scale")
         dtype = canonical_dtype(self.dtype, "dtype", Q_DTYPES)
         object.__setattr__(self, "dtype", dtype)
@@ -101,7 +110,8 @@ class AttentionSpec:
         check_positive(self.sm_scale, "sm_scale", none=True)
         if self.variant is not None:
             if not isinstance(self.variant, Variant):
-                raise SpecError(f"variant: got {type(self.variant).__name__}, expected None or Variant(...)")
+                raise SpecError(f"variant: got {type(self.variant).__name__}, expected None, Variant(...) or "
+                                "built-in hooks (flashgen.variants.alibi(), soft_cap(...), ...)")
             self.variant.validate()
 
     # ------------------------------------------------------------------------------------------ identity
@@ -141,6 +151,12 @@ class AttentionSpec:
     @property
     def default_sm_scale(self) -> float:
         return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def builtin_hooks(self) -> tuple[BuiltinHook, ...]:
+        """The spec's ALiBi, soft-cap and mask as built-in hooks (``flashgen.spec.builtins``): score hooks first,
+        ALiBi before the soft-cap, then the mask. ``AttentionSpec(d, variant=spec.builtin_hooks())`` is the spec
+        without its built-ins set, built back from them."""
+        return builtin_hooks(self.pos_encoding, self.soft_cap, self.mask)
 
     @property
     def is_causal(self) -> bool:
