@@ -243,7 +243,9 @@ class Variant:
     hashable; equal hook texts and declarations give equal variants and one kernel key.
 
     The logit a ``score`` hook sees is ``q.k * sm_scale`` after the spec's own ALiBi and soft-cap; the spec's
-    mask and the ``mask`` hook both apply (a pair is kept when both keep it).
+    mask and the ``mask`` hook both apply (a pair is kept when both keep it). Those built-ins are hooks too
+    (``flashgen.spec.builtins``; ``flashgen.variants.alibi()``, ``soft_cap(cap)``, ... spell them), computed by
+    each kernel family's own fast path.
 
     Example (a document mask, written both ways)::
 
