@@ -52,6 +52,21 @@ def evaluate(expr: Node, env: dict) -> torch.Tensor:
     return _UN[op](vals[0])
 
 
+def tile_class(variant, qo_begin: int, qo_end: int, kv_begin: int, kv_end: int, args: dict) -> int:
+    """The class ``variant.mask_tile`` (traced) gives the tile ``[qo_begin, qo_end) x [kv_begin, kv_end)`` of batch 0,
+    head 0 with the declared tensors and scalars ``args``, after checking it against ``variant.mask`` over the
+    tile's pairs: ``AssertionError`` naming the tile where TILE_EMPTY (0) keeps a pair or TILE_FULL (2) hides one."""
+    env = {"qo_begin": qo_begin, "qo_end": qo_end, "kv_begin": kv_begin, "kv_end": kv_end, "batch": 0,
+           "qo_head": 0, "kv_head": 0, **args}
+    cls = int(evaluate(variant.mask_tile.expr, env))
+    keep = evaluate(variant.mask.expr, {**env, "qo_idx": torch.arange(qo_begin, qo_end).view(-1, 1),
+                                        "kv_idx": torch.arange(kv_begin, kv_end).view(1, -1)})
+    tile = f"q [{qo_begin}, {qo_end}) x kv [{kv_begin}, {kv_end})"
+    assert cls != 0 or not keep.any(), f"mask_tile says EMPTY for {tile}, where the mask keeps a pair"
+    assert cls != 2 or keep.all(), f"mask_tile says FULL for {tile}, where the mask hides a pair"
+    return cls
+
+
 def _grid(heads: int, qo_len: int, kv_len: int):
     h = torch.arange(heads).view(-1, 1, 1)
     q = torch.arange(qo_len).view(1, -1, 1)

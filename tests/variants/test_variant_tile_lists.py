@@ -19,7 +19,7 @@ from flashgen.kernels import family, sm90_tile_lists
 from flashgen.plan import PlanError
 from flashgen.plan.mask_tiles import tile_list_indptr
 from flashgen.spec import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow
-from flashgen.testing.variants import evaluate
+from flashgen.testing.variants import tile_class
 from flashgen.variants.examples import EXAMPLES
 from stub_cuda import on_device, stubbed_cuda
 
@@ -35,16 +35,7 @@ def test_the_prefix_lm_tile_predicate_agrees_with_its_mask():
     for _ in range(400):
         q0, k0, prefix = (int(x) for x in torch.randint(0, 200, (3,), generator=g))
         q1, k1 = q0 + int(torch.randint(1, 40, (1,), generator=g)), k0 + int(torch.randint(1, 40, (1,), generator=g))
-        env = {"qo_begin": q0, "qo_end": q1, "kv_begin": k0, "kv_end": k1, "prefix_len": torch.tensor([prefix]),
-               "batch": 0, "qo_head": 0, "kv_head": 0}
-        cls = int(evaluate(PREFIX.mask_tile.expr, env))
-        keep = evaluate(PREFIX.mask.expr, {**env, "qo_idx": torch.arange(q0, q1).view(-1, 1),
-                                           "kv_idx": torch.arange(k0, k1).view(1, -1)})
-        seen.add(cls)
-        if cls == 0:
-            assert not keep.any()
-        elif cls == 2:
-            assert keep.all()
+        seen.add(tile_class(PREFIX, q0, q1, k0, k1, {"prefix_len": torch.tensor([prefix])}))
     assert seen == {0, 1, 2}
 
 
@@ -163,3 +154,12 @@ def test_the_pre_pass_and_the_listed_prefill_compile_without_spills(shared_cache
             part = report.split(f"Function properties for {function}\n", 1)[1]
             spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", part.split("Compile time")[0])]
             assert spills == [0, 0], f"{entry.uri} {function}: {report}"
+
+
+def test_tile_class_names_a_predicate_that_disagrees_with_its_mask():
+    """flashgen.testing.variants.tile_class: a predicate that calls every tile FULL is caught on a partial one."""
+    always_full = flashgen.Variant(mask=lambda qo_idx, kv_idx: kv_idx <= qo_idx,
+                                   mask_tile=lambda qo_begin, qo_end, kv_begin, kv_end: 2)
+    assert tile_class(always_full, 10, 20, 0, 5, {}) == 2
+    with pytest.raises(AssertionError, match=r"FULL for q \[10, 20\) x kv \[5, 15\)"):
+        tile_class(always_full, 10, 20, 5, 15, {})
