@@ -151,7 +151,7 @@ def test_the_cpu_path_decodes_the_same_tokens_whichever_route():
     assert "cascade" not in routes["cost"] and "cascade" in routes["never"]
 
 
-def test_a_cascade_graph_bucket_plans_the_route_s_levels_with_kernels_stubbed():
+def test_a_cascade_graph_bucket_plans_the_route_s_levels_with_kernels_stubbed(shared_prefix_cache):
     """A replayable cascade step: the route's levels (at most CASCADE_LEVELS) plan the bucket's graph-mode
     CascadeWrapper (its merge and the capture need CUDA: tests/serve/test_studies.py runs them on a GPU)."""
     from types import SimpleNamespace
@@ -159,17 +159,10 @@ def test_a_cascade_graph_bucket_plans_the_route_s_levels_with_kernels_stubbed():
     from stub_cuda import stubbed_cuda
 
     from flashgen.api import cascade as cascade_module
-    from flashgen.kvcache import PagedKVCache
     from flashgen.serve import WrapperAttention
     from flashgen.serve.graphs import DecodeGraphs
 
-    cache = PagedKVCache(64, 4, 2, 64, torch.bfloat16, kv_form="pair")
-    prompt = list(range(1, 10))
-    for rid in range(3):
-        cache.add(rid, tokens=prompt + [20 + rid])
-        cache.allocate(rid, 10, tokens=prompt + [20 + rid])
-    cache.add(5)
-    cache.allocate(5, 7)
+    cache = shared_prefix_cache
     cpu = lambda device=None: torch.device("cpu")  # noqa: E731
 
     def capture(self, bucket):

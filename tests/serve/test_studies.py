@@ -184,7 +184,7 @@ def test_cascade_tables_group_requests_that_share_leading_pages():
     assert cascade_tables(cache.page_tables([0]), spec, 4, 2) is None
 
 
-def test_the_gpu_backend_plans_each_route_of_a_step_with_kernels_stubbed():
+def test_the_gpu_backend_plans_each_route_of_a_step_with_kernels_stubbed(shared_prefix_cache):
     """WrapperAttention's plan() calls (flat decode, cascade, paged prefill, the graph-mode decode of a bucket)
     take the manager's tables as they come, on a machine without a GPU (tests/stub_cuda.py)."""
     from unittest import mock
@@ -197,13 +197,7 @@ def test_the_gpu_backend_plans_each_route_of_a_step_with_kernels_stubbed():
     from flashgen.api import cascade as cascade_module
     from flashgen.serve import StepPlan, WrapperAttention
 
-    cache = PagedKVCache(64, 4, 2, 64, torch.bfloat16, kv_form="pair")
-    prompt = list(range(1, 10))
-    for rid in range(3):
-        cache.add(rid, tokens=prompt + [20 + rid])
-        cache.allocate(rid, 10, tokens=prompt + [20 + rid])
-    cache.add(5)
-    cache.allocate(5, 7)
+    cache = shared_prefix_cache
     cpu = lambda device=None: torch.device("cpu")  # noqa: E731
     with stubbed_cuda(), mock.patch.object(cascade_module, "resolve_device", cpu), \
             mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (8, 0)):
