@@ -66,7 +66,8 @@ __device__ __forceinline__ void convert_tile(uint32_t staging, uint32_t stage, i
 #pragma unroll
   for (int k = 0; k < AHEAD; ++k) load(k);
   wait_stage();
-#pragma unroll
+  // nothing ahead (40 producer registers): two passes an iteration, as few registers as the rolled loop needs
+#pragma unroll(AHEAD > 0 ? PASSES : 2)
   for (int k = 0; k < PASSES; ++k) {
     if (k + AHEAD < PASSES) load(k + AHEAD);
     // pass k: rows 8 k .. 8 k + 7 of the tile's 64-column blocks in order (block 8 k / TILE_KV)
