@@ -40,12 +40,24 @@ SMEM_LIMIT = 227 * 1024
 TILE_LIST_THREADS = 128  # the tile-list pre-pass: a warp a work item (sm90/tile_lists.cuh: TILE_LIST_WARPS)
 
 
-def sm90_registers(head_dim: int, gathered: bool) -> tuple[int, int, int]:
+def sm90_registers(head_dim: int, gathered: bool, fp8: bool = False) -> tuple[int, int, int]:
     """``(PRODUCER_REGS, CONSUMER_REGS, GATHER_BATCH)`` of a variant: the warpgroups' register split and how many
-    row addresses a gathering K/V warp reads ahead of its copies."""
-    if gathered and head_dim <= 128:
-        return GATHER_PRODUCER_REGS, GATHER_CONSUMER_REGS, 8
+    row addresses a gathering K/V warp reads ahead of its copies. fp8 K/V up to head_dim 128 take the gathered
+    split too: the converting K/V warps keep ``sm90_kv8_ahead`` chunk loads in flight (4 registers each)."""
+    if (gathered or fp8) and head_dim <= 128:
+        return GATHER_PRODUCER_REGS, GATHER_CONSUMER_REGS, 8 if gathered else 4
     return PRODUCER_REGS, CONSUMER_REGS, 4
+
+
+def sm90_kv8_ahead(head_dim: int) -> int:
+    """fp8 K/V: the 16-byte chunk loads a converting lane keeps in flight ahead of the chunk it converts
+    (``KV8_AHEAD``, sm90/fp8.cuh ``convert_tile``).
+
+    A chunk is 11 instructions (a shared load, 8 conversions, 2 stores), ~11-19 clk of issue against ~30 clk of
+    shared-load latency: 2-3 loads ahead hide it. head_dim <= 128 (56 producer registers): 3, 12 registers of
+    loads; head_dim 256 (40 registers, the consumers need 232): 0, a chunk loaded, converted and stored in turn.
+    """
+    return 3 if sm90_registers(head_dim, False, fp8=True)[0] >= GATHER_PRODUCER_REGS else 0
 
 
 def sm90_tile_kv(head_dim: int) -> int:
@@ -206,7 +218,7 @@ class PrefillSM90Family(AttentionFamily):
         kv8 = _kv8(spec)
         smem = sm90_smem_bytes(d, gather=_gathered(spec), kv8=kv8)
         assert smem <= SMEM_LIMIT, (d, smem)
-        regs = sm90_registers(d, _gathered(spec))
+        regs = sm90_registers(d, _gathered(spec), fp8=kv8 > 0)
         return {
             "DTypeQ": CPP_TYPES[spec.dtype],
             "DTypeKV": CPP_TYPES[spec.kv_dtype],
@@ -217,6 +229,7 @@ class PrefillSM90Family(AttentionFamily):
             "TILE_KV": sm90_tile_kv(d),
             "STAGES": STAGES,
             "KV8_STAGES": kv8,
+            "KV8_AHEAD": sm90_kv8_ahead(d) if kv8 else 0,
             "Q_BUFFERS": sm90_q_buffers(d),
             "SMEM_BYTES": smem,
             "PRODUCER_REGS": regs[0],

@@ -14,7 +14,8 @@ import flashgen
 from compile_checks import assert_sound_cubin, build_all, prefetch
 from flashgen import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
 from flashgen.kernels import family
-from flashgen.kernels.prefill_sm90 import SMEM_LIMIT, sm90_kv8_stages, sm90_o_staged, sm90_smem_bytes
+from flashgen.kernels.prefill_sm90 import (SMEM_LIMIT, THREADS, sm90_kv8_ahead, sm90_kv8_stages, sm90_o_staged,
+                                           sm90_registers, sm90_smem_bytes)
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
@@ -39,7 +40,23 @@ def test_fp8_specs_are_taken(spec):
 def test_16bit_specs_render_as_before():
     source = flashgen.render(AttentionSpec(128, kv_layout=Ragged(), mask=Causal()), "prefill_sm90")
     assert "using DTypeMMA = __nv_bfloat16;" in source and "KV8_STAGES = 0;" in source
+    assert "KV8_AHEAD = 0;" in source and "PRODUCER_REGS = 40;" in source and "CONSUMER_REGS = 232;" in source
     assert "v_scale" not in source
+
+
+def test_fp8_conversion_pipeline_and_register_split():
+    """Up to head_dim 128 the converting K/V warps take 56 registers (the consumers 224, as a gathered cache's)
+    and keep 3 chunk loads in flight; at 256 the consumers keep 232 and the producer converts a chunk at a time.
+    Every split fits the registers the 384 threads launch with (168 each)."""
+    assert [sm90_kv8_ahead(d) for d in (64, 128, 256)] == [3, 3, 0]
+    assert [sm90_registers(d, False, fp8=True) for d in (64, 128, 256)] == [(56, 224, 4), (56, 224, 4), (40, 232, 4)]
+    assert [sm90_registers(d, False) for d in (64, 128, 256)] == [(40, 232, 4)] * 3  # 16-bit K/V as before
+    for d in (64, 128, 256):
+        producer, consumer, _ = sm90_registers(d, False, fp8=True)
+        assert producer % 8 == 0 and consumer % 8 == 0 and producer * 128 + consumer * 256 <= 168 * THREADS
+        source = flashgen.render(AttentionSpec(d, kv_dtype=E4M3, kv_layout=Ragged()), "prefill_sm90")
+        assert f"KV8_AHEAD = {sm90_kv8_ahead(d)};" in source and f"PRODUCER_REGS = {producer};" in source
+        assert f"CONSUMER_REGS = {consumer};" in source
 
 
 @pytest.mark.parametrize("spec,message", [

@@ -7,10 +7,13 @@
 // k_scale is folded into sm_scale on the host and v_scale applied to the output (write_rows).
 //
 // Cost a 128 x 128 tile (head_dim 128): 1024 16-byte fp8 chunks, 32 a lane, each one 16-byte shared load, eight
-// conversions (a cvt or a prmt) and two 16-byte stores. Lane l converts chunks l, l + 32, ...: 8 rows of 4 chunks
-// a warp pass, so the loads read 512 consecutive bytes and the stores hit each bank 4 times (512 bytes): no
+// conversions (e4m3: a cvt a pair, the high pair read from the word's upper half; e5m2: a prmt a pair) and two
+// 16-byte stores, 11 instructions a chunk, ~357 a lane a tile. Lane l converts chunks l, l + 32, ...: 8 rows of 4
+// chunks a warp pass, so the loads read 512 consecutive bytes and the stores hit each bank 4 times (512 bytes): no
 // conflicts. Its row is l / 4 modulo 8, so the swizzle is a per-lane constant and every address a per-lane base
-// plus an immediate.
+// plus an immediate. KV8_AHEAD loads stay in flight ahead of the chunk being converted (3 up to head_dim 128, where
+// the producer has 56 registers; 0 at 256, in 40), so the ~30 clk shared-load latency hides behind the previous
+// chunks' conversions.
 #pragma once
 #include <cstdint>
 #include <flashgen/common/fp8.cuh>
@@ -20,33 +23,60 @@
 
 namespace flashgen::sm90 {
 
-// the fp8 tile at shared address `staging` into the 16-bit stage at `stage`, by the warp's 32 lanes
-template <class C>
-__device__ __forceinline__ void convert_tile(uint32_t staging, uint32_t stage, int lane) {
-  using L = Layout<C>;
-  using T = typename C::DTypeMMA;
-  using FP8 = typename C::DTypeKV;
-  constexpr int PASSES = C::TILE_KV * C::HEAD_DIM / 16 / 32;  // 8-row passes over the tile
-  const int r = lane / 4, c = lane % 4;                         // the lane's row modulo 8 and its 16-column chunk
-  const uint32_t src = staging + lane * 16;
-  const uint32_t dst = stage + r * 128, lo = ((2 * c) ^ r) * 16, hi = ((2 * c + 1) ^ r) * 16;
-#pragma unroll 2  // two passes' loads in flight within the producer's 40 registers
-  for (uint32_t k = 0; k < PASSES; ++k) {  // unsigned: the block and row below are a shift and a mask
-    // pass k: rows 8 k .. 8 k + 7 of the tile's 64-column blocks in order (block 8 k / TILE_KV)
-    const uint32_t at = dst + (8 * k / C::TILE_KV) * L::KV_BLOCK + (8 * k % C::TILE_KV) * 128;
-    uint32_t w[4];
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                 : "r"(src + k * 512));
-    uint32_t h[8];
+// 16 fp8 values (one 16-byte chunk, words w) -> 16 values of T (words h, in order): e4m3 to fp16 one cvt a pair,
+// each word's high pair read from its upper half-register (no shift); else fp8_pair (e5m2 to fp16: one prmt a pair)
+template <class T, class FP8>
+__device__ __forceinline__ void convert_chunk(const uint32_t (&w)[4], uint32_t (&h)[8]) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, __half> && std::is_same_v<FP8, __nv_fp8_e4m3>) {
+      asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+          : "=r"(h[2 * i]), "=r"(h[2 * i + 1])
+          : "r"(w[i]));
+    } else {
       h[2 * i] = fp8_pair<T, FP8, 0, 1>(w[i]);
       h[2 * i + 1] = fp8_pair<T, FP8, 2, 3>(w[i]);
     }
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + lo), "r"(h[0]), "r"(h[1]), "r"(h[2]),
+  }
+}
+
+// The fp8 tile at shared address `staging` into the 16-bit stage at `stage`, by the warp's 32 lanes, once
+// wait_stage() returns (the stage's consumers released it; the first AHEAD chunks are read before). Software
+// pipelined and fully unrolled: chunk k + AHEAD's load is issued before chunk k is converted and stored, so AHEAD
+// loads are in flight behind each conversion (in program order: the loads and stores are volatile), and every
+// address is a per-lane base plus an immediate.
+template <class C, class Wait>
+__device__ __forceinline__ void convert_tile(uint32_t staging, uint32_t stage, int lane, Wait wait_stage) {
+  using L = Layout<C>;
+  using T = typename C::DTypeMMA;
+  using FP8 = typename C::DTypeKV;
+  constexpr int PASSES = C::TILE_KV * C::HEAD_DIM / 16 / 32;  // 8-row passes over the tile, a chunk a lane each
+  constexpr int AHEAD = C::KV8_AHEAD, SLOTS = AHEAD + 1;
+  static_assert(PASSES > AHEAD, "the pipeline fills within the tile");
+  const int r = lane / 4, c = lane % 4;  // the lane's row modulo 8 and its 16-column chunk
+  const uint32_t src = staging + lane * 16;
+  const uint32_t lo = stage + r * 128 + ((2 * c) ^ r) * 16, hi = stage + r * 128 + ((2 * c + 1) ^ r) * 16;
+  uint32_t w[SLOTS][4];
+  auto load = [&](int k) {
+    uint32_t(&v)[4] = w[k % SLOTS];
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                 : "r"(src + k * 512));
+  };
+#pragma unroll
+  for (int k = 0; k < AHEAD; ++k) load(k);
+  wait_stage();
+  // nothing ahead (40 producer registers): two passes an iteration, as few registers as the rolled loop needs
+#pragma unroll(AHEAD > 0 ? PASSES : 2)
+  for (int k = 0; k < PASSES; ++k) {
+    if (k + AHEAD < PASSES) load(k + AHEAD);
+    // pass k: rows 8 k .. 8 k + 7 of the tile's 64-column blocks in order (block 8 k / TILE_KV)
+    const uint32_t at = (8 * k / C::TILE_KV) * L::KV_BLOCK + (8 * k % C::TILE_KV) * 128;
+    uint32_t h[8];
+    convert_chunk<T, FP8>(w[k % SLOTS], h);
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(lo + at), "r"(h[0]), "r"(h[1]), "r"(h[2]),
                  "r"(h[3]));
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + hi), "r"(h[4]), "r"(h[5]), "r"(h[6]),
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(hi + at), "r"(h[4]), "r"(h[5]), "r"(h[6]),
                  "r"(h[7]));
   }
 }
@@ -59,8 +89,8 @@ __device__ __forceinline__ void convert_kv(uint32_t i, uint32_t staging, uint32_
                                            uint32_t full8, int lane) {
   using L = Layout<C>;
   mbarrier_wait(full8, (i / C::KV8_STAGES) & 1);
-  mbarrier_wait(empty, ((i / C::STAGES) & 1) ^ 1);
-  convert_tile<C>(staging + i % C::KV8_STAGES * L::KV8_STAGE, ring + i % C::STAGES * L::KV_STAGE, lane);
+  convert_tile<C>(staging + i % C::KV8_STAGES * L::KV8_STAGE, ring + i % C::STAGES * L::KV_STAGE, lane,
+                  [&] { mbarrier_wait(empty, ((i / C::STAGES) & 1) ^ 1); });
   fence_proxy_async();
   mbarrier_arrive(full);
 }
