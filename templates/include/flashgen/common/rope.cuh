@@ -54,4 +54,20 @@ __device__ __forceinline__ void rope_rotate_by(float& lo, float& hi, float pos, 
   else rope_rotate(lo, hi, pos, i, dim, p.rope_rcp_scale, p.rope_log2_theta);
 }
 
+// the cosine and sine rope_rotate_by turns the pair (x[i], x[i + dim/2]) at pos by (scaled: times rope_mscale), so
+// that one angle can turn two rows at the same position (the fused append's new key beside q); rope_pair(lo, hi,
+// c, s) then gives rope_rotate_by's result bit for bit
+template <bool SCALED, class Params>
+__device__ __forceinline__ void rope_cos_sin_by(float& c, float& s, float pos, int i, int dim, const Params& p) {
+  if constexpr (SCALED) {
+    const float f = rope_scaled_freq(rope_inv_freq(i, dim, p.rope_log2_theta), i, p.rope_rcp_factor, p.rope_smooth_a,
+                                     p.rope_smooth_b, p.rope_smooth_c);
+    sincosf(pos * p.rope_rcp_scale * f, &s, &c);
+    c *= p.rope_mscale;
+    s *= p.rope_mscale;
+  } else {
+    sincosf(pos * p.rope_rcp_scale * rope_inv_freq(i, dim, p.rope_log2_theta), &s, &c);
+  }
+}
+
 }  // namespace flashgen

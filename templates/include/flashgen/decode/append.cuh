@@ -3,10 +3,15 @@
 //
 // The new token sits at place kv_len - 1 of its request (the plan counts it). Split-KV chunks partition
 // [0, kv_len), so only the work items whose chunk ends at kv_len see that place: the one of qo tile 0 writes the
-// row into the cache; every one of them (one per qo tile) zero-fills the row's cp.async (run: its row offset is
-// -1) and stores the row into its K/V tile in shared memory once that tile has landed (inject). So no CTA of the
-// launch reads the slot being written, and the attention sees exactly the bytes the cache receives: the same as
-// flashgen.append_kv, then decode.
+// row into the cache (its page id loaded beside the first tiles', the store not waited on); every one of them
+// (one per qo tile) leaves the row out of its tile's cp.async (run: its row offset is SKIP_ROW) and stores it
+// into that tile's stage in shared memory as the tile is issued (inject), so the tile's own barrier publishes it.
+// So no CTA of the launch reads the slot being written, and the attention sees exactly the bytes the cache
+// receives: the same as flashgen.append_kv, then decode.
+//
+// The row's loads are issued beside q's, and it is finished in stage_q: K turns by the cosines and sines q's row 0
+// turns by (the same position, the same pairs), so the row costs no sincos of its own, and nothing of it sits
+// between the prologue and the first tile.
 //
 // The row as append_kv writes it: K rotated when the cache holds rotated K (ROPE_K_ON_WRITE: the spec's RoPE has
 // k_rotated), each value times 1 / scale and cast to the cache's dtype (fp8: saturated). A thread owns 8 elements
@@ -30,17 +35,18 @@ struct NewRow {
   static constexpr int ELEMS = 8;  // elements of a thread's piece in each half of the row
   using Bits = std::conditional_t<L::FP8, uint2, uint4>;  // a piece in the cache's dtype
   static constexpr int K_PAIRS = C::HEAD_DIM / (2 * ELEMS), V_PAIRS = C::HEAD_DIM_VO / (2 * ELEMS);
+  static_assert(K_PAIRS == L::Q_CHUNKS / 2, "K piece c is stage_q's chunk c of q's row 0, job c");
   static constexpr int CHUNK_ELEMS = 16 / int(sizeof(DTypeKV));  // elements of a 16-byte shared-memory chunk
   static_assert(K_PAIRS + V_PAIRS <= L::THREADS, "a thread per piece pair");
   static_assert(C::HEAD_DIM % (2 * ELEMS) == 0 && C::HEAD_DIM_VO % (2 * ELEMS) == 0, "whole pieces in each half");
 
   bool active = false, is_k = false;
   int piece = 0;  // the low piece; its pair is piece + K_PAIRS (K) or + V_PAIRS (V)
-  Bits lo, hi;    // the row's bytes in the cache's dtype
+  uint4 raw_lo, raw_hi;  // the piece pair as loaded (q's dtype), until finish
+  Bits lo, hi;           // the row's bytes in the cache's dtype
 
   // ELEMS elements of q's dtype as floats
-  static __device__ __forceinline__ void load(const DTypeQ* src, float (&x)[ELEMS]) {
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
+  static __device__ __forceinline__ void unpack(const uint4& raw, float (&x)[ELEMS]) {
     const DTypeQ* e = reinterpret_cast<const DTypeQ*>(&raw);
 #pragma unroll
     for (int j = 0; j < 8; ++j) x[j] = Vec16<DTypeQ>::to_float(e[j]);
@@ -66,9 +72,9 @@ struct NewRow {
     return copy_index<DTypeKV>(row, e / CHUNK_ELEMS, chunks) + e % CHUNK_ELEMS;
   }
 
-  // this thread's chunk pair of the new row of (token, kv_head) at position pos
+  // issues the loads of this thread's piece pair of the new row of (token, kv_head); nothing waits on them here
   template <class Params>
-  __device__ __forceinline__ void compute(const Params& p, int token, int kv_head, int pos) {
+  __device__ __forceinline__ void load(const Params& p, int token, int kv_head) {
     const int tid = threadIdx.x;
     is_k = tid < K_PAIRS;
     active = tid < K_PAIRS + V_PAIRS;
@@ -78,13 +84,22 @@ struct NewRow {
     const DTypeQ* src = is_k ? p.k_new + token * p.k_new_stride_token + kv_head * p.k_new_stride_head
                              : p.v_new + token * p.v_new_stride_token + kv_head * p.v_new_stride_head;
     src += piece * ELEMS;
+    raw_lo = __ldg(reinterpret_cast<const uint4*>(src));
+    raw_hi = __ldg(reinterpret_cast<const uint4*>(src + half));
+  }
+
+  // the piece pair in the cache's dtype; K turned (ROPE_K_ON_WRITE) by cos / sin of its ELEMS angles, which
+  // stage_q computed for q's row 0 at the same position (its thread's q chunk is this thread's K piece)
+  template <class Params>
+  __device__ __forceinline__ void finish(const Params& p, const float (&cos)[ELEMS], const float (&sin)[ELEMS]) {
+    if (!active) return;
     float a[ELEMS], b[ELEMS];
-    load(src, a);
-    load(src + half, b);
+    unpack(raw_lo, a);
+    unpack(raw_hi, b);
     if constexpr (C::ROPE_K_ON_WRITE) {
       if (is_k) {
 #pragma unroll
-        for (int j = 0; j < ELEMS; ++j) rope_rotate_by<C::ROPE_SCALING>(a[j], b[j], float(pos), piece * ELEMS + j, C::HEAD_DIM, p);
+        for (int j = 0; j < ELEMS; ++j) rope_pair(a[j], b[j], cos[j], sin[j]);
       }
     }
     const float mul = is_k ? p.k_rcp_scale : p.v_rcp_scale;  // 1 for a 16-bit cache
@@ -104,7 +119,7 @@ struct NewRow {
     *reinterpret_cast<Bits*>(base + half + piece * ELEMS) = hi;
   }
 
-  // into row `row` of the K / V tiles of one stage
+  // into row `row` of the K / V tiles of one stage, whose cp.async leaves that row out (SKIP_ROW)
   __device__ __forceinline__ void inject(DTypeKV* ks, DTypeKV* vs, int row) const {
     if (!active) return;
     const int chunks = is_k ? L::K_CHUNKS : L::V_CHUNKS;

@@ -136,7 +136,7 @@ __device__ __forceinline__ void run(const Params& p) {
   auto store_offset = [&](int tile, int32_t page_id) {
     const int pos = kv_start + tile * TILE + tid;
     if constexpr (C::APPEND) {  // the new row comes from registers (inject): no copy of its slot
-      if (tid < TILE) row_offsets[(tile & 1) * TILE + tid] = (tile < num_tiles && pos < kv_end && pos != kv_len - 1) ? rows.offset(pos, page_id) : -1;
+      if (tid < TILE) row_offsets[(tile & 1) * TILE + tid] = (tile < num_tiles && pos < kv_end) ? (pos != kv_len - 1 ? rows.offset(pos, page_id) : SKIP_ROW) : -1;
     } else {
       if (tid < TILE) row_offsets[(tile & 1) * TILE + tid] = (tile < num_tiles && pos < kv_end) ? rows.offset(pos, page_id) : -1;
     }
@@ -150,13 +150,24 @@ __device__ __forceinline__ void run(const Params& p) {
   const int v_row0 = tid / L::V_CHUNKS, v_col = tid % L::V_CHUNKS;
   const DTypeKV* k_src = k_head + k_col * (16 / int(sizeof(DTypeKV)));
   const DTypeKV* v_src = v_head + v_col * (16 / int(sizeof(DTypeKV)));
+  NewRow<C> new_row;  // APPEND: the new token's row, in registers (decode/append.cuh)
+  int new_tile = -1, new_row_in_tile = 0;
   auto issue = [&](int tile) {
     if (tile < num_tiles) {
       const int64_t* offsets = row_offsets + (tile & 1) * TILE;
       DTypeKV* ks = k_smem + (tile % S) * TILE * D;
       DTypeKV* vs = v_smem + (tile % S) * TILE * DV;
-      copy_tile_rows<DTypeKV, TILE, K_RPP, L::K_CHUNKS, D>(ks, k_src, offsets, k_row0, k_col);
-      copy_tile_rows<DTypeKV, TILE, V_RPP, L::V_CHUNKS, DV>(vs, v_src, offsets, v_row0, v_col);
+      // APPEND: the new row's tile copies every row but it (SKIP_ROW) and takes the row from registers, published
+      // by the barrier before the tile is read (the stage is free: every warp has passed the barrier after its
+      // last read); the other tiles pay one compare a tile, not one a row
+      if (C::APPEND && tile == new_tile) {
+        copy_tile_rows<DTypeKV, TILE, K_RPP, L::K_CHUNKS, D, true>(ks, k_src, offsets, k_row0, k_col);
+        copy_tile_rows<DTypeKV, TILE, V_RPP, L::V_CHUNKS, DV, true>(vs, v_src, offsets, v_row0, v_col);
+        new_row.inject(ks, vs, new_row_in_tile);
+      } else {
+        copy_tile_rows<DTypeKV, TILE, K_RPP, L::K_CHUNKS, D>(ks, k_src, offsets, k_row0, k_col);
+        copy_tile_rows<DTypeKV, TILE, V_RPP, L::V_CHUNKS, DV>(vs, v_src, offsets, v_row0, v_col);
+      }
     }
     cp_async_commit();  // always commit, so group counting stays uniform
   };
@@ -166,7 +177,24 @@ __device__ __forceinline__ void run(const Params& p) {
 #pragma unroll
   for (int tile = 0; tile <= S; ++tile) first_pages[tile] = page_of(tile);
 
-  stage_q<C>(p, q_smem, token, q_head0, rows_valid, q_pos, p.sm_scale, request);
+  // APPEND: the items whose chunk ends at the new token hold its row; its loads (and qo tile 0's load of the slot's
+  // page id) go out with q's, stage_q finishes it (K turned by q's angles), and qo tile 0's item writes it into
+  // the cache, a store nothing waits on. Nothing of the row sits between the prologue and the first tile.
+  int32_t new_page = 0;
+  const bool writes_row = C::APPEND && kv_end == kv_len && kv_end > kv_start && p.qo_tile_idx[item] == 0;
+  if constexpr (C::APPEND) {
+    if (kv_end == kv_len && kv_end > kv_start) {
+      new_row.load(p, token, kv_head);
+      new_tile = (kv_len - 1 - kv_start) / TILE;
+      new_row_in_tile = (kv_len - 1 - kv_start) % TILE;
+      if (writes_row && new_row.active) new_page = rows.page(kv_len - 1);
+    }
+  }
+
+  stage_q<C>(p, q_smem, token, q_head0, rows_valid, q_pos, p.sm_scale, request, new_row);
+  if constexpr (C::APPEND) {
+    if (writes_row) new_row.write(p, kv_head, rows.offset(kv_len - 1, new_page));
+  }
 
   // prologue: tiles 0 .. S-2 in flight, offsets of tile S-1 stored, page ids of tile S in registers
 #pragma unroll
@@ -177,19 +205,6 @@ __device__ __forceinline__ void run(const Params& p) {
   }
   store_offset(S - 1, first_pages[S - 1]);
   int32_t next_page = first_pages[S];
-
-  // APPEND: the items whose chunk ends at the new token hold its row; qo tile 0's writes it into the cache.
-  // After the prologue, so that the row's loads and rotation run while the first tiles are in flight.
-  NewRow<C> new_row;
-  int new_tile = -1, new_row_in_tile = 0;
-  if constexpr (C::APPEND) {
-    if (kv_end == kv_len && kv_end > kv_start) {
-      new_row.compute(p, token, kv_head, q_pos);
-      new_tile = (kv_len - 1 - kv_start) / TILE;
-      new_row_in_tile = (kv_len - 1 - kv_start) % TILE;
-      if (p.qo_tile_idx[item] == 0) new_row.write(p, kv_head, rows.offset(kv_len - 1, rows.page(kv_len - 1)));
-    }
-  }
 
   // Q as mma A fragments: held in registers up to head_dim 128 (loaded once; the prologue's barriers made
   // the Q tile visible), re-read from shared memory for each tile above that, where registers run out
@@ -247,12 +262,6 @@ __device__ __forceinline__ void run(const Params& p) {
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<S - 2>();
     __syncthreads();
-    if constexpr (C::APPEND) {  // the tile has landed (its new row zero-filled): the row from registers
-      if (tile == new_tile) {
-        new_row.inject(k_smem + (tile % S) * TILE * D, v_smem + (tile % S) * TILE * DV, new_row_in_tile);
-        __syncthreads();
-      }
-    }
     issue(tile + S - 1);
     store_offset(tile + S, next_page);
     next_page = page_of(tile + S + 1);

@@ -58,16 +58,23 @@ __device__ __forceinline__ int copy_index(int row, int chunk, int chunks) {
 // the same for the 16-bit tiles the mma reads (8 elements a chunk)
 __device__ __forceinline__ int tile_index(int row, int chunk, int chunks) { return copy_index<uint16_t>(row, chunk, chunks); }
 
+// a row offset saying the row is stored from registers (the fused append's new row): no cp.async touches it
+constexpr int64_t SKIP_ROW = -2;
+
 // One K or V tile by cp.async: the thread's 16-byte chunk `col` of rows row0 + j * RPP (j < TILE / RPP), row r
-// from src + offsets[r] (a negative offset: a row past the request, zero-filled). With RPP a multiple of 8 the
-// swizzle repeats every pass, so the destination is the first pass's plus j * RPP rows of WIDTH elements.
-template <typename T, int TILE, int RPP, int CHUNKS, int WIDTH>
+// from src + offsets[r] (a negative offset: a row past the request, zero-filled; SKIP_ROW where SKIP: left alone).
+// With RPP a multiple of 8 the swizzle repeats every pass, so the destination is the first pass's plus j * RPP
+// rows of WIDTH elements.
+template <typename T, int TILE, int RPP, int CHUNKS, int WIDTH, bool SKIP = false>
 __device__ __forceinline__ void copy_tile_rows(T* smem, const T* src, const int64_t* offsets, int row0, int col) {
 #pragma unroll
   for (int j = 0; j < TILE / RPP; ++j) {
     const int r = row0 + j * RPP;
     const int64_t off = offsets[r];
     const int dst = RPP % 8 == 0 ? copy_index<T>(row0, col, CHUNKS) + j * RPP * WIDTH : copy_index<T>(r, col, CHUNKS);
+    if constexpr (SKIP) {
+      if (off == SKIP_ROW) continue;
+    }
     cp_async_16(smem + dst, src + (off < 0 ? 0 : off), off < 0);
   }
 }
@@ -106,16 +113,19 @@ __device__ __forceinline__ uint32_t& q_smem_pair(T* q_smem, int row, int col, in
 
 // Q: 16 rows (padded with zeros) into shared memory in the mma's type, the variant's q_transform (request batch,
 // query q_pos) and then RoPE applied on the way; where the mma's type is not q's (fp8 K/V under a bf16 q run the
-// mma in fp16), q is multiplied by `scale` (sm_scale) last and held to fp16's finite range
-template <class C, class Params>
+// mma in fp16), q is multiplied by `scale` (sm_scale) last and held to fp16's finite range.
+// APPEND: `row` (decode/append.cuh: NewRow, its loads issued) is finished here, K turned by the angles of q's
+// row 0 (ROPE_K_ON_WRITE: the new key sits at q_pos too); `row` is not touched otherwise.
+template <class C, class Params, class Row>
 __device__ __forceinline__ void stage_q(const Params& p, typename C::DTypeMMA* q_smem, int token, int q_head0,
-                                        int rows_valid, int q_pos, float scale, int batch) {
+                                        int rows_valid, int q_pos, float scale, int batch, Row& row) {
   using L = Layout<C>;
   using DTypeQ = typename C::DTypeQ;
   using DTypeMMA = typename C::DTypeMMA;
   constexpr bool PRESCALE = !std::is_same_v<DTypeMMA, DTypeQ>;
   constexpr int D = C::HEAD_DIM;
   const int tid = threadIdx.x;
+  float row_cos[8], row_sin[8];  // ROPE_K_ON_WRITE: the angles of row 0's chunk c = tid (the K piece of thread tid)
   for (int job = tid; job < 16 * L::Q_CHUNKS / 2; job += L::THREADS) {
     const int r = job / (L::Q_CHUNKS / 2), c = job % (L::Q_CHUNKS / 2);
     float lo[8], hi[8];
@@ -137,7 +147,15 @@ __device__ __forceinline__ void stage_q(const Params& p, typename C::DTypeMMA* q
           hi[i] = flashgen::variant::q_value<typename C::Variant>(p, hi[i], batch, q_pos, q_head0 + r, D / 2 + c * 8 + i);
         }
       }
-      if constexpr (C::ROPE) {
+      if constexpr (C::ROPE && C::ROPE_K_ON_WRITE) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          float cs, sn;
+          rope_cos_sin_by<C::ROPE_SCALING>(cs, sn, float(q_pos), c * 8 + i, D, p);
+          rope_pair(lo[i], hi[i], cs, sn);
+          if (r == 0) row_cos[i] = cs, row_sin[i] = sn;
+        }
+      } else if constexpr (C::ROPE) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) rope_rotate_by<C::ROPE_SCALING>(lo[i], hi[i], float(q_pos), c * 8 + i, D, p);
       }
@@ -172,6 +190,7 @@ __device__ __forceinline__ void stage_q(const Params& p, typename C::DTypeMMA* q
       *reinterpret_cast<uint4*>(q_smem + tile_index(r, c + L::Q_CHUNKS / 2, L::Q_CHUNKS)) = b;
     }
   }
+  if constexpr (C::APPEND) row.finish(p, row_cos, row_sin);
 }
 
 }  // namespace flashgen::decode
