@@ -110,15 +110,24 @@ __device__ __forceinline__ void hooks_by_pair(float (&s)[C::TILE_KV / 2], const 
     return;
   }
   const bool use_mask = cls != flashgen::variant::TILE_FULL;
+  if constexpr (C::POSITIONS) {
 #pragma unroll
-  for (int i = 0; i < C::TILE_KV / 2; ++i) {
-    const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
-    int pos = place;
-    if constexpr (C::POSITIONS) pos = kp.at(t0, i);
-    const bool hidden = place >= lg.kv_hi || s[i] == -INFINITY || cls == flashgen::variant::TILE_EMPTY;
-    s[i] = hidden ? HIDDEN
-                  : flashgen::variant::pair_logit<V>(p, RAW ? s[i] * lg.mul : s[i], hi.batch, rs.q_pos[h], pos,
-                                                     rs.qo_head[h], hi.kv_head, use_mask);
+    for (int i = 0; i < C::TILE_KV / 2; ++i) {
+      const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
+      const bool hidden = place >= lg.kv_hi || s[i] == -INFINITY || cls == flashgen::variant::TILE_EMPTY;
+      s[i] = hidden ? HIDDEN
+                    : flashgen::variant::pair_logit<V>(p, RAW ? s[i] * lg.mul : s[i], hi.batch, rs.q_pos[h],
+                                                       kp.at(t0, i), rs.qo_head[h], hi.kv_head, use_mask);
+    }
+  } else {
+    // every pair evaluated and the hidden ones discarded, a key past kv_hi (masked: -inf) at the last before it
+#pragma unroll
+    for (int i = 0; i < C::TILE_KV / 2; ++i) {
+      const int place = min(t0 + 8 * (i / 4) + 2 * q4 + i % 2, lg.kv_hi - 1), h = (i / 2) % 2;
+      s[i] = flashgen::variant::pair_value<V>(p, s[i] == -INFINITY || cls == flashgen::variant::TILE_EMPTY,
+                                              RAW ? s[i] * lg.mul : s[i], hi.batch, rs.q_pos[h], place,
+                                              rs.qo_head[h], hi.kv_head, use_mask);
+    }
   }
 }
 
