@@ -48,10 +48,9 @@ struct LogitsParams {
 
 // The pair hooks on a tile whose keys all lie inside the item (not under a tile predicate, without explicit
 // positions), before the spec's mask: every pair evaluated, so that what the hooks read for a row is read once a
-// tile and a tile the mask leaves alone takes the hooks alone, no test a pair. ptxas spilled (sm_90a, nvcc 13.0)
-// where the item's last tile came this way too, its keys clamped to kv_hi, and where a tile predicate's classes
-// were computed beside it (or an empty tile took a branch of its own): those take hooks_by_pair. Logits in the
-// kernel's units (natural log with pair hooks: see LogitsParams).
+// tile, and a tile the mask leaves alone takes the hooks alone, no test or clamp a pair (the item's last tile and
+// a predicate's partial ones take hooks_by_pair: one path for all, its keys clamped to kv_hi, spilled at sm_90a,
+// nvcc 13.0). Logits in the kernel's units (natural log with pair hooks: see LogitsParams).
 template <class C, class Params>
 __device__ __forceinline__ void hooks_inside(float (&s)[C::TILE_KV / 2], const RowState& rs, const LogitsParams& lg,
                                              int t0, const Params& p, const HookItem& hi) {
@@ -93,9 +92,10 @@ __device__ __forceinline__ void hide_inside(float (&s)[C::TILE_KV / 2], const Ro
   }
 }
 
-// The pair hooks on any other tile, after the spec's mask (a pair it hid is -inf and calls no hook), a pair per
-// branch: the hooks never see a key past kv_hi (nor, with positions, one's position). A tile its predicate calls
-// full, without a score hook, calls none.
+// The pair hooks on any other tile, after the spec's mask (a pair it hid is -inf): every pair evaluated and the
+// hidden ones discarded, a key past kv_hi taken as the last before it, so that the hooks only ever see real pairs
+// and take no branch a pair. With explicit positions a pair per branch (a key past kv_hi has no position to
+// read). A tile its predicate calls full, without a score hook, calls none.
 template <class C, class KP, class Params>
 __device__ __forceinline__ void hooks_by_pair(float (&s)[C::TILE_KV / 2], const RowState& rs, const LogitsParams& lg,
                                               int t0, const KP& kp, const Params& p, const HookItem& hi, int cls) {
@@ -120,7 +120,6 @@ __device__ __forceinline__ void hooks_by_pair(float (&s)[C::TILE_KV / 2], const 
                                                        kp.at(t0, i), rs.qo_head[h], hi.kv_head, use_mask);
     }
   } else {
-    // every pair evaluated and the hidden ones discarded, a key past kv_hi (masked: -inf) at the last before it
 #pragma unroll
     for (int i = 0; i < C::TILE_KV / 2; ++i) {
       const int place = min(t0 + 8 * (i / 4) + 2 * q4 + i % 2, lg.kv_hi - 1), h = (i / 2) % 2;
