@@ -50,7 +50,9 @@ struct LogitsParams {
 // positions), before the spec's mask: every pair evaluated, so that what the hooks read for a row is read once a
 // tile, and a tile the mask leaves alone takes the hooks alone, no test or clamp a pair (the item's last tile and
 // a predicate's partial ones take hooks_by_pair: one path for all, its keys clamped to kv_hi, spilled at sm_90a,
-// nvcc 13.0). Logits in the kernel's units (natural log with pair hooks: see LogitsParams).
+// nvcc 13.0). A score hook alone (or weights without softmax): a mask hook's per-key reads held across the mask
+// spilled (the document mask, 12 bytes). Logits in the kernel's units (natural log with pair hooks: see
+// LogitsParams).
 template <class C, class Params>
 __device__ __forceinline__ void hooks_inside(float (&s)[C::TILE_KV / 2], const RowState& rs, const LogitsParams& lg,
                                              int t0, const Params& p, const HookItem& hi) {
@@ -92,16 +94,20 @@ __device__ __forceinline__ void hide_inside(float (&s)[C::TILE_KV / 2], const Ro
   }
 }
 
-// The pair hooks on any other tile, after the spec's mask (a pair it hid is -inf): every pair evaluated and the
-// hidden ones discarded, a key past kv_hi taken as the last before it, so that the hooks only ever see real pairs
-// and take no branch a pair. With explicit positions a pair per branch (a key past kv_hi has no position to
-// read). A tile its predicate calls full, without a score hook, calls none.
+// The pair hooks after the spec's mask (a pair it hid is -inf), every pair evaluated and the hidden ones
+// discarded, so that what the hooks read for a row is read once a tile: on a tile inside the item as it is, on
+// others a key past kv_hi taken as the last before it (the hooks only ever see real pairs). A branch a pair
+// instead with explicit positions (a key past kv_hi has no position to read) and, off the inside tiles, for a
+// mask hook without a tile predicate (evaluated on every pair there, the document mask spilled 24 bytes at sm_90a,
+// nvcc 13.0). A tile its predicate calls full, without a score hook, calls none.
 template <class C, class KP, class Params>
 __device__ __forceinline__ void hooks_by_pair(float (&s)[C::TILE_KV / 2], const RowState& rs, const LogitsParams& lg,
-                                              int t0, const KP& kp, const Params& p, const HookItem& hi, int cls) {
+                                              int t0, const KP& kp, const Params& p, const HookItem& hi, int cls,
+                                              bool inside) {
   using V = typename C::Variant;
   constexpr bool RAW = !C::ALIBI && !C::SOFT_CAP;
   constexpr float HIDDEN = V::SOFTMAX ? -INFINITY : 0.f;
+  constexpr bool BY_BRANCH = C::POSITIONS || (V::MASK && !V::MASK_TILE);
   const int q4 = threadIdx.x % 4;
   if (C::TILE_LIST && !V::SCORE && V::SOFTMAX && cls == flashgen::variant::TILE_FULL) {
     if constexpr (RAW)
@@ -110,14 +116,23 @@ __device__ __forceinline__ void hooks_by_pair(float (&s)[C::TILE_KV / 2], const 
     return;
   }
   const bool use_mask = cls != flashgen::variant::TILE_FULL;
-  if constexpr (C::POSITIONS) {
+  if (inside) {  // (never with positions or a tile predicate: cls is TILE_PARTIAL)
 #pragma unroll
     for (int i = 0; i < C::TILE_KV / 2; ++i) {
       const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
+      s[i] = flashgen::variant::pair_value<V>(p, s[i] == -INFINITY, RAW ? s[i] * lg.mul : s[i], hi.batch,
+                                              rs.q_pos[h], place, rs.qo_head[h], hi.kv_head);
+    }
+  } else if constexpr (BY_BRANCH) {
+#pragma unroll
+    for (int i = 0; i < C::TILE_KV / 2; ++i) {
+      const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
+      int pos = place;
+      if constexpr (C::POSITIONS) pos = kp.at(t0, i);
       const bool hidden = place >= lg.kv_hi || s[i] == -INFINITY || cls == flashgen::variant::TILE_EMPTY;
       s[i] = hidden ? HIDDEN
-                    : flashgen::variant::pair_logit<V>(p, RAW ? s[i] * lg.mul : s[i], hi.batch, rs.q_pos[h],
-                                                       kp.at(t0, i), rs.qo_head[h], hi.kv_head, use_mask);
+                    : flashgen::variant::pair_logit<V>(p, RAW ? s[i] * lg.mul : s[i], hi.batch, rs.q_pos[h], pos,
+                                                       rs.qo_head[h], hi.kv_head, use_mask);
     }
   } else {
 #pragma unroll
@@ -185,9 +200,11 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
       s[i] = x;
     }
   }
-  // (uniform over the warpgroup)
-  const bool inside = HOOKED && !C::POSITIONS && !V::MASK_TILE && t0 + C::TILE_KV <= lg.kv_hi;
-  if (inside) {
+  // a tile whose keys all lie inside the item (uniform over the warpgroup); with a score hook alone (or weights
+  // without softmax) its hooks come before the mask (hooks_inside), else after it (hooks_by_pair)
+  constexpr bool HOOKS_FIRST = HOOKED && !C::POSITIONS && !V::MASK && !V::MASK_TILE;
+  const bool inside = !C::POSITIONS && !V::MASK_TILE && t0 + C::TILE_KV <= lg.kv_hi;
+  if (HOOKS_FIRST && inside) {
     hooks_inside<C>(s, rs, lg, t0, p, hi);
     if (masked) hide_inside<C>(s, rs, lg, t0, bits);
   } else {
@@ -212,7 +229,7 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
         }
       }
     }
-    if constexpr (HOOKED) hooks_by_pair<C>(s, rs, lg, t0, kp, p, hi, cls);
+    if constexpr (HOOKED) hooks_by_pair<C>(s, rs, lg, t0, kp, p, hi, cls, inside);
   }
   if constexpr (!V::SOFTMAX) {  // the weights are P: nothing to rescale or sum
     o_scale[0] = o_scale[1] = 1.f;
