@@ -141,7 +141,9 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   const FastDiv group = group_of(p);
   const int wq_min = w.q_base + group.div(wg_first), wq_max = w.q_base + group.div(wg_last);
   const int kv_len = w.kv_len(group);
-  const float pre = C::SOFT_CAP ? 1.f / p.soft_cap : LOG2E;  // soft_cap > 0 with SOFT_CAP (checked at plan time)
+  // the logits' units: base 2, or natural log for pair hooks (LogitsParams)
+  constexpr float UNITS = pair_hooked<typename C::Variant>() ? 1.f : LOG2E;
+  const float pre = C::SOFT_CAP ? 1.f / p.soft_cap : UNITS;  // soft_cap > 0 with SOFT_CAP (checked at plan time)
   RowState rs;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -169,7 +171,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   };
   // fp8 K/V under a bf16 q: Q holds q * sm_scale in fp16 (prescale_q), the scores are scaled by 1
   constexpr bool PRESCALED = !std::is_same_v<typename C::DTypeMMA, typename C::DTypeQ>;
-  const LogitsParams lg{(PRESCALED ? 1.f : p.sm_scale) * pre, p.soft_cap * LOG2E, w.kv_hi, p.window_left};
+  const LogitsParams lg{(PRESCALED ? 1.f : p.sm_scale) * pre, p.soft_cap * UNITS, w.kv_hi, p.window_left};
   const uint32_t q_wg = smem_base + (k % C::Q_BUFFERS) * L::Q_BYTES + wg * L::WG_ROWS * 128;
   const uint32_t k_base = smem_base + L::K_OFFSET, v_base = smem_base + L::V_OFFSET;
   const PingPong<C> turn{wg};

@@ -28,14 +28,122 @@ struct HookItem {
   int batch, kv_head;
 };
 
+// Whether a variant runs hooks per (query, key) pair (a score or mask hook, or weights without softmax): the
+// logits are then in natural-log units up to the exponent (the hooks' contract), else in base 2.
+template <class V>
+constexpr bool pair_hooked() {
+  return V::SCORE || V::MASK || !V::SOFTMAX;
+}
+
 // The logits transform's runtime values (see logits.cuh for the order of the steps), folded so that a logit
 // takes one multiply, the ALiBi FMA and the cap: with soft-cap, y = S * sm_scale / cap + slope / cap * (key - q)
 // and the base-2 logit is cap * log2(e) * tanh(y); without it, S * sm_scale * log2(e) + slope * log2(e) * (key - q).
-// The slopes in RowState carry the same factor (1 / cap or log2(e)).
+// The slopes in RowState carry the same factor (1 / cap or log2(e)). With pair hooks (pair_hooked) the same in
+// natural-log units: log2(e) is left out (mul = sm_scale, cap_log2 = cap), so that a hook takes the logit with no
+// conversion and the exponent folds log2(e) into its FMA.
 struct LogitsParams {
   float mul, cap_log2;
   int kv_hi, window_left;
 };
+
+// The pair hooks on a tile whose keys all lie inside the item (not under a tile predicate, without explicit
+// positions), before the spec's mask: every pair evaluated, so that what the hooks read for a row is read once a
+// tile, and a tile the mask leaves alone takes the hooks alone, no test or clamp a pair (the item's last tile and
+// a predicate's partial ones take hooks_by_pair: one path for all, its keys clamped to kv_hi, spilled at sm_90a,
+// nvcc 13.0). A score hook alone (or weights without softmax): a mask hook's per-key reads held across the mask
+// spilled (the document mask, 12 bytes). Logits in the kernel's units (natural log with pair hooks: see
+// LogitsParams).
+template <class C, class Params>
+__device__ __forceinline__ void hooks_inside(float (&s)[C::TILE_KV / 2], const RowState& rs, const LogitsParams& lg,
+                                             int t0, const Params& p, const HookItem& hi) {
+  using V = typename C::Variant;
+  constexpr bool RAW = !C::ALIBI && !C::SOFT_CAP;
+  const int q4 = threadIdx.x % 4;
+#pragma unroll
+  for (int i = 0; i < C::TILE_KV / 2; ++i) {
+    const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
+    s[i] = flashgen::variant::pair_logit<V>(p, RAW ? s[i] * lg.mul : s[i], hi.batch, rs.q_pos[h], place,
+                                            rs.qo_head[h], hi.kv_head);
+  }
+}
+
+// The spec's mask after hooks_inside, on a tile inside the item: a hidden pair's hook value is discarded. Each
+// key's offset from the thread's first key is compared with bounds a row (a compare with a constant a key; the
+// hooks' key indices are not held to here, which spilled).
+template <class C>
+__device__ __forceinline__ void hide_inside(float (&s)[C::TILE_KV / 2], const RowState& rs, const LogitsParams& lg,
+                                            int t0, const MaskBits<C>& bits) {
+  constexpr float HIDDEN = C::Variant::SOFTMAX ? -INFINITY : 0.f;
+  typename MaskBits<C>::Words words;
+  bits.select(words);
+  int end[2], begin[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int first = t0 + 2 * (threadIdx.x % 4);
+    end[h] = rs.q_pos[h] + 1 - first;
+    begin[h] = rs.q_pos[h] - lg.window_left - first;
+  }
+#pragma unroll
+  for (int i = 0; i < C::TILE_KV / 2; ++i) {
+    const int key = 8 * (i / 4) + i % 2, h = (i / 2) % 2;
+    bool ok = true;
+    if constexpr (C::CAUSAL) ok = key < end[h];
+    if constexpr (C::WINDOW) ok = ok && key >= begin[h];
+    if constexpr (C::CUSTOM_MASK) ok = ok && MaskBits<C>::visible(words, i);
+    if (!ok) s[i] = HIDDEN;
+  }
+}
+
+// The pair hooks after the spec's mask (a pair it hid is -inf), every pair evaluated and the hidden ones
+// discarded, so that what the hooks read for a row is read once a tile: on a tile inside the item as it is, on
+// others a key past kv_hi taken as the last before it (the hooks only ever see real pairs). A branch a pair
+// instead with explicit positions (a key past kv_hi has no position to read) and, off the inside tiles, for a
+// mask hook without a tile predicate (evaluated on every pair there, the document mask spilled 24 bytes at sm_90a,
+// nvcc 13.0). A tile its predicate calls full, without a score hook, calls none.
+template <class C, class KP, class Params>
+__device__ __forceinline__ void hooks_by_pair(float (&s)[C::TILE_KV / 2], const RowState& rs, const LogitsParams& lg,
+                                              int t0, const KP& kp, const Params& p, const HookItem& hi, int cls,
+                                              bool inside) {
+  using V = typename C::Variant;
+  constexpr bool RAW = !C::ALIBI && !C::SOFT_CAP;
+  constexpr float HIDDEN = V::SOFTMAX ? -INFINITY : 0.f;
+  constexpr bool BY_BRANCH = C::POSITIONS || (V::MASK && !V::MASK_TILE);
+  const int q4 = threadIdx.x % 4;
+  if (C::TILE_LIST && !V::SCORE && V::SOFTMAX && cls == flashgen::variant::TILE_FULL) {
+    if constexpr (RAW)
+#pragma unroll
+      for (int i = 0; i < C::TILE_KV / 2; ++i) s[i] *= lg.mul;
+    return;
+  }
+  const bool use_mask = cls != flashgen::variant::TILE_FULL;
+  if (inside) {  // (never with positions or a tile predicate: cls is TILE_PARTIAL)
+#pragma unroll
+    for (int i = 0; i < C::TILE_KV / 2; ++i) {
+      const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
+      s[i] = flashgen::variant::pair_value<V>(p, s[i] == -INFINITY, RAW ? s[i] * lg.mul : s[i], hi.batch,
+                                              rs.q_pos[h], place, rs.qo_head[h], hi.kv_head);
+    }
+  } else if constexpr (BY_BRANCH) {
+#pragma unroll
+    for (int i = 0; i < C::TILE_KV / 2; ++i) {
+      const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
+      int pos = place;
+      if constexpr (C::POSITIONS) pos = kp.at(t0, i);
+      const bool hidden = place >= lg.kv_hi || s[i] == -INFINITY || cls == flashgen::variant::TILE_EMPTY;
+      s[i] = hidden ? HIDDEN
+                    : flashgen::variant::pair_logit<V>(p, RAW ? s[i] * lg.mul : s[i], hi.batch, rs.q_pos[h], pos,
+                                                       rs.qo_head[h], hi.kv_head, use_mask);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < C::TILE_KV / 2; ++i) {
+      const int place = min(t0 + 8 * (i / 4) + 2 * q4 + i % 2, lg.kv_hi - 1), h = (i / 2) % 2;
+      s[i] = flashgen::variant::pair_value<V>(p, s[i] == -INFINITY || cls == flashgen::variant::TILE_EMPTY,
+                                              RAW ? s[i] * lg.mul : s[i], hi.batch, rs.q_pos[h], place,
+                                              rs.qo_head[h], hi.kv_head, use_mask);
+    }
+  }
+}
 
 // S -> P in place: P = 2^(logit - m) with the running max m (base 2) and sum l. Without ALiBi or soft-cap the
 // logit is S * scale_log2, folded into the exponent (sm_scale > 0, checked at plan time: the max of raw S is
@@ -44,9 +152,9 @@ struct LogitsParams {
 // P V is added (applied by the caller once the previous P V has completed). With explicit positions (kp) the
 // ALiBi bias and the causal / window tests take each key's true position (kv_hi still bounds places).
 //
-// A variant (common/variant.cuh): after the spec's transform and mask, on every tile, each pair still visible and
-// before kv_hi goes through the hooks in natural-log units (batch = the request, qo_idx = the row's query
-// position, kv_idx = the key's) and comes back in base 2; softmax=False keeps the weights as P (no max, no sum:
+// A variant (common/variant.cuh): after the spec's transform, on every tile, each pair visible and before kv_hi
+// goes through the hooks in natural-log units (batch = the request, qo_idx = the row's query position, kv_idx =
+// the key's: hooks_inside, then the mask, or the mask, then hooks_by_pair); softmax=False keeps the weights as P (no max, no sum:
 // o_scale 1). cls: the tile predicate's class of the warpgroup's tile (TILE_EMPTY: every pair hidden, no hook
 // called; TILE_FULL: no per-pair mask; the GEMMs run either way, their asynchronous groups stay uniform). With a
 // tile list (C::TILE_LIST) an empty tile of the item never gets here, and a full one without a score hook skips
@@ -57,7 +165,7 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
                                         const KP& kp, const Params& p, const HookItem& hi,
                                         int cls = flashgen::variant::TILE_PARTIAL) {
   using V = typename C::Variant;
-  constexpr bool HOOKED = V::SCORE || V::MASK || !V::SOFTMAX;
+  constexpr bool HOOKED = pair_hooked<V>();
   constexpr bool RAW = !C::ALIBI && !C::SOFT_CAP;
   const int q4 = threadIdx.x % 4;
   if constexpr (C::POSITIONS) {
@@ -92,68 +200,43 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
       s[i] = x;
     }
   }
-  if (!C::POSITIONS && masked) {
-    typename MaskBits<C>::Words words;
-    bits.select(words);
-    if (C::CUSTOM_MASK && !C::CAUSAL && t0 + C::TILE_KV <= lg.kv_hi) {
-      // a partial tile inside the KV range: the bits alone (a bit test and a select a key, where the bound
-      // check below doubles that; short documents have one such tile an item)
+  // a tile whose keys all lie inside the item (uniform over the warpgroup); with a score hook alone (or weights
+  // without softmax) its hooks come before the mask (hooks_inside), else after it (hooks_by_pair)
+  constexpr bool HOOKS_FIRST = HOOKED && !C::POSITIONS && !V::MASK && !V::MASK_TILE;
+  const bool inside = !C::POSITIONS && !V::MASK_TILE && t0 + C::TILE_KV <= lg.kv_hi;
+  if (HOOKS_FIRST && inside) {
+    hooks_inside<C>(s, rs, lg, t0, p, hi);
+    if (masked) hide_inside<C>(s, rs, lg, t0, bits);
+  } else {
+    if (!C::POSITIONS && masked) {
+      typename MaskBits<C>::Words words;
+      bits.select(words);
+      if (C::CUSTOM_MASK && !C::CAUSAL && t0 + C::TILE_KV <= lg.kv_hi) {
+        // a partial tile inside the KV range: the bits alone (a bit test and a select a key, where the bound
+        // check below doubles that; short documents have one such tile an item)
 #pragma unroll
-      for (int i = 0; i < C::TILE_KV / 2; ++i)
-        if (!MaskBits<C>::visible(words, i)) s[i] = -INFINITY;
-    } else {
+        for (int i = 0; i < C::TILE_KV / 2; ++i)
+          if (!MaskBits<C>::visible(words, i)) s[i] = -INFINITY;
+      } else {
 #pragma unroll
-      for (int i = 0; i < C::TILE_KV / 2; ++i) {
-        const int pos = t0 + 8 * (i / 4) + 2 * q4 + i % 2, q_pos = rs.q_pos[(i / 2) % 2];
-        bool ok = pos < lg.kv_hi;
-        if constexpr (C::CAUSAL) ok = ok && pos <= q_pos;
-        if constexpr (C::WINDOW) ok = ok && pos >= q_pos - lg.window_left;
-        if constexpr (C::CUSTOM_MASK) ok = ok && MaskBits<C>::visible(words, i);
-        if (!ok) s[i] = -INFINITY;
+        for (int i = 0; i < C::TILE_KV / 2; ++i) {
+          const int pos = t0 + 8 * (i / 4) + 2 * q4 + i % 2, q_pos = rs.q_pos[(i / 2) % 2];
+          bool ok = pos < lg.kv_hi;
+          if constexpr (C::CAUSAL) ok = ok && pos <= q_pos;
+          if constexpr (C::WINDOW) ok = ok && pos >= q_pos - lg.window_left;
+          if constexpr (C::CUSTOM_MASK) ok = ok && MaskBits<C>::visible(words, i);
+          if (!ok) s[i] = -INFINITY;
+        }
       }
     }
-  }
-  if constexpr (HOOKED) {
-    constexpr float HIDDEN = V::SOFTMAX ? -INFINITY : 0.f, UNITS = V::SOFTMAX ? LOG2E : 1.f;
-    const bool use_mask = cls != flashgen::variant::TILE_FULL;
-    if (C::TILE_LIST && !V::SCORE && V::SOFTMAX && cls == flashgen::variant::TILE_FULL) {
-      // a tile its predicate calls full, without a score hook: nothing for a hook to do, and a hidden pair (past
-      // kv_hi, causal, the window) is -inf already; the logits in the units the exponent below takes
-      if constexpr (RAW)
-#pragma unroll
-        for (int i = 0; i < C::TILE_KV / 2; ++i) s[i] *= lg.mul;
-    } else if (!C::POSITIONS && !V::MASK_TILE && t0 + C::TILE_KV <= lg.kv_hi) {  // (uniform over the warpgroup)
-      // every key of the tile inside the item: every pair evaluated, the hidden ones discarded (pair_value), so
-      // that what the hooks read for a row is read once a tile. ptxas spilled (sm_90a, nvcc 13.0) where the
-      // item's last tile came this way too, its keys clamped to kv_hi, and where a tile predicate's classes were
-      // computed beside it (or an empty tile took a branch of its own): those take the branch a pair below (with
-      // a predicate, only its partial tiles evaluate pairs).
-#pragma unroll
-      for (int i = 0; i < C::TILE_KV / 2; ++i) {
-        const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
-        const float x = (RAW ? s[i] * lg.mul : s[i]) * LN2;  // the base-2 logit (RAW: S * sm_scale * log2 e) in nats
-        s[i] = flashgen::variant::pair_value<V>(p, s[i] == -INFINITY, x, hi.batch, rs.q_pos[h], place,
-                                                rs.qo_head[h], hi.kv_head, use_mask) * UNITS;
-      }
-    } else {  // a pair per branch: the hooks never see a key past kv_hi (nor, with positions, one's position)
-#pragma unroll
-      for (int i = 0; i < C::TILE_KV / 2; ++i) {
-        const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
-        int pos = place;
-        if constexpr (C::POSITIONS) pos = kp.at(t0, i);
-        const bool hidden = place >= lg.kv_hi || s[i] == -INFINITY || cls == flashgen::variant::TILE_EMPTY;
-        const float x = (RAW ? s[i] * lg.mul : s[i]) * LN2;
-        s[i] = hidden ? HIDDEN
-                      : flashgen::variant::pair_logit<V>(p, x, hi.batch, rs.q_pos[h], pos, rs.qo_head[h], hi.kv_head,
-                                                         use_mask) * UNITS;
-      }
-    }
+    if constexpr (HOOKED) hooks_by_pair<C>(s, rs, lg, t0, kp, p, hi, cls, inside);
   }
   if constexpr (!V::SOFTMAX) {  // the weights are P: nothing to rescale or sum
     o_scale[0] = o_scale[1] = 1.f;
     return;
   }
-  const float mul = RAW && !HOOKED ? lg.mul : 1.f;
+  // the exponent's scale: S -> base-2 logit without a transform, natural log -> base 2 after the hooks
+  const float mul = HOOKED ? LOG2E : RAW ? lg.mul : 1.f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = -INFINITY;
