@@ -76,9 +76,8 @@ __device__ __forceinline__ void plan_tiles(const Params& p) {
   if (!w.valid) return;
   const int item = p.num_items - 1 - x % p.num_items, request = p.request_idx[item];
   // the prefill's plan-owned buffer, read-only to the prefill itself (hence const in the params); without
-  // PER_HEAD the lists of kv heads 1, 2, ... follow kv head 0's at a stride of the item's size a kv head
+  // PER_HEAD the warp of kv head 0 writes every kv head's list
   int32_t* list = const_cast<int32_t*>(tile_list_of(p, item, w.kv_head));
-  const int heads = PER_HEAD ? 1 : p.num_kv_heads, stride = p.tile_indptr[item + 1] - p.tile_indptr[item];
   const FastDiv group = group_of(p);
   const int qo_begin = w.q_base + group.div(w.row0), qo_end = w.q_base + group.div(w.last_row) + 1;
   int count = 0;
@@ -101,13 +100,21 @@ __device__ __forceinline__ void plan_tiles(const Params& p) {
     }
     const uint32_t kept = __ballot_sync(0xffffffff, cls != TILE_EMPTY);
     if (cls != TILE_EMPTY) {
-      const int at = 1 + count + __popc(kept & ((1u << lane) - 1u));
-      const int entry = t << ENTRY_SHIFT | (cls == TILE_FULL ? ENTRY_FULL : ENTRY_BITS);
-      for (int h = 0; h < heads; ++h) list[int64_t(h) * stride + at] = entry;
+      if constexpr (PER_HEAD) {
+        list[1 + count + __popc(kept & ((1u << lane) - 1u))] = t << ENTRY_SHIFT | (cls == TILE_FULL ? ENTRY_FULL : ENTRY_BITS);
+      } else {
+        const int at = 1 + count + __popc(kept & ((1u << lane) - 1u));
+        const int entry = t << ENTRY_SHIFT | (cls == TILE_FULL ? ENTRY_FULL : ENTRY_BITS);
+        for (int h = 0; h < p.num_kv_heads; ++h) const_cast<int32_t*>(tile_list_of(p, item, h))[at] = entry;
+      }
     }
     count += __popc(kept);
   }
-  for (int h = lane; h < heads; h += 32) list[int64_t(h) * stride] = count;
+  if constexpr (PER_HEAD) {
+    if (lane == 0) list[0] = count;
+  } else {
+    for (int h = lane; h < p.num_kv_heads; h += 32) const_cast<int32_t*>(tile_list_of(p, item, h))[0] = count;
+  }
 }
 
 }  // namespace flashgen::sm90
