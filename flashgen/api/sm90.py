@@ -6,8 +6,9 @@ the host, plan buffers and the launch.
 bf16, or fp8 K/V under TMA-loaded pages, head_dim == head_dim_vo in 64 / 128 / 256); it plans every request unsplit (one item per (request,
 128-row q tile), its whole KV). A custom mask becomes a tile list per item (``plan.mask_tiles``): a host mask
 is classified on the host (fully masked tiles skipped, fully visible ones unmasked); a device mask is read
-in place with every tile treated as partial (no sync, no skipping). A variant's tile predicate (``mask_tile``;
-``kernels.sm90_tile_lists``) becomes tile lists on the device: ``run()`` launches the kernel's pre-pass
+in place with every tile treated as partial (no sync, no skipping). A variant's mask (``kernels.sm90_tile_lists``: by its
+``mask_tile`` predicate, or by the mask hook over each tile's pairs) becomes tile lists on the device: ``run()``
+launches the kernel's pre-pass
 (``prefill_sm90_tiles``) ahead of it on the same stream, into a buffer sized at ``plan()``
 (``plan.mask_tiles.tile_list_indptr``), so no host sync and CUDA-graph capture keep working.
 """
@@ -21,7 +22,7 @@ import ctypes
 import numpy as np
 import torch
 
-from ..kernels import TILE_LIST_THREADS, sm90_qo_tma, sm90_tile_lists
+from ..kernels import TILE_LIST_THREADS, sm90_qo_tma, sm90_tile_heads, sm90_tile_lists
 from ..plan import plan_prefill
 from ..plan.mask_tiles import plan_mask_tiles, tile_list_indptr
 from ..spec import AttentionSpec, CustomMask, Paged, RoPE
@@ -42,7 +43,7 @@ TMA_BOX_COLS = 64  # 64 16-bit values = the 128-byte swizzle span; a head_dim of
 O_WARP_ROWS = 16  # packed rows of a consumer warp: one TMA store box of O (the kernel's O_WARP_ROWS)
 NO_MAP = bytes(128)  # a CUtensorMap param the kernel does not read (q_tma / o_tma off)
 MAPS_HELD = 64  # q / out tensor maps memoised (by address, shape, strides, group) before the memo starts over
-# a CUDA-graph wrapper's tile-list buffer (a variant's tile predicate) is sized by its first plan
+# a CUDA-graph wrapper's tile-list buffer (a variant's mask) is sized by its first plan
 TILE_LISTS_HINT = "make the first plan the one with the most KV tiles summed over its q tiles"
 
 
@@ -149,8 +150,10 @@ class SM90Prefill:
         self._empty: dict[tuple, torch.Tensor] = {}  # one-row stand-ins for an empty K / V (a map needs an address)
         self.variant = None  # the variant's run() keywords (variant_args), once the kernel is loaded
         self.params_buffer = None
-        # a variant's tile predicate: the pre-pass that writes the items' tile lists, and their buffer
+        # a variant's mask: the pre-pass that writes the items' tile lists, and their buffer; its warps a work
+        # item (each kv head's, or kv head 0's alone where one list serves every kv head: sm90_tile_heads)
         self.tile_lists = sm90_tile_lists(self.kernel_spec, self.positions)
+        self._tile_heads = self.tile_lists and sm90_tile_heads(self.kernel_spec)
         self._tile_buffer = DeviceBuffer(torch.int32, core.device, core.fixed) if self.tile_lists else None
         self._tiles_fn = None
 
@@ -242,11 +245,12 @@ class SM90Prefill:
         return plan.info.max_total_q
 
     def _tile_lists_at(self, extras: dict, num_kv_heads: int, capacity: int) -> int:
-        """The address of the tile-list buffer of a variant's tile predicate (0 without one), sized for this
-        plan's items; the pre-pass grid, a warp a work item."""
+        """The address of the tile-list buffer of a variant's mask (0 without lists), sized for this plan's items;
+        the pre-pass grid, a warp a work item (of kv head 0 only where its list serves every kv head)."""
         if not self.tile_lists:
             return 0
-        self._tiles_grid = (max(1, -(-capacity * num_kv_heads * 32 // TILE_LIST_THREADS)), 1, 1)
+        warps = capacity * (num_kv_heads if self._tile_heads else 1)
+        self._tiles_grid = (max(1, -(-warps * 32 // TILE_LIST_THREADS)), 1, 1)
         return self._tile_buffer.address_of(num_kv_heads * int(extras["tile_indptr"][-1]), "tile lists",
                                             TILE_LISTS_HINT)
 

@@ -11,9 +11,10 @@ as the ``rope_gather`` pre-pass and this kernel over its output), soft-cap, any 
 plans (``enable_split=False``: every item covers its whole KV). Option ``positions`` (bool, as the portable
 prefill's): keys and queries at explicit true positions (``kv_page_pos``, ``q_pos`` params after the others;
 ``family.positions_option``), not with a custom mask; the uri ends in ``_pos``.
-A variant with a ``mask_tile`` hook (without positions or a custom mask: ``sm90_tile_lists``) adds a second entry
-point, ``prefill_sm90_tiles``: a pre-pass over the same params that writes each work item's tile list by the
-predicate, so the prefill skips empty tiles and runs full ones without the mask hook.
+A variant with a ``mask`` hook (without positions or a custom mask: ``sm90_tile_lists``) adds a second entry
+point, ``prefill_sm90_tiles``: a pre-pass over the same params that writes each work item's tile list, by the
+``mask_tile`` predicate where there is one, else by the mask hook itself over each tile's pairs (``Variant(...,
+classify_tiles=False)`` turns that off), so the prefill skips empty tiles and runs full ones without the mask hook.
 The kernel is ``templates/include/flashgen/sm90/kernel.cuh`` (its parts by role beside it); the runner
 ``flashgen.api.sm90``. Its two consumer warpgroups always take turns issuing their GEMMs (the ping-pong;
 ``PINGPONG`` stays a template constant, always true).
@@ -134,12 +135,25 @@ def sm90_o_staged(head_dim: int, gather: bool, elem: int = 2, kv8: int = 0) -> b
 
 
 def sm90_tile_lists(spec: AttentionSpec, positions: bool = False) -> bool:
-    """Whether the kernel of ``spec`` takes its items' KV tiles from lists that its pre-pass writes by the
-    variant's tile predicate (``mask_tile``): not with explicit positions (keys need not be contiguous) nor with
-    a custom mask (whose lists the host plans; the predicate then only spares the mask hook)."""
+    """Whether the kernel of ``spec`` takes its items' KV tiles from lists that its pre-pass writes: by the
+    variant's tile predicate (``mask_tile``), or, for a mask hook without one, by the mask hook itself evaluated
+    over each tile's pairs (unless ``variant.classify_tiles`` is off). Not with explicit positions (keys need not
+    be contiguous) nor with a custom mask (whose lists the host plans; a predicate then only spares the mask
+    hook)."""
     variant = spec.variant
-    return (variant is not None and variant.mask_tile is not None and not positions
+    return (variant is not None and variant.mask is not None and not positions
+            and (variant.mask_tile is not None or variant.classify_tiles)
             and not isinstance(spec.mask, CustomMask))
+
+
+def sm90_tile_heads(spec: AttentionSpec) -> bool:
+    """Whether the tile-list pre-pass of ``spec`` (``sm90_tile_lists``) classifies each kv head's tiles on their
+    own: with a tile predicate (which is given the heads), or a mask hook whose text names ``qo_head`` or
+    ``kv_head``. Otherwise one warp an item classifies kv head 0's tiles over the item's distinct query tokens
+    (a GQA group's rows of one token get the same answer) and writes the list for every kv head: the pre-pass
+    then evaluates ``1 / (num_kv_heads * group)`` of the pairs (``TILE_HEADS``; its grid, api/sm90.py)."""
+    variant = spec.variant
+    return variant.mask_tile is not None or variant.uses("mask", "qo_head") or variant.uses("mask", "kv_head")
 
 
 def sm90_uniform_wg(head_dim: int) -> bool:
@@ -247,6 +261,7 @@ class PrefillSM90Family(AttentionFamily):
             "POSITIONS": "true" if self.positions else "false",
             "TILE_LIST": "true" if sm90_tile_lists(spec, self.positions) else "false",
             "TILE_LIST_THREADS": TILE_LIST_THREADS,
+            "TILE_HEADS": "true" if sm90_tile_lists(spec, self.positions) and sm90_tile_heads(spec) else "false",
         }
 
     def launch(self, spec: AttentionSpec) -> LaunchConfig:

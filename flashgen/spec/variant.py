@@ -26,6 +26,12 @@ kernel multiplies fp8 K): before the spec's RoPE (the rotation turns the transfo
 ``sm_scale``; fp8 K is dequantised first (the hook sees the code times ``k_scale``). Decode and the portable
 prefill run both; the Hopper prefill runs ``q_transform`` only, and not under RoPE (``backend='portable'``).
 
+``classify_tiles`` (default True) applies to a ``mask`` hook without ``mask_tile``: the Hopper prefill then classifies
+each KV tile itself, by evaluating the mask hook over the tile's pairs in a pre-pass, and skips empty tiles and
+runs full ones without the hook (a predicate is then optional, for speed: it spares that pre-pass).
+``classify_tiles=False`` turns the pre-pass off for a mask that keeps most tiles partial (a tree mask over a short
+draft), where it would cost time and skip nothing.
+
 ``softmax=False`` (sigmoid attention) makes the score hook's result the weight itself: ``o = sum_j w_j v_j``
 over the unmasked keys, with no normaliser (and no sink).
 """
@@ -215,6 +221,18 @@ def snippet_names(body: str) -> list[tuple[str, int]]:
     return free
 
 
+def hook_names(body: str) -> frozenset[str]:
+    """Every identifier a hook's text reads, outside comments and string literals and not as a member (after
+    ``.``, ``->`` or ``::``): a superset of the inputs it uses (a local that shadows an input counts as the input),
+    so that a name absent from it is certainly unused. A preprocessor directive (``#``: token pasting can spell a
+    name without writing it) makes it every input name."""
+    tokens = [t for t in _TOKEN.findall(_STRIP.sub(_blank, body)) if t != "\n"]
+    if "#" in tokens:
+        return INPUT_NAMES | frozenset(tokens)
+    return frozenset(t for i, t in enumerate(tokens) if (t[0].isalpha() or t[0] == "_")
+                     and (i == 0 or tokens[i - 1] not in (".", "->", "::")))
+
+
 def check_snippet(hook: str, body: str, declared: tuple[str, ...]) -> None:
     """``SpecError`` naming the hook and the line (within the hook) of a name that is neither an input of the
     hook nor a declared tensor or scalar, or of a body with no ``return``."""
@@ -265,6 +283,7 @@ class Variant:
     tensors: tuple = ()
     scalars: tuple = ()
     softmax: bool = True
+    classify_tiles: bool = True
 
     def __post_init__(self) -> None:
         tensors = tuple(t if isinstance(t, Tensor) else Tensor(*t) for t in _seq(self.tensors, "tensors"))
@@ -283,6 +302,11 @@ class Variant:
             raise SpecError(f"variant: no hook given; set at least one of {', '.join(HOOKS)}")
         if self.mask_tile is not None and self.mask is None:
             raise SpecError("variant.mask_tile: a tile predicate needs the mask hook it summarises")
+        if not isinstance(self.classify_tiles, bool):
+            raise SpecError(f"variant.classify_tiles: got {self.classify_tiles!r}, expected True or False")
+        if not self.classify_tiles and (self.mask is None or self.mask_tile is not None):
+            raise SpecError("variant.classify_tiles: False turns off classifying tiles by the mask hook, which "
+                            "applies to a mask hook without mask_tile only")
         if not self.softmax and self.sink is not None:
             raise SpecError("variant.sink: a sink adds to the softmax denominator; softmax=False has none")
 
@@ -312,13 +336,17 @@ class Variant:
         return tuple(h for h in (getattr(self, name) for name in HOOKS) if h is not None)
 
     def canonical(self) -> dict:
-        """What identifies the variant's code: hook texts, declarations, softmax on/off."""
-        return {
+        """What identifies the variant's code: hook texts, declarations, softmax on/off, and ``classify_tiles``
+        where it is off (so that the default leaves every variant's digest as it was)."""
+        data = {
             "hooks": {h.name: h.body for h in self.hooks},
             "tensors": [[t.name, t.dtype, t.rank] for t in self.tensors],
             "scalars": [[s.name, s.dtype] for s in self.scalars],
             "softmax": self.softmax,
         }
+        if not self.classify_tiles:
+            data["classify_tiles"] = False
+        return data
 
     @property
     def digest(self) -> str:
@@ -339,6 +367,11 @@ class Variant:
         data.update(self.canonical())
         del data["hooks"]
         return data
+
+    def uses(self, hook: str, name: str) -> bool:
+        """Whether hook ``hook``'s text names ``name`` (an input or a declaration; False for a hook not given)."""
+        value = getattr(self, hook)
+        return value is not None and name in hook_names(value.body)
 
     def missing(self, provided: dict) -> list[str]:
         """The declared tensors and scalars absent from ``provided`` (``run()``'s keywords), in declared order."""

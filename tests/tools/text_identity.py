@@ -36,6 +36,9 @@ def matrix() -> list[tuple[str, object, dict | None]]:
 
     doc = Variant(mask="return doc_ids[qo_idx] == doc_ids[kv_idx];", tensors=[("doc_ids", "int32", 1)])
     bias = Variant(score="return logit + bias;", scalars=[("bias", "float32")])
+    tiled = Variant(mask="return doc_ids[qo_idx] == doc_ids[kv_idx];", mask_tile="""
+        if (doc_ids[kv_end - 1] < doc_ids[qo_begin] || doc_ids[kv_begin] > doc_ids[qo_end - 1]) return TILE_EMPTY;
+        return TILE_PARTIAL;""", tensors=[("doc_ids", "int32", 1)])
     base = dict(head_dim=128, kv_layout=Paged(16))
     specs = [
         dict(soft_cap=30.0),
@@ -51,6 +54,7 @@ def matrix() -> list[tuple[str, object, dict | None]]:
         dict(pos_encoding=RoPE(), mask=Causal()),
         dict(soft_cap=30.0, variant=bias),
         dict(pos_encoding=ALiBi(), mask=Causal(), variant=doc),
+        dict(mask=Causal(), variant=tiled),
         dict(mask=NoMask()),
     ]
     jobs = []

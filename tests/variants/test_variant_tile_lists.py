@@ -5,6 +5,7 @@ pre-pass compiles for sm_90a without spills. The GPU checks are in test_variants
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from unittest import mock
 
@@ -15,10 +16,12 @@ import torch
 import flashgen
 from flashgen.api import sm90
 from compile_checks import build_all, prefetch
-from flashgen.kernels import family, sm90_tile_lists
+from flashgen.kernels import family, sm90_tile_heads, sm90_tile_lists
 from flashgen.plan import PlanError
 from flashgen.plan.mask_tiles import tile_list_indptr
-from flashgen.spec import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow
+from flashgen.spec import (AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError,
+                           spec_from_dict, spec_to_dict)
+from flashgen.spec.variant import hook_names
 from flashgen.testing.variants import tile_class
 from flashgen.variants.examples import EXAMPLES
 from stub_cuda import on_device, stubbed_cuda
@@ -26,6 +29,8 @@ from stub_cuda import on_device, stubbed_cuda
 DOC, DOC_CUDA = EXAMPLES["document_tiled"]
 PREFIX, PREFIX_CUDA = EXAMPLES["prefix_lm"]
 HEADS = dict(num_qo_heads=8, num_kv_heads=2)
+DOC_OFF = dataclasses.replace(EXAMPLES["document"][0], classify_tiles=False)
+HEAD_MASK = flashgen.Variant(mask="return (qo_head + kv_idx) % 3 != 0;")
 
 
 def test_the_prefix_lm_tile_predicate_agrees_with_its_mask():
@@ -45,7 +50,9 @@ def test_the_prefix_lm_tile_predicate_agrees_with_its_mask():
     (AttentionSpec(64, kv_layout=Paged(5), mask=SlidingWindow(40), variant=DOC_CUDA), None, True),
     (AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=DOC), {"positions": True}, False),
     (AttentionSpec(128, kv_layout=Ragged(), mask=CustomMask(), variant=DOC), None, False),
-    (AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=EXAMPLES["document"][0]), None, False),
+    (AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=EXAMPLES["document"][0]), None, True),
+    (AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=DOC_OFF), None, False),
+    (AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=EXAMPLES["alibi"][0]), None, False),
     (AttentionSpec(128, kv_layout=Ragged(), mask=Causal()), None, False),
 ])
 def test_the_pre_pass_is_rendered_exactly_where_tile_lists_apply(spec, options, lists):
@@ -119,10 +126,55 @@ def test_plan_sizes_the_lists_and_run_launches_the_pre_pass_first(hopper):
     assert warps >= plan.info.capacity * HEADS["num_kv_heads"]
 
 
-def test_a_variant_without_a_predicate_gets_no_lists(hopper):
-    w = _wrapper(AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=EXAMPLES["document"][0]))
+@pytest.mark.parametrize("variant,per_head", [(EXAMPLES["document"][0], False), (EXAMPLES["document"][1], False),
+                                               (HEAD_MASK, True), (DOC, True)])
+def test_a_mask_hook_alone_gets_lists_one_warp_an_item_unless_it_names_a_head(hopper, variant, per_head):
+    spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=variant)
+    assert sm90_tile_heads(spec) is per_head
+    assert f"plan_tiles<PrefillSM90Config, {'true' if per_head else 'false'}>(p)" in family("prefill_sm90").render(spec)
+    w = _wrapper(spec)
+    _plan(w, [3, 300], [3, 400])
+    impl = w._impl
+    assert impl.tile_lists and impl._params.values()["tiles"] == impl._tile_buffer.address != 0
+    warps = impl._tiles_grid[0] * sm90.TILE_LIST_THREADS // 32
+    heads = HEADS["num_kv_heads"] if per_head else 1
+    assert impl.last_plan.info.capacity * heads <= warps < impl.last_plan.info.capacity * heads + 4
+
+
+def test_classify_tiles_off_gives_no_lists_and_its_own_key(hopper):
+    w = _wrapper(AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=DOC_OFF))
     _plan(w, [3, 40], [3, 400])
     assert w._impl._tiles_fn is None and w._impl._params.values()["tiles"] == 0
+    on = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=EXAMPLES["document"][0])
+    assert DOC_OFF.uri != on.variant.uri and DOC_OFF != on.variant
+
+
+def test_classify_tiles_is_checked_and_keeps_the_default_digest():
+    mask = "return doc_ids[qo_idx] == doc_ids[kv_idx];"
+    tensors = [("doc_ids", "int32", 1)]
+    default = flashgen.Variant(mask=mask, tensors=tensors)
+    assert default.canonical().keys() == {"hooks", "tensors", "scalars", "softmax"}  # digests as before the field
+    assert default == flashgen.Variant(mask=mask, tensors=tensors, classify_tiles=True)
+    off = flashgen.Variant(mask=mask, tensors=tensors, classify_tiles=False)
+    assert off.canonical()["classify_tiles"] is False and off.digest != default.digest
+    spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=off)
+    assert spec_from_dict(spec_to_dict(spec)) == spec
+    with pytest.raises(SpecError, match=r"variant.classify_tiles: got 1, expected True or False"):
+        flashgen.Variant(mask=mask, tensors=tensors, classify_tiles=1)
+    with pytest.raises(SpecError, match="variant.classify_tiles: False .* mask hook without mask_tile only"):
+        flashgen.Variant(score="return logit;", classify_tiles=False)
+    with pytest.raises(SpecError, match="variant.classify_tiles: False .* mask hook without mask_tile only"):
+        dataclasses.replace(DOC, classify_tiles=False)
+
+
+def test_which_inputs_a_mask_names():
+    """Names in comments, strings and member accesses are not uses; a preprocessor line makes every input one."""
+    assert hook_names("// qo_head\nreturn p.kv_head + x->qo_head < 3; /* kv_head */") == {"return", "p", "x"}
+    assert {"qo_head", "kv_head"} <= hook_names("#define H qo_ ## head\nreturn H > 0;")
+    v = flashgen.Variant(mask="int head = qo_head; return head != 1;")
+    assert v.uses("mask", "qo_head") and not v.uses("mask", "kv_head") and not v.uses("score", "logit")
+    traced = flashgen.Variant(mask=lambda h, q_idx, kv_idx: (h + kv_idx) % 2 == 0)
+    assert traced.uses("mask", "qo_head") and not traced.uses("mask", "kv_head")
 
 
 def test_a_cuda_graph_wrapper_keeps_its_lists_in_place_and_names_the_limit(hopper):
@@ -142,6 +194,9 @@ COMPILE = [("prefill_sm90", spec, "sm_90a") for spec in (
     AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), variant=DOC),
     AttentionSpec(128, kv_layout=Paged(48), mask=NoMask(), variant=PREFIX_CUDA),
     AttentionSpec(64, kv_layout=Ragged(), mask=SlidingWindow(100), variant=DOC_CUDA),
+    AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), variant=EXAMPLES["document"][0]),  # by the mask hook
+    AttentionSpec(64, kv_layout=Paged(5), mask=SlidingWindow(40), variant=EXAMPLES["document"][1]),
+    AttentionSpec(128, kv_layout=Ragged(), mask=NoMask(), variant=HEAD_MASK),  # per kv head
 )]  # not d256: there the Hopper kernel's variants spill with or without lists (document 96 / 132 bytes unlisted,
 # document_tiled 76 / 80 listed, prefix-LM 28 / 28 at nvcc 13.0); docs/performance.md, Variants
 prefetch(__name__, COMPILE)

@@ -159,12 +159,15 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   }
   const HookItem hi{request, w.kv_head};
   // the tile predicate's class of the warpgroup's rows against the tile at t0 (without explicit positions); a
-  // tile its list (C::TILE_LIST) calls full is so for every row of the item
+  // tile its list (C::TILE_LIST) calls full is so for every row of the item. Lists the mask hook wrote (no
+  // predicate): full as listed, else partial.
   auto tile_cls = [&](int t0, int kind) {
     if constexpr (C::Variant::MASK_TILE && !C::POSITIONS) {
       if (C::TILE_LIST && kind == ENTRY_FULL) return flashgen::variant::TILE_FULL;
       return flashgen::variant::tile_class<typename C::Variant>(p, request, w.kv_head * group.d, group.d, w.kv_head,
                                                               wq_min, wq_max + 1, t0, min(t0 + C::TILE_KV, w.kv_hi));
+    } else if constexpr (C::TILE_LIST) {
+      return kind == ENTRY_FULL ? flashgen::variant::TILE_FULL : flashgen::variant::TILE_PARTIAL;
     } else {
       return flashgen::variant::TILE_PARTIAL;
     }

@@ -116,12 +116,12 @@ __device__ __forceinline__ void hooks_by_pair(float (&s)[C::TILE_KV / 2], const 
     return;
   }
   const bool use_mask = cls != flashgen::variant::TILE_FULL;
-  if (inside) {  // (never with positions or a tile predicate: cls is TILE_PARTIAL)
+  if (inside) {  // (never with positions or a tile predicate; TILE_FULL only from lists the mask hook wrote)
 #pragma unroll
     for (int i = 0; i < C::TILE_KV / 2; ++i) {
       const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
       s[i] = flashgen::variant::pair_value<V>(p, s[i] == -INFINITY, RAW ? s[i] * lg.mul : s[i], hi.batch,
-                                              rs.q_pos[h], place, rs.qo_head[h], hi.kv_head);
+                                              rs.q_pos[h], place, rs.qo_head[h], hi.kv_head, use_mask);
     }
   } else if constexpr (BY_BRANCH) {
 #pragma unroll
@@ -155,7 +155,7 @@ __device__ __forceinline__ void hooks_by_pair(float (&s)[C::TILE_KV / 2], const 
 // A variant (common/variant.cuh): after the spec's transform, on every tile, each pair visible and before kv_hi
 // goes through the hooks in natural-log units (batch = the request, qo_idx = the row's query position, kv_idx =
 // the key's: hooks_inside, then the mask, or the mask, then hooks_by_pair); softmax=False keeps the weights as P (no max, no sum:
-// o_scale 1). cls: the tile predicate's class of the warpgroup's tile (TILE_EMPTY: every pair hidden, no hook
+// o_scale 1). cls: the tile's class (the predicate's over the warpgroup's rows, or its list's) (TILE_EMPTY: every pair hidden, no hook
 // called; TILE_FULL: no per-pair mask; the GEMMs run either way, their asynchronous groups stay uniform). With a
 // tile list (C::TILE_LIST) an empty tile of the item never gets here, and a full one without a score hook skips
 // the hooks' loop.
