@@ -3,7 +3,8 @@ as CUDA.
 
 The hook is called once with symbolic proxies (``Sym``) for its inputs and the variant's declared tensors and
 scalars; operator overloading records an expression tree of ``Node``s. Every node has one of three types:
-``float`` (C ``float``), ``int`` (C ``long long``) or ``bool``. Python's semantics are kept where C's differ:
+``float`` (C ``float``), ``int`` (C ``long long``, or ``int`` where its value provably fits: ``_Emitter``)
+or ``bool``. Python's semantics are kept where C's differ:
 ``//`` and ``%`` on ints floor (``fg_floordiv`` / ``fg_mod``, not C's truncation), ``/`` is true division
 (a float), ``%`` on floats takes the sign of the divisor, ``&`` / ``|`` on bools evaluate both sides
 (``fg_and`` / ``fg_or``, not C's short-circuit ``&&`` / ``||``). Shifts by 64 or more and int overflow are undefined,

@@ -28,7 +28,8 @@ def test_floor_of_an_unbounded_float_stays_64():
 
 def test_where_narrows_only_its_own_branches():
     # n < 8 bounds n in the first branch only: the floor of the second (n up to 2^31 - 1, as a float) stays 64-bit
-    v = Variant(score=lambda score, kv_idx: score + ops.where(kv_idx < 8, ops.floor(kv_idx * 1.0), ops.floor(kv_idx * 1.0)))
+    v = Variant(score=lambda score, kv_idx: score + ops.where(kv_idx < 8, ops.floor(kv_idx * 1.0),
+                                                              ops.floor(kv_idx * 1.0)))
     assert "static_cast<long long>(floorf(" in v.score.body
     w = Variant(score=lambda score, kv_idx: score + ops.where(kv_idx < 8, ops.floor(kv_idx + 0.5), 0))
     assert "static_cast<int>(floorf(" in w.score.body
