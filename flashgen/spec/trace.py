@@ -466,8 +466,8 @@ class _Emitter:
         if op == "cast":
             ctype = self._int_op(node) if t == "int" else C_TYPES[t]
             return f"static_cast<{ctype}>({self.emit(a[0])[0]})", ctype
-        if op == "floor":  # a float whose floor fits 32 bits (with room for its rounding) converts to an int
-            ctype = "int" if self._fits(node, 2 ** 8) else "long long"
+        if op == "floor":  # a float bounded by 2^30 (room for its operations' rounding) converts to an int
+            ctype = "int" if self._fits(node, 2 ** 30) else "long long"
             return f"static_cast<{ctype}>(floorf({self.emit(a[0])[0]}))", ctype
         if t == "int" and op in ("neg", "where", "minimum", "maximum", "abs", "+", "-", "*"):
             ctype = self._int_op(node)
