@@ -3,7 +3,8 @@ as CUDA.
 
 The hook is called once with symbolic proxies (``Sym``) for its inputs and the variant's declared tensors and
 scalars; operator overloading records an expression tree of ``Node``s. Every node has one of three types:
-``float`` (C ``float``), ``int`` (C ``long long``) or ``bool``. Python's semantics are kept where C's differ:
+``float`` (C ``float``), ``int`` (C ``long long``, or ``int`` where its value provably fits: ``_Emitter``)
+or ``bool``. Python's semantics are kept where C's differ:
 ``//`` and ``%`` on ints floor (``fg_floordiv`` / ``fg_mod``, not C's truncation), ``/`` is true division
 (a float), ``%`` on floats takes the sign of the divisor, ``&`` / ``|`` on bools evaluate both sides
 (``fg_and`` / ``fg_or``, not C's short-circuit ``&&`` / ``||``). Shifts by 64 or more and int overflow are undefined,
@@ -331,45 +332,173 @@ def _const(node: Node) -> str:
     return f"{v!r}f" if ("e" in repr(v) or "." in repr(v)) else f"{v!r}.0f"
 
 
-def _helper_arg(node: Node) -> str:
-    """An argument of an overloaded helper: an int input (C ``int``) is widened so that the ``long long``
-    overload, not the ``float`` one, is chosen."""
-    text = to_cuda(node)
-    exact = node.op in ("const", "load", "cast", "floor")  # already long long
-    return f"static_cast<long long>({text})" if node.type == "int" and not exact else text
+# ---------------------------------------------------------------------------------------------- value ranges
+
+# An int of the hooks' inputs (batch, positions, heads, dim, tile bounds) is a C int index, never negative.
+_INPUT_RANGE = (0, 2 ** 31 - 1)
+_INT32 = (-(2 ** 31), 2 ** 31 - 1)
+_ANY = (-math.inf, math.inf)
+_NARROW = ("<", "<=", ">", ">=")
+
+
+def _meet(r: tuple, lo: float, hi: float) -> tuple:
+    return (max(r[0], lo), min(r[1], hi))
+
+
+def _arith(op: str, x: tuple, y: tuple) -> tuple:
+    if op == "+":
+        return (x[0] + y[0], x[1] + y[1])
+    if op == "-":
+        return (x[0] - y[1], x[1] - y[0])
+    if op == "*" and all(math.isfinite(v) for v in (*x, *y)):
+        products = [a * b for a in x for b in y]
+        return (min(products), max(products))
+    return _ANY
+
+
+class _Ranges:
+    """Bounds of each int and float node's value (NaN aside), a ``where`` narrowing its operand of a comparison
+    with a constant on each side (``where(n < 8, n, ...)``: n <= 7 in the first branch). ``of`` keeps, per node,
+    the union over every context it was reached in."""
+
+    def __init__(self, root: Node):
+        self.of: dict[int, tuple] = {}
+        self._memo: dict[tuple, tuple] = {}
+        self._envs: list[dict] = []  # alive while memoised by id
+        self._visit(root, {})
+
+    def _visit(self, node: Node, env: dict) -> tuple:
+        key = (id(node), id(env))
+        if key not in self._memo:
+            self._memo[key] = env.get(id(node)) or self._compute(node, env)
+        r = self._memo[key]
+        old = self.of.get(id(node))
+        self.of[id(node)] = r if old is None else (min(old[0], r[0]), max(old[1], r[1]))
+        return r
+
+    def _compute(self, node: Node, env: dict) -> tuple:
+        op, a = node.op, node.args
+        if op == "where":
+            self._visit(a[0], env)
+            return self._where(a, env)
+        args = [self._visit(x, env) for x in a]
+        if op == "const":
+            v = node.value
+            return _ANY if isinstance(v, float) and math.isnan(v) else (v, v)
+        if op == "input":
+            return _INPUT_RANGE if node.type == "int" else _ANY
+        if op == "cast":
+            return args[0] if a[0].type != "bool" else (0, 1)
+        if op in ("+", "-", "*") and node.type != "bool":
+            return _arith(op, *args)
+        if op == "neg":
+            return (-args[0][1], -args[0][0])
+        if op == "abs":
+            lo, hi = args[0]
+            return (0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
+        if op in ("minimum", "maximum"):
+            f = min if op == "minimum" else max
+            return (f(args[0][0], args[1][0]), f(args[0][1], args[1][1]))
+        if op == "floor":
+            return tuple(math.floor(v) if math.isfinite(v) else v for v in args[0])
+        return (0, 1) if node.type == "bool" else _ANY
+
+    def _where(self, a: tuple, env: dict) -> tuple:
+        cond, envs = a[0], (env, env)
+        if cond.op in _NARROW and cond.args[1].op == "const" and cond.args[0].op != "const":
+            x, c = cond.args[0], cond.args[1].value
+            r = env.get(id(x)) or self.of[id(x)]
+            inf, step = math.inf, 1 if x.type == "int" else 0
+            yes = {"<": (-inf, c - step), "<=": (-inf, c), ">": (c + step, inf), ">=": (c, inf)}[cond.op]
+            no = {"<": (c, inf), "<=": (c + step, inf), ">": (-inf, c), ">=": (-inf, c - step)}[cond.op]
+            envs = ({**env, id(x): _meet(r, *yes)},
+                    {**env, id(x): _meet(r, *no)} if step else env)  # a float's NaN fails every comparison
+            self._envs += envs
+        t, f = self._visit(a[1], envs[0]), self._visit(a[2], envs[1])
+        return (min(t[0], f[0]), max(t[1], f[1]))
 
 
 def to_cuda(node: Node) -> str:
     """A C++ expression for ``node`` (fully parenthesised; helpers from ``flashgen/common/variant.cuh``)."""
-    op, a = node.op, node.args
-    if op == "const":
-        return _const(node)
-    if op in ("input", "scalar"):
-        return node.value
-    if op == "load":  # as the node's type: a __half or int32 element must not pick a helper overload
-        load = f"{node.value}({', '.join(to_cuda(i) for i in a)})"
-        return load if node.type == "bool" else f"static_cast<{C_TYPES[node.type]}>({load})"
-    if op == "cast":
-        return f"static_cast<{C_TYPES[node.type]}>({to_cuda(a[0])})"
-    if op == "neg":
-        return f"(-{to_cuda(a[0])})"
-    if op == "not":
-        return f"(!{to_cuda(a[0])})"
-    if op == "~":
-        return f"(~{to_cuda(a[0])})"
-    if op == "where":
-        return f"({to_cuda(a[0])} ? {to_cuda(a[1])} : {to_cuda(a[2])})"
-    if op in ("//", "%", "**"):
-        name = {"//": "fg_floordiv", "%": "fg_mod", "**": "fg_pow"}[op]
-        return f"{name}({_helper_arg(a[0])}, {_helper_arg(a[1])})"
-    if op in ("&", "|") and node.type == "bool":  # both sides, as Python's: no load of one under a branch
-        return f"{'fg_and' if op == '&' else 'fg_or'}({to_cuda(a[0])}, {to_cuda(a[1])})"
-    if op in _ARITH or op in _CMP or op in _BITS:
-        return f"({to_cuda(a[0])} {op} {to_cuda(a[1])})"
-    if op in ("minimum", "maximum"):
-        return f"fg_{op[:3]}({_helper_arg(a[0])}, {_helper_arg(a[1])})"
-    if op == "floor":
-        return f"static_cast<long long>(floorf({to_cuda(a[0])}))"
-    if op == "abs":
-        return f"fg_abs({_helper_arg(a[0])})"
-    return f"{_C_FUNCS[op]}({', '.join(to_cuda(x) for x in a)})"
+    return _Emitter(node).emit(node)[0]
+
+
+class _Emitter:
+    """C++ text of an expression and the C type each int is computed in: ``int`` where the node's value and
+    every int it is computed from provably fit 32 bits (``_Ranges``), else ``long long``, so that a hook's
+    index arithmetic, int compares and int <-> float conversions stay 32-bit (a 64-bit one is several
+    instructions, a conversion from or to 64 bits a slow one) with the same values."""
+
+    def __init__(self, root: Node):
+        self.ranges = _Ranges(root).of
+        self._memo: dict[int, tuple[str, str]] = {}
+
+    def _fits(self, node: Node, margin: int = 0) -> bool:
+        r = self.ranges.get(id(node))
+        return r is not None and _INT32[0] + margin <= r[0] and r[1] <= _INT32[1] - margin
+
+    def _as(self, node: Node, ctype: str) -> str:
+        text, have = self.emit(node)
+        return text if have == ctype or node.op == "const" else f"static_cast<{ctype}>({text})"
+
+    def _int_op(self, node: Node) -> str:
+        """``int`` when node and its int operands fit, else ``long long``."""
+        ints = [x for x in node.args if x.type == "int"]
+        narrow = self._fits(node) and all(self.emit(x)[1] == "int" for x in ints)
+        return "int" if narrow else "long long"
+
+    def emit(self, node: Node) -> tuple[str, str]:
+        if id(node) not in self._memo:
+            self._memo[id(node)] = self._emit(node)
+        return self._memo[id(node)]
+
+    def _emit(self, node: Node) -> tuple[str, str]:
+        op, a, t = node.op, node.args, node.type
+        if op == "const":
+            if t == "int" and self._fits(node):
+                return (str(node.value) if node.value != -(2 ** 31) else "(-2147483647 - 1)"), "int"
+            return _const(node), C_TYPES[t]
+        if op in ("input", "scalar"):
+            return node.value, ("int" if op == "input" and t == "int" else C_TYPES[t])
+        if op == "load":  # as the node's type: a __half or int32 element must not pick a helper overload
+            load = f"{node.value}({', '.join(self.emit(i)[0] for i in a)})"
+            return (load if t == "bool" else f"static_cast<{C_TYPES[t]}>({load})"), C_TYPES[t]
+        if op == "cast":
+            ctype = self._int_op(node) if t == "int" else C_TYPES[t]
+            return f"static_cast<{ctype}>({self.emit(a[0])[0]})", ctype
+        if op == "floor":  # a float bounded by 2^30 (room for its operations' rounding) converts to an int
+            ctype = "int" if self._fits(node, 2 ** 30) else "long long"
+            return f"static_cast<{ctype}>(floorf({self.emit(a[0])[0]}))", ctype
+        if t == "int" and op in ("neg", "where", "minimum", "maximum", "abs", "+", "-", "*"):
+            ctype = self._int_op(node)
+            args = [self._as(x, ctype) if x.type == "int" else self.emit(x)[0] for x in a]
+        else:
+            ctype = C_TYPES[t]
+            args = [self.emit(x)[0] for x in a]
+        if op in _CMP and a[0].type == "int":  # compared in the wider of the operands' types
+            wide = "int" if all(self.emit(x)[1] == "int" for x in a) else "long long"
+            args = [self._as(x, wide) for x in a]
+        if op == "neg":
+            return f"(-{args[0]})", ctype
+        if op == "not":
+            return f"(!{args[0]})", ctype
+        if op == "~":
+            return f"(~{args[0]})", ctype
+        if op == "where":
+            return f"({args[0]} ? {args[1]} : {args[2]})", ctype
+        if op in ("//", "%", "**"):  # the long long overloads for ints
+            name = {"//": "fg_floordiv", "%": "fg_mod", "**": "fg_pow"}[op]
+            wide = [self._as(x, "long long") if x.type == "int" else args[i] for i, x in enumerate(a)]
+            return f"{name}({wide[0]}, {wide[1]})", ctype
+        if op in ("&", "|") and t == "bool":  # both sides, as Python's: no load of one under a branch
+            return f"{'fg_and' if op == '&' else 'fg_or'}({args[0]}, {args[1]})", ctype
+        if op in _BITS and t == "int":  # 64-bit, as the shift counts and masks of Python's ints need
+            wide = [self._as(x, "long long") for x in a]
+            return f"({wide[0]} {op} {wide[1]})", ctype
+        if op in _ARITH or op in _CMP or op in _BITS:
+            return f"({args[0]} {op} {args[1]})", ctype
+        if op in ("minimum", "maximum"):
+            return f"fg_{op[:3]}({args[0]}, {args[1]})", ctype
+        if op == "abs":
+            return f"fg_abs({args[0]})", ctype
+        return f"{_C_FUNCS[op]}({', '.join(args)})", ctype

@@ -187,6 +187,10 @@ __device__ __forceinline__ long long fg_pow(long long a, long long e) {
   return r;
 }
 __device__ __forceinline__ float fg_pow(float a, float b) { return powf(a, b); }
+// min, max and abs of ints in 32 bits where a traced hook's values provably fit them (trace.py _Emitter)
+__device__ __forceinline__ int fg_min(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int fg_max(int a, int b) { return a > b ? a : b; }
+__device__ __forceinline__ int fg_abs(int a) { return a < 0 ? -a : a; }
 __device__ __forceinline__ long long fg_min(long long a, long long b) { return a < b ? a : b; }
 __device__ __forceinline__ float fg_min(float a, float b) { return fminf(a, b); }
 __device__ __forceinline__ long long fg_max(long long a, long long b) { return a > b ? a : b; }
