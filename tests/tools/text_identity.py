@@ -6,7 +6,7 @@ prefill for sm_90a, once per tree, each tree in a subprocess of its own (``PYTHO
 cache, then compares each kernel's ``.text.*`` sections byte for byte (``readelf -x``) and says whether its
 kernel key stayed. A kernel whose code differs is named, with the size of its SASS diff (``cuobjdump -sass``).
 
-    python3 tests/tools/text_identity.py                   # exports main's tree to /tmp/text_old first
+    python3 tests/tools/text_identity.py                   # exports main's tree to /tmp/text_old/<commit> first
     python3 tests/tools/text_identity.py --base HEAD~3 --jobs 1
 """
 
@@ -125,7 +125,7 @@ def run_tree(tree: Path, cache: Path, jobs: int) -> dict[str, dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="main", help="the git revision to compare against")
-    ap.add_argument("--old", default="/tmp/text_old", help="where the base tree is exported")
+    ap.add_argument("--old", default="/tmp/text_old", help="where base trees are exported (one folder a commit)")
     ap.add_argument("--work", default="/tmp/text_identity", help="the two fresh caches go here")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--build", help=argparse.SUPPRESS)
@@ -135,7 +135,10 @@ def main() -> int:
     if args.build:
         build(args.build, args.jobs)
         return 0
-    old_tree, work = Path(args.old), Path(args.work)
+    # the base tree goes into a folder named by its commit, so a tree exported for another base is never reused
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{args.base}^{{commit}}"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    old_tree, work = Path(args.old) / sha[:12], Path(args.work)
     if not (old_tree / "flashgen").is_dir():
         old_tree.mkdir(parents=True, exist_ok=True)
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.base], capture_output=True, check=True)
