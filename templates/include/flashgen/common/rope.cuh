@@ -28,46 +28,53 @@ __device__ __forceinline__ void rope_pair(float& lo, float& hi, float c, float s
   hi = x2 * c + x1 * s;
 }
 
+// the cosine and sine of the angle pos * theta^(-2i/dim) of the pair (x[i], x[i + dim/2])
+__device__ __forceinline__ void rope_cos_sin(float& c, float& s, float pos, int i, int dim, float rope_rcp_scale,
+                                             float rope_log2_theta) {
+  const float inv_freq = rope_inv_freq(i, dim, rope_log2_theta);
+  sincosf(pos * rope_rcp_scale * inv_freq, &s, &c);
+}
+
+// the same with the params' scaling (rope_rcp_factor, rope_smooth_a/b/c), times the attention factor (rope_mscale)
+template <class Params>
+__device__ __forceinline__ void rope_cos_sin_scaled(float& c, float& s, float pos, int i, int dim, const Params& p) {
+  const float f = rope_scaled_freq(rope_inv_freq(i, dim, p.rope_log2_theta), i, p.rope_rcp_factor, p.rope_smooth_a,
+                                   p.rope_smooth_b, p.rope_smooth_c);
+  sincosf(pos * p.rope_rcp_scale * f, &s, &c);
+  c *= p.rope_mscale;
+  s *= p.rope_mscale;
+}
+
+// an attention kernel's cosine and sine: scaled where its spec's RoPE has a scaling (SCALED), plain otherwise;
+// one angle can turn two rows at the same position (the fused append's new key beside q)
+template <bool SCALED, class Params>
+__device__ __forceinline__ void rope_cos_sin_by(float& c, float& s, float pos, int i, int dim, const Params& p) {
+  if constexpr (SCALED) rope_cos_sin_scaled(c, s, pos, i, dim, p);
+  else rope_cos_sin(c, s, pos, i, dim, p.rope_rcp_scale, p.rope_log2_theta);
+}
+
 // rotates the pair (x[i], x[i + dim/2]) by pos * theta^(-2i/dim)
 __device__ __forceinline__ void rope_rotate(float& lo, float& hi, float pos, int i, int dim, float rope_rcp_scale,
                                             float rope_log2_theta) {
-  const float inv_freq = rope_inv_freq(i, dim, rope_log2_theta);
-  float s, c;
-  sincosf(pos * rope_rcp_scale * inv_freq, &s, &c);
+  float c, s;
+  rope_cos_sin(c, s, pos, i, dim, rope_rcp_scale, rope_log2_theta);
   rope_pair(lo, hi, c, s);
 }
 
-// the same with the params' scaling (rope_rcp_factor, rope_smooth_a/b/c) and attention factor (rope_mscale)
+// the same with the params' scaling and attention factor
 template <class Params>
 __device__ __forceinline__ void rope_rotate_scaled(float& lo, float& hi, float pos, int i, int dim, const Params& p) {
-  const float f = rope_scaled_freq(rope_inv_freq(i, dim, p.rope_log2_theta), i, p.rope_rcp_factor, p.rope_smooth_a,
-                                   p.rope_smooth_b, p.rope_smooth_c);
-  float s, c;
-  sincosf(pos * p.rope_rcp_scale * f, &s, &c);
-  rope_pair(lo, hi, c * p.rope_mscale, s * p.rope_mscale);
+  float c, s;
+  rope_cos_sin_scaled(c, s, pos, i, dim, p);
+  rope_pair(lo, hi, c, s);
 }
 
-// an attention kernel's rotation: scaled where its spec's RoPE has a scaling (SCALED), plain otherwise
+// an attention kernel's rotation (rope_cos_sin_by's angle)
 template <bool SCALED, class Params>
 __device__ __forceinline__ void rope_rotate_by(float& lo, float& hi, float pos, int i, int dim, const Params& p) {
-  if constexpr (SCALED) rope_rotate_scaled(lo, hi, pos, i, dim, p);
-  else rope_rotate(lo, hi, pos, i, dim, p.rope_rcp_scale, p.rope_log2_theta);
-}
-
-// the cosine and sine rope_rotate_by turns the pair (x[i], x[i + dim/2]) at pos by (scaled: times rope_mscale), so
-// that one angle can turn two rows at the same position (the fused append's new key beside q); rope_pair(lo, hi,
-// c, s) then gives rope_rotate_by's result bit for bit
-template <bool SCALED, class Params>
-__device__ __forceinline__ void rope_cos_sin_by(float& c, float& s, float pos, int i, int dim, const Params& p) {
-  if constexpr (SCALED) {
-    const float f = rope_scaled_freq(rope_inv_freq(i, dim, p.rope_log2_theta), i, p.rope_rcp_factor, p.rope_smooth_a,
-                                     p.rope_smooth_b, p.rope_smooth_c);
-    sincosf(pos * p.rope_rcp_scale * f, &s, &c);
-    c *= p.rope_mscale;
-    s *= p.rope_mscale;
-  } else {
-    sincosf(pos * p.rope_rcp_scale * rope_inv_freq(i, dim, p.rope_log2_theta), &s, &c);
-  }
+  float c, s;
+  rope_cos_sin_by<SCALED>(c, s, pos, i, dim, p);
+  rope_pair(lo, hi, c, s);
 }
 
 }  // namespace flashgen
