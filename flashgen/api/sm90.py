@@ -22,7 +22,7 @@ import ctypes
 import numpy as np
 import torch
 
-from ..kernels import TILE_LIST_THREADS, sm90_qo_tma, sm90_tile_heads, sm90_tile_lists
+from ..kernels import TILE_LIST_THREADS, sm90_qo_tma, sm90_tile_heads, sm90_tile_lists, sm90_tile_threads
 from ..plan import plan_prefill
 from ..plan.mask_tiles import plan_mask_tiles, tile_list_indptr
 from ..spec import AttentionSpec, CustomMask, Paged, RoPE
@@ -150,10 +150,12 @@ class SM90Prefill:
         self._empty: dict[tuple, torch.Tensor] = {}  # one-row stand-ins for an empty K / V (a map needs an address)
         self.variant = None  # the variant's run() keywords (variant_args), once the kernel is loaded
         self.params_buffer = None
-        # a variant's mask: the pre-pass that writes the items' tile lists, and their buffer; its warps a work
-        # item (each kv head's, or kv head 0's alone where one list serves every kv head: sm90_tile_heads)
+        # a variant's mask: the pre-pass that writes the items' tile lists, and their buffer; a warp (tile
+        # predicate) or a CTA (mask hook) a work item: each kv head's, or kv head 0's alone where one list serves
+        # every kv head (sm90_tile_heads)
         self.tile_lists = sm90_tile_lists(self.kernel_spec, self.positions)
         self._tile_heads = self.tile_lists and sm90_tile_heads(self.kernel_spec)
+        self._tiles_block = (sm90_tile_threads(self.kernel_spec), 1, 1)
         self._tile_buffer = DeviceBuffer(torch.int32, core.device, core.fixed) if self.tile_lists else None
         self._tiles_fn = None
 
@@ -246,11 +248,14 @@ class SM90Prefill:
 
     def _tile_lists_at(self, extras: dict, num_kv_heads: int, capacity: int) -> int:
         """The address of the tile-list buffer of a variant's mask (0 without lists), sized for this plan's items;
-        the pre-pass grid, a warp a work item (of kv head 0 only where its list serves every kv head)."""
+        the pre-pass grid, a warp (``TILE_LIST_THREADS`` a CTA) or a CTA (the mask hook's) a work item, of kv head 0
+        only where its list serves every kv head."""
         if not self.tile_lists:
             return 0
-        warps = capacity * (num_kv_heads if self._tile_heads else 1)
-        self._tiles_grid = (max(1, -(-warps * 32 // TILE_LIST_THREADS)), 1, 1)
+        items = capacity * (num_kv_heads if self._tile_heads else 1)
+        if self._tiles_block[0] == TILE_LIST_THREADS:
+            items = -(-items * 32 // TILE_LIST_THREADS)
+        self._tiles_grid = (max(1, items), 1, 1)
         return self._tile_buffer.address_of(num_kv_heads * int(extras["tile_indptr"][-1]), "tile lists",
                                             TILE_LISTS_HINT)
 
@@ -345,7 +350,7 @@ class SM90Prefill:
         params = self._params
         params.set(*maps, *kv, q.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr())
         if self._tiles_fn is not None:  # the items' tile lists, ahead of the kernel that reads them (same params)
-            self._tiles_fn.launch_params(self._tiles_grid, (TILE_LIST_THREADS, 1, 1), 0, stream, params.address)
+            self._tiles_fn.launch_params(self._tiles_grid, self._tiles_block, 0, stream, params.address)
         self._fn.launch_params(self._grid, self._launch.block, self._launch.smem_bytes, stream, params.address)
 
 

@@ -12,7 +12,8 @@ from .family import EntryPoint, KernelFamily, LaunchConfig, dequantises_k, famil
 from .merge import MergeStatesFamily
 from .params import BoundParams, Param, ParamsLayout
 from .prefill import PrefillFamily
-from .prefill_sm90 import TILE_LIST_THREADS, PrefillSM90Family, sm90_qo_tma, sm90_tile_heads, sm90_tile_lists
+from .prefill_sm90 import (TILE_HOOK_THREADS, TILE_LIST_THREADS, PrefillSM90Family, sm90_qo_tma, sm90_tile_heads,
+                           sm90_tile_lists, sm90_tile_threads)
 from .render import TemplateError, include_dir, render_template, templates_dir
 from .rope_gather import RopeGatherFamily, ragged_twin
 from .variant import VARIANT_FIELD, hook_signature, render_variant, variant_layout
@@ -25,6 +26,7 @@ del _family
 __all__ = [
     "EntryPoint", "KernelFamily", "LaunchConfig", "family", "launch_config", "ops", "register", "BoundParams",
     "Param", "ParamsLayout", "TemplateError", "include_dir", "render_template", "templates_dir", "sm90_qo_tma",
-    "sm90_tile_lists", "sm90_tile_heads", "TILE_LIST_THREADS", "ragged_twin", "rows_per_block",
+    "sm90_tile_lists", "sm90_tile_heads", "sm90_tile_threads", "TILE_LIST_THREADS", "TILE_HOOK_THREADS",
+    "ragged_twin", "rows_per_block",
     "APPEND_RUNTIME_FIELDS", "hook_signature", "render_variant", "variant_layout", "VARIANT_FIELD", "dequantises_k",
 ]

@@ -38,7 +38,8 @@ GATHER_PRODUCER_REGS, GATHER_CONSUMER_REGS = 56, 224
 THREADS = 384
 O_WARP_ROWS = 16  # packed rows of a consumer warp: one TMA store box of O
 SMEM_LIMIT = 227 * 1024
-TILE_LIST_THREADS = 128  # the tile-list pre-pass: a warp a work item (sm90/tile_lists.cuh: TILE_LIST_WARPS)
+TILE_LIST_THREADS = 128  # the tile-list pre-pass by a predicate: a warp a work item (tile_lists.cuh: TILE_LIST_WARPS)
+TILE_HOOK_THREADS = 256  # by the mask hook: a CTA a work item, its warps sharing the tiles (TILE_HOOK_WARPS)
 
 
 def sm90_registers(head_dim: int, gathered: bool, fp8: bool = False) -> tuple[int, int, int]:
@@ -149,11 +150,19 @@ def sm90_tile_lists(spec: AttentionSpec, positions: bool = False) -> bool:
 def sm90_tile_heads(spec: AttentionSpec) -> bool:
     """Whether the tile-list pre-pass of ``spec`` (``sm90_tile_lists``) classifies each kv head's tiles on their
     own: with a tile predicate (which is given the heads), or a mask hook whose text names ``qo_head`` or
-    ``kv_head``. Otherwise one warp an item classifies kv head 0's tiles over the item's distinct query tokens
+    ``kv_head``. Otherwise one CTA an item classifies kv head 0's tiles over the item's distinct query tokens
     (a GQA group's rows of one token get the same answer) and writes the list for every kv head: the pre-pass
     then evaluates ``1 / (num_kv_heads * group)`` of the pairs (``TILE_HEADS``; its grid, api/sm90.py)."""
     variant = spec.variant
     return variant.mask_tile is not None or variant.uses("mask", "qo_head") or variant.uses("mask", "kv_head")
+
+
+def sm90_tile_threads(spec: AttentionSpec) -> int:
+    """The block of the tile-list pre-pass of ``spec`` (``sm90_tile_lists``): with a tile predicate a warp a work
+    item (a lane a tile), ``TILE_LIST_THREADS``; by the mask hook a CTA a work item, ``TILE_HOOK_THREADS``: an item
+    of the 1x16384 causal document benchmark has up to 128 tiles of 32 x 128 pairs, 16 a warp of 8."""
+    variant = spec.variant
+    return TILE_HOOK_THREADS if variant is not None and variant.mask_tile is None else TILE_LIST_THREADS
 
 
 def sm90_uniform_wg(head_dim: int) -> bool:
@@ -260,7 +269,7 @@ class PrefillSM90Family(AttentionFamily):
             "PINGPONG": "true",
             "POSITIONS": "true" if self.positions else "false",
             "TILE_LIST": "true" if sm90_tile_lists(spec, self.positions) else "false",
-            "TILE_LIST_THREADS": TILE_LIST_THREADS,
+            "TILE_LIST_THREADS": sm90_tile_threads(spec),
             "TILE_HEADS": "true" if sm90_tile_lists(spec, self.positions) and sm90_tile_heads(spec) else "false",
         }
 

@@ -16,7 +16,7 @@ import torch
 import flashgen
 from flashgen.api import sm90
 from compile_checks import build_all, prefetch
-from flashgen.kernels import family, sm90_tile_heads, sm90_tile_lists
+from flashgen.kernels import TILE_HOOK_THREADS, family, sm90_tile_heads, sm90_tile_lists, sm90_tile_threads
 from flashgen.plan import PlanError
 from flashgen.plan.mask_tiles import tile_list_indptr
 from flashgen.spec import (AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError,
@@ -102,8 +102,10 @@ def _plan(w, qo_lens, kv_lens):
     return int(qo[-1]), int(kv[-1])
 
 
-def test_plan_sizes_the_lists_and_run_launches_the_pre_pass_first(hopper):
-    w = _wrapper(AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=DOC))
+@pytest.mark.parametrize("variant", [DOC, EXAMPLES["document"][0]], ids=["predicate", "hook"])
+def test_plan_sizes_the_lists_and_run_launches_the_pre_pass_first(hopper, variant):
+    spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=variant)
+    w = _wrapper(spec)
     total_q, total_kv = _plan(w, [1, 300, 40], [5, 1000, 40])
     impl = w._impl
     plan = impl.last_plan
@@ -122,23 +124,35 @@ def test_plan_sizes_the_lists_and_run_launches_the_pre_pass_first(hopper):
               (on_device(torch.zeros(total_kv, 2, 128, dtype=torch.bfloat16)),) * 2, doc_ids=torch.zeros(1040).int())
     assert [c[0] for c in calls] == ["tiles", "prefill"]
     assert calls[0][3] == calls[1][3]  # one params struct
-    warps = calls[0][1][0] * calls[0][2][0] // 32
-    assert warps >= plan.info.capacity * HEADS["num_kv_heads"]
+    assert calls[0][2] == (sm90_tile_threads(spec), 1, 1)
+    if variant.mask_tile is None:  # a CTA an item, its list written for every kv head
+        assert calls[0][1] == (plan.info.capacity, 1, 1)
+    else:
+        assert calls[0][1][0] * calls[0][2][0] // 32 >= plan.info.capacity * HEADS["num_kv_heads"]
 
 
 @pytest.mark.parametrize("variant,per_head", [(EXAMPLES["document"][0], False), (EXAMPLES["document"][1], False),
                                                (HEAD_MASK, True), (DOC, True)])
-def test_a_mask_hook_alone_gets_lists_one_warp_an_item_unless_it_names_a_head(hopper, variant, per_head):
+def test_a_mask_hook_alone_gets_lists_one_cta_an_item_unless_it_names_a_head(hopper, variant, per_head):
+    """By the mask hook a CTA of TILE_HOOK_THREADS a work item (kv head 0's alone unless the hook names a head);
+    by a tile predicate a warp a work item, four a CTA."""
     spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=variant)
     assert sm90_tile_heads(spec) is per_head
-    assert f"plan_tiles<PrefillSM90Config, {'true' if per_head else 'false'}>(p)" in family("prefill_sm90").render(spec)
+    source = family("prefill_sm90").render(spec)
+    assert f"plan_tiles<PrefillSM90Config, {'true' if per_head else 'false'}>(p)" in source
+    block = sm90.TILE_LIST_THREADS if variant.mask_tile is not None else TILE_HOOK_THREADS
+    assert sm90_tile_threads(spec) == block and f"__launch_bounds__({block}) prefill_sm90_tiles" in source
     w = _wrapper(spec)
     _plan(w, [3, 300], [3, 400])
     impl = w._impl
     assert impl.tile_lists and impl._params.values()["tiles"] == impl._tile_buffer.address != 0
-    warps = impl._tiles_grid[0] * sm90.TILE_LIST_THREADS // 32
-    heads = HEADS["num_kv_heads"] if per_head else 1
-    assert impl.last_plan.info.capacity * heads <= warps < impl.last_plan.info.capacity * heads + 4
+    items = impl.last_plan.info.capacity * (HEADS["num_kv_heads"] if per_head else 1)
+    assert impl._tiles_block == (block, 1, 1)
+    if variant.mask_tile is None:
+        assert impl._tiles_grid == (items, 1, 1)
+    else:
+        warps = impl._tiles_grid[0] * block // 32
+        assert items <= warps < items + 4
 
 
 def test_classify_tiles_off_gives_no_lists_and_its_own_key(hopper):
@@ -209,6 +223,10 @@ def test_the_pre_pass_and_the_listed_prefill_compile_without_spills(shared_cache
             part = report.split(f"Function properties for {function}\n", 1)[1]
             spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", part.split("Compile time")[0])]
             assert spills == [0, 0], f"{entry.uri} {function}: {report}"
+        if spec.variant.mask_tile is None:  # 4 CTAs of the mask hook's pre-pass an SM at least: 32 warps in flight
+            part = report.split("Function properties for prefill_sm90_tiles\n", 1)[1]
+            registers = int(re.search(r"Used (\d+) registers", part).group(1))
+            assert registers * TILE_HOOK_THREADS * 4 <= 65536, f"{entry.uri}: {registers} registers"
 
 
 def test_tile_class_names_a_predicate_that_disagrees_with_its_mask():

@@ -3,7 +3,8 @@
 alone (the document example, its lists classified on and off, per kv head and shared), uneven batches, ragged,
 paged by TMA boxes and gathered pages, GQA groups, a sliding window, and CUDA-graph replays after re-planning;
 fresh random inputs, NaN-poisoned outputs, dtype-aware tolerance (test_variants_gpu.py's checks). The lists the
-mask hook gives equal a CPU classification of the document mask and refine the predicate's."""
+mask hook gives equal a CPU classification of the document mask (an item longer than the pre-pass's chunk of
+tiles too) and refine the predicate's."""
 
 from __future__ import annotations
 
@@ -150,6 +151,22 @@ def _lists(wrapper):
     return out
 
 
+def _document_classes(ids, first, last, n, causal):
+    """{tile: kind} of the document mask's tiles of 128 keys for queries first .. last of one request of n tokens,
+    over the pairs the prefill visits (keys <= the query under causal): ENTRY_FULL (0) where every pair is kept,
+    ENTRY_BITS (1) where some are, none where no pair is kept."""
+    expected = {}
+    kv_hi = last + 1 if causal else n
+    for t in range(-(-kv_hi // 128)):
+        keys = np.arange(t * 128, min(t * 128 + 128, kv_hi))
+        q = np.arange(first, last + 1)[:, None]
+        seen = (keys[None, :] <= q) if causal else np.ones((q.size, keys.size), bool)
+        keep = ids[q] == ids[keys][None, :]
+        if (keep & seen).any():
+            expected[t] = 0 if keep[seen].all() else 1
+    return expected
+
+
 @pytest.mark.parametrize("how", ["traced", "heads"])
 @pytest.mark.parametrize("mask", [NoMask(), Causal()], ids=repr)
 def test_the_hook_lists_are_exact_and_refine_the_predicate(how, mask):
@@ -168,20 +185,24 @@ def test_the_hook_lists_are_exact_and_refine_the_predicate(how, mask):
         ids = doc_ids.numpy()
         for (item, h), tiles in hook.items():  # item: the q tile, 128 packed rows of 128 // group tokens
             first, last = item * 128 // group, min((item * 128 + 127) // group, n - 1)
-            expected = {}
-            kv_hi = last + 1 if isinstance(mask, Causal) else n
-            for t in range(-(-kv_hi // 128)):
-                keys = np.arange(t * 128, min(t * 128 + 128, kv_hi))
-                q = np.arange(first, last + 1)[:, None]
-                seen = (keys[None, :] <= q) if isinstance(mask, Causal) else np.ones((q.size, keys.size), bool)
-                keep = ids[q] == ids[keys][None, :]
-                if (keep & seen).any():
-                    expected[t] = 0 if keep[seen].all() else 1
-            assert tiles == expected, (item, h)
+            assert tiles == _document_classes(ids, first, last, n, isinstance(mask, Causal)), (item, h)
             for t, kind in pred[item, h].items():
                 assert t in tiles or kind == 1
                 assert kind == 1 or tiles[t] == 0
             assert tiles.keys() <= pred[item, h].keys()
+
+
+@pytest.mark.parametrize("how", ["traced", "heads"])
+def test_the_hook_lists_of_an_item_longer_than_a_chunk(how):
+    """One query against 140k keys of 300-token runs of three document ids: the pre-pass's CTA classifies the item's
+    1094 tiles in two chunks (HOOK_CHUNK_TILES = 1024), full, partial and empty ones in each; its lists equal a
+    CPU classification, its output the reference."""
+    n = 140_000
+    doc_ids = (torch.arange(n) // 300 % 3).int()
+    hook = _lists(_run("document", 0, Ragged(), Causal(), [1], [n], args={"doc_ids": doc_ids}, variant=DOC_HOOK[how]))
+    expected = _document_classes(doc_ids.numpy(), n - 1, n - 1, n, causal=True)
+    assert len(expected) > 1024 // 3 and set(expected.values()) == {0, 1} and max(expected) > 1024
+    assert hook == {(0, h): expected for h in range(HEADS)}
 
 
 def test_cuda_graph_replay_after_replanning():

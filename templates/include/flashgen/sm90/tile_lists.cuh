@@ -3,20 +3,23 @@
 // them as the tile list the prefill's producer and consumers walk (sm90/custom_mask.cuh: TileList), so that
 // empty tiles are never loaded and full ones run without the mask hook.
 //
-// A warp a work index x (the item and kv head of work_of) walks the item's KV range (work_of's, clipped by causal
-// and the window) in tiles of keys [t0, min(t0 + TILE_KV, kv_hi)). With a tile predicate (mask_tile) lane l
-// classifies tiles l, l + 32, ... over the item's rows (every q head of the kv head's group, the queries of its
-// tokens); without one the warp classifies each tile together by the mask hook itself (mask_hook_class). The
-// warp compacts the non-empty tiles by a ballot, in ascending order, as entries t << ENTRY_SHIFT | kind (t
-// counted from kv_lo; ENTRY_FULL where every pair is kept, else ENTRY_BITS: the consumers then run the mask hook
-// per pair, after classifying the tile again over their own 64 rows where there is a predicate), and lane 0
-// writes the count before them (tile_list_of). Padding items are left alone: no warp of the prefill reads them.
+// A work index x (the item and kv head of work_of) walks the item's KV range (work_of's, clipped by causal and
+// the window) in tiles of keys [t0, min(t0 + TILE_KV, kv_hi)), counted from kv_lo. With a tile predicate
+// (mask_tile) a warp takes a work index, lane l classifying tiles l, l + 32, ... over the item's rows (every q
+// head of the kv head's group, the queries of its tokens). Without one a CTA of TILE_HOOK_WARPS warps takes a
+// work index (plan_tiles_by_hook): warp w classifies tiles w, w + TILE_HOOK_WARPS, ... of a chunk of
+// HOOK_CHUNK_TILES by the mask hook itself (mask_hook_class) into shared memory, a byte a tile. The non-empty
+// tiles are compacted by a ballot, in ascending order, as entries t << ENTRY_SHIFT | kind (ENTRY_FULL where every
+// pair is kept, else ENTRY_BITS: the consumers then run the mask hook per pair, after classifying the tile again
+// over their own 64 rows where there is a predicate), the count written before them (tile_list_of). Padding
+// items are left alone: no warp of the prefill reads them.
 //
 // PER_HEAD = false (a mask hook that names neither qo_head nor kv_head: kernels/prefill_sm90.py
-// sm90_tile_heads): the warps of kv head 0 alone run, each classifying over its item's distinct query tokens,
+// sm90_tile_heads): only kv head 0's work indices run, each classifying over its item's distinct query tokens,
 // and write the same list for every kv head.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 #include <flashgen/common/fastdiv.cuh>
 #include <flashgen/common/tile_entry.cuh>
 #include <flashgen/common/variant.cuh>
@@ -24,28 +27,40 @@
 
 namespace flashgen::sm90 {
 
-constexpr int TILE_LIST_WARPS = 4;  // warps a CTA of the pre-pass (flashgen/kernels/prefill_sm90.py: its block)
-constexpr int HOOK_ROWS_A_VOTE = 4;  // rows the warp evaluates between two votes of mask_hook_class
+constexpr int TILE_LIST_WARPS = 4;  // warps a CTA of the predicate's pre-pass, a warp a work index
+constexpr int TILE_HOOK_WARPS = 8;  // warps a CTA of the mask hook's pre-pass, a CTA a work index
+constexpr int HOOK_CHUNK_TILES = 1024;  // tiles the mask hook's CTA classifies between two compactions
+constexpr int HOOK_ROWS_A_VOTE = 8;  // rows a lane evaluates between two votes of mask_hook_class
+
+// The pre-pass's block (kernels/prefill_sm90.py: sm90_tile_threads)
+template <class C>
+constexpr int tile_list_threads() {
+  return 32 * (C::Variant::MASK_TILE ? TILE_LIST_WARPS : TILE_HOOK_WARPS);
+}
 
 // The class of item w's KV tile [kv_begin, kv_end) by the mask hook, evaluated over exactly the pairs the prefill
 // would pass to it: the item's rows (PER_HEAD: its packed rows, each a (token, q head); else its tokens, at q head
 // and kv head 0) against the tile's keys before kv_hi, <= the row's query position (causal) and within its window.
-// Lane l takes keys kv_begin + l + 32 j, a loop takes the rows, HOOK_ROWS_A_VOTE between votes of the warp on
-// "some pair kept" and "some pair dropped": both seen -> TILE_PARTIAL at once; at the end TILE_FULL where no pair
-// was dropped, else TILE_EMPTY (also where the spec's mask hides every pair: the prefill's tile would add
-// nothing). The result is uniform over the warp.
+// Lane l takes keys kv_begin + l + 32 j. A step takes HOOK_ROWS_A_VOTE rows (past the last row it repeats that
+// one: the same pairs again) in one straight line, with no branch between the hook's calls, so that their loads
+// are in flight together; where every row of the step sees every key of the tile (a whole tile, causal: its
+// first row sees the last key, window: its last row the first key) the pairs go unbounded. After each step the
+// warp votes on "some pair kept" and "some pair dropped": both seen -> TILE_PARTIAL at once; at the end
+// TILE_FULL where some pair was kept (and none dropped), else TILE_EMPTY (also where the spec's mask hides every
+// pair: the prefill's tile would add nothing). The result is uniform over the warp.
 template <class C, bool PER_HEAD, class Params>
 __device__ __forceinline__ int mask_hook_class(const Params& p, const Work& w, const FastDiv& group, int request,
                                                int lane, int kv_begin, int kv_end) {
   using V = typename C::Variant;
   static_assert(V::MASK && !V::MASK_TILE, "the mask hook classifies tiles where no predicate does");
+  static_assert(C::TILE_KV % 32 == 0, "a lane's keys: kv_begin + lane + 32 j");
   const int first = PER_HEAD ? w.row0 : group.div(w.row0), last = PER_HEAD ? w.last_row : group.div(w.last_row);
+  auto q_pos_of = [&](int r) { return w.q_base + (PER_HEAD ? group.div(r) : r); };
   bool kept = false, dropped = false;  // this lane's pairs so far
-  for (int r0 = first; r0 <= last; r0 += HOOK_ROWS_A_VOTE) {  // (uniform over the warp)
+  auto step = [&](int r0, auto bounded) {
 #pragma unroll
     for (int u = 0; u < HOOK_ROWS_A_VOTE; ++u) {
-      const int r = r0 + u;
-      if (r > last) break;
+      const int r = min(r0 + u, last);
       int token = r, head = 0;
       if constexpr (PER_HEAD) group.divmod(r, token, head);
       const int q_pos = w.q_base + token, qo_head = w.kv_head * group.d + head;
@@ -55,65 +70,106 @@ __device__ __forceinline__ int mask_hook_class(const Params& p, const Work& w, c
 #pragma unroll
       for (int j = 0; j < C::TILE_KV / 32; ++j) {
         const int key = kv_begin + lane + 32 * j;
-        if (key >= lo && key < hi) {
+        if (!decltype(bounded)::value || (key >= lo && key < hi)) {
           const bool keep = V::mask(p.variant, request, q_pos, key, qo_head, w.kv_head);
           kept |= keep;
           dropped |= !keep;
         }
       }
     }
+  };
+  for (int r0 = first; r0 <= last; r0 += HOOK_ROWS_A_VOTE) {  // (uniform over the warp)
+    const int r1 = min(r0 + HOOK_ROWS_A_VOTE - 1, last);
+    const bool whole = kv_end - kv_begin == C::TILE_KV && (!C::CAUSAL || q_pos_of(r0) + 1 >= kv_end) &&
+                       (!C::WINDOW || q_pos_of(r1) - p.window_left <= kv_begin);
+    if (whole) {
+      step(r0, std::false_type{});
+    } else {
+      step(r0, std::true_type{});
+    }
     if (__any_sync(0xffffffff, kept) && __any_sync(0xffffffff, dropped)) return flashgen::variant::TILE_PARTIAL;
   }
-  return __any_sync(0xffffffff, dropped) ? flashgen::variant::TILE_EMPTY : flashgen::variant::TILE_FULL;
+  return __any_sync(0xffffffff, kept) ? flashgen::variant::TILE_FULL : flashgen::variant::TILE_EMPTY;
 }
 
+// The mask hook's pre-pass: CTA x (a work index) classifies its item's tiles, TILE_HOOK_WARPS warps a chunk of
+// HOOK_CHUNK_TILES at a time, and compacts each chunk as the predicate's warp does its 32 tiles. Every warp walks
+// the chunk's ballots alike (so every thread holds the count) and writes the entries of its kv heads' lists:
+// PER_HEAD, warp 0 its work index's; else warp w kv heads w, w + TILE_HOOK_WARPS, ... (the lists of an item
+// follow kv head 0's at a stride of its size: tile_list_of).
 template <class C, bool PER_HEAD, class Params>
-__device__ __forceinline__ void plan_tiles(const Params& p) {
+__device__ __forceinline__ void plan_tiles_by_hook(const Params& p) {
   using namespace flashgen::variant;
-  const int lane = threadIdx.x % 32, x = blockIdx.x * TILE_LIST_WARPS + threadIdx.x / 32;
-  if (x >= p.num_items * (PER_HEAD ? p.num_kv_heads : 1)) return;  // (uniform over the warp)
+  __shared__ uint8_t classes[HOOK_CHUNK_TILES];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, x = blockIdx.x;
+  if (x >= p.num_items * (PER_HEAD ? p.num_kv_heads : 1)) return;  // (uniform over the CTA)
   const Work w = work_of<C, false>(p, x);
   if (!w.valid) return;
   const int item = p.num_items - 1 - x % p.num_items, request = p.request_idx[item];
-  // the prefill's plan-owned buffer, read-only to the prefill itself (hence const in the params); without
-  // PER_HEAD the warp of kv head 0 writes every kv head's list
+  // the prefill's plan-owned buffer, read-only to the prefill itself (hence const in the params)
   int32_t* list = const_cast<int32_t*>(tile_list_of(p, item, w.kv_head));
+  const int64_t stride = p.tile_indptr[item + 1] - p.tile_indptr[item];
+  const int heads = PER_HEAD ? 1 : p.num_kv_heads;
   const FastDiv group = group_of(p);
-  const int qo_begin = w.q_base + group.div(w.row0), qo_end = w.q_base + group.div(w.last_row) + 1;
   int count = 0;
-  for (int base = 0; base < w.num_tiles; base += 32) {  // (uniform over the warp)
-    const int t = base + lane;
-    int cls = TILE_EMPTY;
-    if constexpr (C::Variant::MASK_TILE) {
+  for (int c0 = 0; c0 < w.num_tiles; c0 += HOOK_CHUNK_TILES) {  // (uniform over the CTA)
+    const int n = min(HOOK_CHUNK_TILES, w.num_tiles - c0);
+    for (int t = warp; t < n; t += TILE_HOOK_WARPS) {  // (uniform over the warp)
+      const int kv_begin = w.kv_lo + (c0 + t) * C::TILE_KV;
+      const int cls = mask_hook_class<C, PER_HEAD>(p, w, group, request, lane, kv_begin,
+                                                   min(kv_begin + C::TILE_KV, w.kv_hi));
+      if (lane == 0) classes[t] = cls;
+    }
+    __syncthreads();
+    for (int b = 0; b < n; b += 32) {  // (uniform over the CTA)
+      const int t = b + lane, cls = t < n ? classes[t] : TILE_EMPTY;
+      const uint32_t kept = __ballot_sync(0xffffffff, cls != TILE_EMPTY);
+      if (cls != TILE_EMPTY) {
+        const int at = 1 + count + __popc(kept & ((1u << lane) - 1u));
+        const int entry = (c0 + t) << ENTRY_SHIFT | (cls == TILE_FULL ? ENTRY_FULL : ENTRY_BITS);
+        for (int h = warp; h < heads; h += TILE_HOOK_WARPS) list[h * stride + at] = entry;
+      }
+      count += __popc(kept);
+    }
+    __syncthreads();  // the chunk's classes are read before the next chunk's overwrite them
+  }
+  for (int h = threadIdx.x; h < heads; h += TILE_HOOK_WARPS * 32) list[h * stride] = count;
+}
+
+// The pre-pass (prefill_sm90_tiles): by the mask hook where there is no tile predicate, else a warp a work
+// index by the predicate, its lane l classifying tiles l, l + 32, ... and the warp compacting them 32 at a time.
+template <class C, bool PER_HEAD, class Params>
+__device__ __forceinline__ void plan_tiles(const Params& p) {
+  using namespace flashgen::variant;
+  if constexpr (!C::Variant::MASK_TILE) {
+    plan_tiles_by_hook<C, PER_HEAD>(p);
+  } else {
+    static_assert(PER_HEAD, "a tile predicate is given the heads: each kv head's list on its own");
+    const int lane = threadIdx.x % 32, x = blockIdx.x * TILE_LIST_WARPS + threadIdx.x / 32;
+    if (x >= p.num_items * p.num_kv_heads) return;  // (uniform over the warp)
+    const Work w = work_of<C, false>(p, x);
+    if (!w.valid) return;
+    const int item = p.num_items - 1 - x % p.num_items, request = p.request_idx[item];
+    // the prefill's plan-owned buffer, read-only to the prefill itself (hence const in the params)
+    int32_t* list = const_cast<int32_t*>(tile_list_of(p, item, w.kv_head));
+    const FastDiv group = group_of(p);
+    const int qo_begin = w.q_base + group.div(w.row0), qo_end = w.q_base + group.div(w.last_row) + 1;
+    int count = 0;
+    for (int base = 0; base < w.num_tiles; base += 32) {  // (uniform over the warp)
+      const int t = base + lane;
+      int cls = TILE_EMPTY;
       if (t < w.num_tiles) {
         const int kv_begin = w.kv_lo + t * C::TILE_KV;
         cls = tile_class<typename C::Variant>(p, request, w.kv_head * group.d, group.d, w.kv_head, qo_begin, qo_end,
                                               kv_begin, min(kv_begin + C::TILE_KV, w.kv_hi));
       }
-    } else {  // tiles base .. base + 31 one after another, each by the whole warp; lane t - base keeps tile t's
-      for (int u = base; u < min(base + 32, w.num_tiles); ++u) {
-        const int kv_begin = w.kv_lo + u * C::TILE_KV;
-        const int c = mask_hook_class<C, PER_HEAD>(p, w, group, request, lane, kv_begin,
-                                                   min(kv_begin + C::TILE_KV, w.kv_hi));
-        if (u == t) cls = c;
-      }
-    }
-    const uint32_t kept = __ballot_sync(0xffffffff, cls != TILE_EMPTY);
-    if (cls != TILE_EMPTY) {
-      if constexpr (PER_HEAD) {
+      const uint32_t kept = __ballot_sync(0xffffffff, cls != TILE_EMPTY);
+      if (cls != TILE_EMPTY) {
         list[1 + count + __popc(kept & ((1u << lane) - 1u))] = t << ENTRY_SHIFT | (cls == TILE_FULL ? ENTRY_FULL : ENTRY_BITS);
-      } else {
-        const int at = 1 + count + __popc(kept & ((1u << lane) - 1u));
-        const int entry = t << ENTRY_SHIFT | (cls == TILE_FULL ? ENTRY_FULL : ENTRY_BITS);
-        for (int h = 0; h < p.num_kv_heads; ++h) const_cast<int32_t*>(tile_list_of(p, item, h))[at] = entry;
       }
+      count += __popc(kept);
     }
-    count += __popc(kept);
-  }
-  if constexpr (PER_HEAD) {
     if (lane == 0) list[0] = count;
-  } else {
-    for (int h = lane; h < p.num_kv_heads; h += 32) const_cast<int32_t*>(tile_list_of(p, item, h))[0] = count;
   }
 }
 
