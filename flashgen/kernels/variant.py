@@ -6,8 +6,8 @@ every hook and ``SOFTMAX``, and one ``__device__ __forceinline__`` function per 
 signature ``hook(const VariantParams& params, <the hook's inputs>)``. Each body is preceded by
 ``#line 1 "variant.<hook>"`` so that an nvcc error in a hook names the hook and its own line; after it a
 ``#line`` directive returns the numbering to ``source_name`` at the physical line that follows. Last comes
-``struct Hooks``: the kernels' view of the variant (the flags of ``flashgen::variant::NoHooks``, ``ANY``, and a
-static member per given hook), named by a kernel's config as ``using Variant = flashgen_variant::Hooks``.
+``struct Hooks``: the kernels' view of the variant (the flags of ``flashgen::variant::NoHooks``, ``ANY``, ``HEAVY``
+(``heavy_pair_hooks``), and a static member per given hook), named by a kernel's config as ``using Variant = flashgen_variant::Hooks``.
 
 ``variant_layout`` is the host's view of ``VariantParams``: a ``ParamsLayout`` whose fields flatten it (a tensor's
 ``data`` pointer and one int64 element stride a dimension, then each scalar), with the same offsets, so that
@@ -17,7 +17,7 @@ static member per given hook), named by a kernel's config as ``using Variant = f
 from __future__ import annotations
 
 from ..spec import HOOKS, Variant
-from ..spec.variant import C_DTYPES
+from ..spec.variant import C_DTYPES, hook_tokens
 from .params import Param, ParamsLayout
 
 _C_INPUT = {"int": "int", "float": "float"}
@@ -25,6 +25,34 @@ _C_RETURN = {"bool": "bool", "int": "int", "float": "float"}
 _SCALAR_C = {"int32": "int32_t", "int64": "int64_t", "float32": "float"}
 VARIANT_FIELD = "variant"  # the kernel params' field holding VariantParams
 VARIANT_CTYPE = "flashgen_variant::VariantParams"
+
+# What a call or a float division adds to a hook's machine code, in instructions (sm_90a, nvcc 13.0, -O3): an
+# accurate logf is a range reduction and a polynomial of ~20 FFMAs, a division by a value not a power of 2 a
+# Newton step, a check and a call to its slow path. Arithmetic and loads count nothing: the cost that matters is
+# the code a call inlines at every pair the kernel unrolls (T5's bucket: two logf, of which one folds, and a
+# division: 73 instructions a pair at sm_90a).
+_CALL_WEIGHT = {
+    "logf": 24, "log2f": 24, "log10f": 24, "log1pf": 24, "expf": 12, "exp2f": 8, "expm1f": 16, "powf": 48,
+    "fg_pow": 48, "tanhf": 24, "sinf": 24, "cosf": 24, "tanf": 32, "atanf": 24, "atan2f": 32, "erff": 24,
+    "sqrtf": 8, "fg_floordiv": 12, "/": 12,
+}
+HEAVY_HOOK_WEIGHT = 32  # a pair hook at least this heavy is instantiated at as few sites a tile as a kernel can
+
+
+def hook_weight(body: str) -> int:
+    """The estimated instructions a hook body's calls and divisions inline (``_CALL_WEIGHT``), e.g. 12 for
+    ``return logit / scale;``, 144 for T5's traced bucket (its expression spells ``logf`` four times)."""
+    return sum(_CALL_WEIGHT.get(tok, 0) for tok in hook_tokens(body))
+
+
+def heavy_pair_hooks(variant: Variant | None) -> bool:
+    """Whether the pair hooks (``score`` and ``mask``) weigh ``HEAVY_HOOK_WEIGHT`` or more together: a kernel then
+    runs them from one site a tile where it has two (the Hopper prefill: the tiles inside the item and its last
+    one), at the cost of a clamp a pair (see sm90/softmax.cuh). T5's bias is heavy; ALiBi, sigmoid, the
+    document and tree masks are not."""
+    if variant is None:
+        return False
+    return sum(hook_weight(h.body) for h in (variant.score, variant.mask) if h is not None) >= HEAVY_HOOK_WEIGHT
 
 
 def variant_layout(variant: Variant) -> ParamsLayout:
@@ -90,6 +118,7 @@ def render_variant(variant: Variant, source_name: str = "kernel.cu", first_line:
         '"host/device layout of VariantParams");',
         "struct Hooks {",
         "  static constexpr bool ANY = true, SOFTMAX = flashgen_variant::SOFTMAX;",
+        f"  static constexpr bool HEAVY = {'true' if heavy_pair_hooks(variant) else 'false'};",
         *(f"  static constexpr bool {name.upper()} = HAS_{name.upper()};" for name in HOOKS),
     ]
     for hook in variant.hooks:

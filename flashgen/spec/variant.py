@@ -221,12 +221,17 @@ def snippet_names(body: str) -> list[tuple[str, int]]:
     return free
 
 
+def hook_tokens(body: str) -> list[str]:
+    """A hook's text as C tokens, outside comments and string literals (newlines dropped)."""
+    return [t for t in _TOKEN.findall(_STRIP.sub(_blank, body)) if t != "\n"]
+
+
 def hook_names(body: str) -> frozenset[str]:
     """Every identifier a hook's text reads, outside comments and string literals and not as a member (after
     ``.``, ``->`` or ``::``): a superset of the inputs it uses (a local that shadows an input counts as the input),
     so that a name absent from it is certainly unused. A preprocessor directive (``#``: token pasting can spell a
     name without writing it) makes it every input name."""
-    tokens = [t for t in _TOKEN.findall(_STRIP.sub(_blank, body)) if t != "\n"]
+    tokens = hook_tokens(body)
     if "#" in tokens:
         return INPUT_NAMES | frozenset(tokens)
     return frozenset(t for i, t in enumerate(tokens) if (t[0].isalpha() or t[0] == "_")

@@ -76,6 +76,9 @@ def test_every_example_compiles_in_every_family_within_the_spill_bound(shared_ca
         report_lines.append(f"{entry.uri}: {regs} registers, spills {spills}")
         assert spills and max(spills) <= SPILL_BOUND[op], f"{entry.uri} spills {spills}: {report}"
         assert spec.variant.uri in entry.uri
+        # the Hopper kernel's wgmma pipeline unbroken with the hooks too (tests/sm90/test_prefill_sm90_compile.py)
+        for code in ("C7514", "C7515", "C7517", "C7519"):
+            assert code not in report, f"{entry.uri}: ptxas {code} (wgmma pipeline broken): {report}"
 
 
 @pytest.mark.nvcc

@@ -71,3 +71,36 @@ def test_shipped_examples_compile_both_spellings(tmp_path):
         for variant in (v for v in pair if v is not None):
             result = _nvcc(tmp_path, _kernel(variant))
             assert result.returncode == 0, f"{name}: {result.stderr}"
+
+
+def test_heavy_pair_hooks_are_weighed_by_their_calls():
+    from flashgen.kernels.variant import HEAVY_HOOK_WEIGHT, heavy_pair_hooks, hook_weight
+    from flashgen.variants.examples import EXAMPLES
+
+    heavy = {name for name, pair in EXAMPLES.items() for v in pair if v is not None and heavy_pair_hooks(v)}
+    assert heavy == {"t5_bias"}
+    assert hook_weight("return logit / scale;") == 12
+    assert hook_weight("// logf(x) / 2\nreturn logit;") == 0  # comments weigh nothing
+    assert hook_weight("return logit + logf(1.f + kv_idx);") < HEAVY_HOOK_WEIGHT
+    assert heavy_pair_hooks(Variant(score="return logit + logf(1.f + kv_idx) / logf(2.f);"))
+    assert not heavy_pair_hooks(Variant(sink="return logf(2.f) * expf(1.f) / 3.f;"))  # not a pair hook
+    assert not heavy_pair_hooks(None)
+    assert "static constexpr bool HEAVY = true;" in render_variant(EXAMPLES["t5_bias"][0])
+    assert "static constexpr bool HEAVY = false;" in render_variant(EXAMPLES["alibi"][0])
+
+
+@pytest.mark.nvcc
+def test_the_sm90_kernel_inlines_a_heavy_hook_once_a_tile(tmp_path):
+    # T5's bucket floors once a pair: 64 pairs a thread a tile. Inlined at the first tile and in the tile loop,
+    # inside the item and at its edge, it was 4 x 64 floors (ptxas 11 s at sm_90a); one site is 64.
+    from flashgen import jit
+    from flashgen.spec import AttentionSpec, Causal, Ragged
+    from flashgen.variants.examples import EXAMPLES
+
+    spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=EXAMPLES["t5_bias"][0])
+    (tmp_path / "kernel.cu").write_text(jit.render(spec, "prefill_sm90"))
+    cmd = [str(find_nvcc().path), "-ptx", "-arch=sm_90a", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
+           f"-I{include_dir()}", "kernel.cu", "-o", "kernel.ptx"]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "kernel.ptx").read_text().count("cvt.rmi.f32.f32") == 64

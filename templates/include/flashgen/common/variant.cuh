@@ -68,10 +68,11 @@ struct Tensor {
 
 // The hooks of a kernel without a variant: every flag off (the kernels test the flags with if constexpr, so a
 // kernel without a variant compiles to the same code as before variants existed). A rendered variant defines
-// flashgen_variant::Hooks with the same flags and a static member per given hook (kernels/variant.py).
+// flashgen_variant::Hooks with the same flags and a static member per given hook (kernels/variant.py). HEAVY: the
+// pair hooks inline enough code that a kernel runs them from as few sites as it can (heavy_pair_hooks).
 struct NoHooks {
-  static constexpr bool ANY = false, SCORE = false, MASK = false, MASK_TILE = false, Q_TRANSFORM = false,
-                        K_TRANSFORM = false, OUTPUT = false, SINK = false, SOFTMAX = true;
+  static constexpr bool ANY = false, HEAVY = false, SCORE = false, MASK = false, MASK_TILE = false,
+                        Q_TRANSFORM = false, K_TRANSFORM = false, OUTPUT = false, SINK = false, SOFTMAX = true;
 };
 
 // One contract for every kernel family. A pair (query qo_idx, key kv_idx) of request `batch`, query head qo_head

@@ -210,60 +210,105 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   if constexpr (PRESCALED) prescale_q<C>(smem + qb * L::Q_BYTES, p.sm_scale, wg);
   float sc[C::TILE_KV / 2], o_scale[2];
   MaskBits<C> bits;
-  next_tile(0);
-  wait_kv<C>(bars.full_k(stage(0)), phase(0));
-  if (pd.active) pending_v_ready<C>(pd, smem, bars, wg);
-  turn.wait_turn();
-  issue_qk<C>(sc, q_wg, k_base + stage(0) * L::KV_STAGE);
-  wgmma_commit();
-  // The previous item's last P V; without one (the CTA's first item, or after an item without tiles) a dummy
-  // P V over this item's Q buffer that overwrites o (scale-d 0) and is never read: the step's wgmma groups are
-  // then the same on every path, as ptxas needs to keep them asynchronous (a P V issued under a branch, or an
-  // empty group, serialized every wgmma or made the wait below wait for both)
-  issue_pv<C>(o, pa, pd.active ? v_base + pd.it_last % C::STAGES * L::KV_STAGE : smem_base + qb * L::Q_BYTES,
-              pd.active ? pd.fresh : true);
-  wgmma_commit();
-  turn.pass_turn();
-  bits.load(p.custom_mask, w, group, t0, kv_len, kind, wg);
-  // the first S alone: the softmax of the item's first tile runs under the previous item's last P V, as in the
-  // loop below; then that P V is waited for and its rows written (they hold o) before P overwrites pa
-  wgmma_wait<1>();
-  fence_operands(sc);
-  mbarrier_arrive(bars.empty_k(stage(0)));
-  softmax<C>(sc, rs, o_scale, lg, masked(t0, C::CUSTOM_MASK && kind != ENTRY_FULL), t0, bits, kp, p, hi,
-             tile_cls(t0, kind));
-  wgmma_wait<0>();  // the P V (pending or dummy) read pa, and o holds its rows
-  // the item's last Q K^T is done, and the dummy P V has read the Q buffer: the producer may load the next Q
-  if (n == 1) mbarrier_arrive(bars.q_empty(qb));
-  if (pd.active) pending_done<C>(p, pd, o, smem_base, bars, wg);
-  pack_p<C>(pa, sc);
-  // K of the next tile is waited for one step early, between the softmax and the wait for P V (below): the wait
-  // loop is a block boundary that ptxas does not hoist the P V wait across. With the K wait at the loop top,
-  // ptxas moved wgmma.wait_group 0 up to the start of the softmax, so no ex2 ran under the warpgroup's own P V.
-  if (n > 1) wait_kv<C>(bars.full_k(stage(1)), phase(1));
-  for (int t = 1; t < n; ++t) {
-    next_tile(t);
-    wait_kv<C>(bars.full_v(stage(t - 1)), phase(t - 1));
+  if constexpr (C::Variant::HEAVY || C::Variant::MASK) {
+    // heavy hooks (V::HEAVY), or a mask hook (two paths of hooks_by_pair a softmax): the steps below in one loop,
+    // the first tile's differences under t == 0, so that the softmax and the hooks in it are inlined once, not
+    // twice (T5's bias: ptxas 4.8 s -> 2.8 s, the document mask 4.3 s -> 2.9 s at sm_90a, nvcc 13.0); the wgmma
+    // groups stay uniform: the first P V's stage and scale-d are selected, not branched on
+    for (int t = 0; t < n; ++t) {
+      next_tile(t);
+      if (t == 0) {
+        wait_kv<C>(bars.full_k(stage(0)), phase(0));
+        if (pd.active) pending_v_ready<C>(pd, smem, bars, wg);
+      } else {
+        wait_kv<C>(bars.full_v(stage(t - 1)), phase(t - 1));
+      }
+      const uint32_t pv_stage = t > 0       ? v_base + stage(t - 1) * L::KV_STAGE
+                                : pd.active ? v_base + pd.it_last % C::STAGES * L::KV_STAGE
+                                            : smem_base + qb * L::Q_BYTES;
+      const bool pv_fresh = t > 0 ? t == 1 : !pd.active || pd.fresh;
+      turn.wait_turn();
+      issue_qk<C>(sc, q_wg, k_base + stage(t) * L::KV_STAGE);
+      wgmma_commit();
+      issue_pv<C>(o, pa, pv_stage, pv_fresh);
+      wgmma_commit();
+      turn.pass_turn();
+      bits.load(p.custom_mask, w, group, t0, kv_len, kind, wg);
+      wgmma_wait<1>();
+      fence_operands(sc);
+      mbarrier_arrive(bars.empty_k(stage(t)));
+      if (t > 0 && t == n - 1) mbarrier_arrive(bars.q_empty(qb));
+      softmax<C>(sc, rs, o_scale, lg, masked(t0, C::CUSTOM_MASK && kind != ENTRY_FULL), t0, bits, kp, p, hi,
+                 tile_cls(t0, kind));
+      if (t + 1 < n) wait_kv<C>(bars.full_k(stage(t + 1)), phase(t + 1));
+      wgmma_wait<0>();
+      if (t == 0) {
+        if (n == 1) mbarrier_arrive(bars.q_empty(qb));  // the dummy P V read the Q buffer
+        if (pd.active) pending_done<C>(p, pd, o, smem_base, bars, wg);
+      } else {
+        fence_operands(o);
+        fence_operands(pa);
+        mbarrier_arrive(bars.empty_v(stage(t - 1)));
+        rescale<C>(o, o_scale);
+      }
+      pack_p<C>(pa, sc);
+    }
+  } else {
+    next_tile(0);
+    wait_kv<C>(bars.full_k(stage(0)), phase(0));
+    if (pd.active) pending_v_ready<C>(pd, smem, bars, wg);
     turn.wait_turn();
-    issue_qk<C>(sc, q_wg, k_base + stage(t) * L::KV_STAGE);
+    issue_qk<C>(sc, q_wg, k_base + stage(0) * L::KV_STAGE);
     wgmma_commit();
-    issue_pv<C>(o, pa, v_base + stage(t - 1) * L::KV_STAGE, t == 1);
+    // The previous item's last P V; without one (the CTA's first item, or after an item without tiles) a dummy
+    // P V over this item's Q buffer that overwrites o (scale-d 0) and is never read: the step's wgmma groups are
+    // then the same on every path, as ptxas needs to keep them asynchronous (a P V issued under a branch, or an
+    // empty group, serialized every wgmma or made the wait below wait for both)
+    issue_pv<C>(o, pa, pd.active ? v_base + pd.it_last % C::STAGES * L::KV_STAGE : smem_base + qb * L::Q_BYTES,
+                pd.active ? pd.fresh : true);
     wgmma_commit();
     turn.pass_turn();
     bits.load(p.custom_mask, w, group, t0, kv_len, kind, wg);
+    // the first S alone: the softmax of the item's first tile runs under the previous item's last P V, as in the
+    // loop below; then that P V is waited for and its rows written (they hold o) before P overwrites pa
     wgmma_wait<1>();
     fence_operands(sc);
-    mbarrier_arrive(bars.empty_k(stage(t)));
-    if (t == n - 1) mbarrier_arrive(bars.q_empty(qb));
+    mbarrier_arrive(bars.empty_k(stage(0)));
     softmax<C>(sc, rs, o_scale, lg, masked(t0, C::CUSTOM_MASK && kind != ENTRY_FULL), t0, bits, kp, p, hi,
                tile_cls(t0, kind));
-    if (t + 1 < n) wait_kv<C>(bars.full_k(stage(t + 1)), phase(t + 1));  // see above the loop
-    wgmma_wait<0>();
-    fence_operands(o);
-    fence_operands(pa);
-    mbarrier_arrive(bars.empty_v(stage(t - 1)));
-    rescale<C>(o, o_scale);
+    wgmma_wait<0>();  // the P V (pending or dummy) read pa, and o holds its rows
+    // the item's last Q K^T is done, and the dummy P V has read the Q buffer: the producer may load the next Q
+    if (n == 1) mbarrier_arrive(bars.q_empty(qb));
+    if (pd.active) pending_done<C>(p, pd, o, smem_base, bars, wg);
     pack_p<C>(pa, sc);
+    // K of the next tile is waited for one step early, between the softmax and the wait for P V (below): the wait
+    // loop is a block boundary that ptxas does not hoist the P V wait across. With the K wait at the loop top,
+    // ptxas moved wgmma.wait_group 0 up to the start of the softmax, so no ex2 ran under the warpgroup's own P V.
+    if (n > 1) wait_kv<C>(bars.full_k(stage(1)), phase(1));
+    for (int t = 1; t < n; ++t) {
+      next_tile(t);
+      wait_kv<C>(bars.full_v(stage(t - 1)), phase(t - 1));
+      turn.wait_turn();
+      issue_qk<C>(sc, q_wg, k_base + stage(t) * L::KV_STAGE);
+      wgmma_commit();
+      issue_pv<C>(o, pa, v_base + stage(t - 1) * L::KV_STAGE, t == 1);
+      wgmma_commit();
+      turn.pass_turn();
+      bits.load(p.custom_mask, w, group, t0, kv_len, kind, wg);
+      wgmma_wait<1>();
+      fence_operands(sc);
+      mbarrier_arrive(bars.empty_k(stage(t)));
+      if (t == n - 1) mbarrier_arrive(bars.q_empty(qb));
+      softmax<C>(sc, rs, o_scale, lg, masked(t0, C::CUSTOM_MASK && kind != ENTRY_FULL), t0, bits, kp, p, hi,
+                 tile_cls(t0, kind));
+      if (t + 1 < n) wait_kv<C>(bars.full_k(stage(t + 1)), phase(t + 1));  // see above the loop
+      wgmma_wait<0>();
+      fence_operands(o);
+      fence_operands(pa);
+      mbarrier_arrive(bars.empty_v(stage(t - 1)));
+      rescale<C>(o, o_scale);
+      pack_p<C>(pa, sc);
+    }
   }
   // the last P V: pending. The last tile's start is t0 either way, but holding t0 to here cost the ALiBi + window
   // variant a spill.

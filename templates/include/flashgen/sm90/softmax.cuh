@@ -53,7 +53,10 @@ struct LogitsParams {
 // nvcc 13.0). A score hook alone (or weights without softmax): a mask hook's per-key reads held across the mask
 // spilled (the document mask, 12 bytes). Logits in the kernel's units (natural log with pair hooks: see
 // LogitsParams).
-template <class C, class Params>
+// ANY_TILE (heavy hooks, V::HEAVY): any tile of the item, each key past kv_hi taken as the last before it (a clamp a
+// pair), so that the hooks' code is instantiated once a softmax, not again in hooks_by_pair; hide_inside<C, true>
+// then hides the keys past kv_hi.
+template <class C, bool ANY_TILE = false, class Params>
 __device__ __forceinline__ void hooks_inside(float (&s)[C::TILE_KV / 2], const RowState& rs, const LogitsParams& lg,
                                              int t0, const Params& p, const HookItem& hi) {
   using V = typename C::Variant;
@@ -61,7 +64,9 @@ __device__ __forceinline__ void hooks_inside(float (&s)[C::TILE_KV / 2], const R
   const int q4 = threadIdx.x % 4;
 #pragma unroll
   for (int i = 0; i < C::TILE_KV / 2; ++i) {
-    const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
+    int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2;
+    if constexpr (ANY_TILE) place = min(place, lg.kv_hi - 1);
+    const int h = (i / 2) % 2;
     s[i] = flashgen::variant::pair_logit<V>(p, RAW ? s[i] * lg.mul : s[i], hi.batch, rs.q_pos[h], place,
                                             rs.qo_head[h], hi.kv_head);
   }
@@ -69,8 +74,9 @@ __device__ __forceinline__ void hooks_inside(float (&s)[C::TILE_KV / 2], const R
 
 // The spec's mask after hooks_inside, on a tile inside the item: a hidden pair's hook value is discarded. Each
 // key's offset from the thread's first key is compared with bounds a row (a compare with a constant a key; the
-// hooks' key indices are not held to here, which spilled).
-template <class C>
+// hooks' key indices are not held to here, which spilled). ANY_TILE: on any tile, keys past kv_hi hidden too (their
+// bound folded into the causal one's).
+template <class C, bool ANY_TILE = false>
 __device__ __forceinline__ void hide_inside(float (&s)[C::TILE_KV / 2], const RowState& rs, const LogitsParams& lg,
                                             int t0, const MaskBits<C>& bits) {
   constexpr float HIDDEN = C::Variant::SOFTMAX ? -INFINITY : 0.f;
@@ -81,13 +87,14 @@ __device__ __forceinline__ void hide_inside(float (&s)[C::TILE_KV / 2], const Ro
   for (int h = 0; h < 2; ++h) {
     const int first = t0 + 2 * (threadIdx.x % 4);
     end[h] = rs.q_pos[h] + 1 - first;
+    if constexpr (ANY_TILE) end[h] = C::CAUSAL ? min(end[h], lg.kv_hi - first) : lg.kv_hi - first;
     begin[h] = rs.q_pos[h] - lg.window_left - first;
   }
 #pragma unroll
   for (int i = 0; i < C::TILE_KV / 2; ++i) {
     const int key = 8 * (i / 4) + i % 2, h = (i / 2) % 2;
     bool ok = true;
-    if constexpr (C::CAUSAL) ok = key < end[h];
+    if constexpr (C::CAUSAL || ANY_TILE) ok = key < end[h];
     if constexpr (C::WINDOW) ok = ok && key >= begin[h];
     if constexpr (C::CUSTOM_MASK) ok = ok && MaskBits<C>::visible(words, i);
     if (!ok) s[i] = HIDDEN;
@@ -202,9 +209,14 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
   }
   // a tile whose keys all lie inside the item (uniform over the warpgroup); with a score hook alone (or weights
   // without softmax) its hooks come before the mask (hooks_inside), else after it (hooks_by_pair)
+  // and heavy hooks (V::HEAVY) take the same path on every tile, clamped, for one instantiation a softmax
   constexpr bool HOOKS_FIRST = HOOKED && !C::POSITIONS && !V::MASK && !V::MASK_TILE;
+  constexpr bool ONE_SITE = HOOKS_FIRST && V::HEAVY;
   const bool inside = !C::POSITIONS && !V::MASK_TILE && t0 + C::TILE_KV <= lg.kv_hi;
-  if (HOOKS_FIRST && inside) {
+  if constexpr (ONE_SITE) {
+    hooks_inside<C, true>(s, rs, lg, t0, p, hi);
+    if (masked) hide_inside<C, true>(s, rs, lg, t0, bits);  // always on a tile past kv_hi (mainloop.cuh)
+  } else if (HOOKS_FIRST && inside) {
     hooks_inside<C>(s, rs, lg, t0, p, hi);
     if (masked) hide_inside<C>(s, rs, lg, t0, bits);
   } else {
