@@ -63,11 +63,11 @@ __device__ __forceinline__ void transform_k_tile(const Params& p, const KeyTile&
   static_assert(sizeof(T) == 2 && C::TILE_KV % 8 == 0, "16-bit K in whole 8-row swizzle atoms");
   constexpr int PASSES = C::TILE_KV * C::HEAD_DIM / 8 / 32;  // 4-row passes, a 16-byte chunk a lane each
   const int r = lane / 8, c = lane % 8;
-  const uint32_t even = r * 128 + (c ^ r) * 16, odd = r * 128 + (c ^ (r + 4)) * 16;
+  const uint32_t even = r * 128 + (c ^ r) * 16;  // pass k: rows 4 (k % 2) + r modulo 8, chunk c ^ that
 #pragma unroll 1
   for (int k = 0; k < PASSES; ++k) {
     const int row = 4 * k % C::TILE_KV, block = 4 * k / C::TILE_KV;
-    const uint32_t at = block * L::KV_BLOCK + row * 128 + (k % 2 ? odd : even);
+    const uint32_t at = block * L::KV_BLOCK + row * 128 + (even ^ (k % 2) * 64);
     const int kv_idx = key_index<C>(p, kt, row + r), dim = 64 * block + 8 * c;
     uint32_t w[4];
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
