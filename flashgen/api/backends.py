@@ -69,9 +69,10 @@ def check_sm90(spec: AttentionSpec, graph: bool = False, options: dict | None = 
     if isinstance(rope, RoPE) and spec.kv_dtype.startswith("float8"):
         raise SpecError(f"kv_dtype: {spec.kv_dtype} K/V on the sm90 backend take no RoPE (its pre-pass writes "
                         "16-bit K/V)")
-    if isinstance(rope, RoPE) and spec.variant is not None and spec.variant.q_transform is not None:
-        raise SpecError("variant.q_transform: the sm90 backend rotates q in its RoPE pre-pass, before its kernel "
-                        "could transform it (the hook sees q before RoPE); use backend='portable'")
+    for name in ("q_transform", "k_transform"):
+        if isinstance(rope, RoPE) and spec.variant is not None and getattr(spec.variant, name) is not None:
+            raise SpecError(f"variant.{name}: the sm90 backend rotates {name[0]} in its RoPE pre-pass, before its "
+                            f"kernel could transform it (the hook sees {name[0]} before RoPE); use backend='portable'")
     for op, kernel_spec in kernels_for(spec, "sm90"):
         fam = family(op, options)
         fam.check(fam.project(kernel_spec))

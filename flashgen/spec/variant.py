@@ -24,7 +24,8 @@ Hooks (inputs -> result; indices are ``int``, ``logit``/``value`` are ``float``)
 (``qo_idx``, ``kv_idx``: as the pair hooks see them), and their result is rounded to q's dtype (fp16 where the
 kernel multiplies fp8 K): before the spec's RoPE (the rotation turns the transformed vector), before
 ``sm_scale``; fp8 K is dequantised first (the hook sees the code times ``k_scale``). Decode and the portable
-prefill run both; the Hopper prefill runs ``q_transform`` only, and not under RoPE (``backend='portable'``).
+prefill run both; so does the Hopper prefill, over 16-bit K/V (its fp8 K/V take no variant) and not under RoPE,
+whose pre-pass rotates q and K before its kernel (``backend='portable'`` for those).
 
 ``classify_tiles`` (default True) applies to a ``mask`` hook without ``mask_tile``: the Hopper prefill then classifies
 each KV tile itself, by evaluating the mask hook over the tile's pairs in a pre-pass, and skips empty tiles and

@@ -95,7 +95,7 @@ PREFIX_LM_CUDA = Variant(mask="return (kv_idx <= qo_idx) | (kv_idx < prefix_len[
 
 # learned per-dimension q and k gains at load (QK-norm's learned scale on its own; q_gain: [q heads, head_dim], k_gain:
 # [kv heads, head_dim], float32): q[d] * q_gain[h, d] and k[d] * k_gain[h_kv, d], each element as it is loaded,
-# before the spec's RoPE (decode and the portable prefill; the Hopper prefill runs the q half only)
+# before the spec's RoPE (decode, the portable prefill and, without RoPE, the Hopper prefill)
 QK_GAIN = Variant(q_transform=lambda x, h, dim, q_gain: x * q_gain[h, dim],
                   k_transform=lambda x, h, dim, k_gain: x * k_gain[h, dim],
                   tensors=[Tensor("q_gain", "float32", 2), Tensor("k_gain", "float32", 2)])

@@ -1,8 +1,9 @@
 """q_transform / k_transform against the fp64 reference: the raw element through the hook, then the spec's RoPE
 (flashgen.testing.reference.attend over the transformed q and k). Decode (paged, RoPE, fp8 K with a k_scale the
 hook sees applied, CUDA-graph replay), the portable prefill (ragged and paged, RoPE, fp8 K), the Hopper prefill
-(q_transform); fresh random inputs, NaN-poisoned outputs, split requests. POS_GAIN reads the true positions: a
-gain per query position and per key position."""
+(both: ragged, TMA pages and gathered pages, head_dim 64 / 128 / 256, explicit positions); fresh random inputs,
+NaN-poisoned outputs, split requests. POS_GAIN reads the true positions: a gain per query position and per key
+position, so a key transformed at a wrong position fails."""
 
 from __future__ import annotations
 
@@ -36,12 +37,12 @@ def _generator(*key) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
-def _args(name: str, g: torch.Generator) -> dict:
+def _args(name: str, g: torch.Generator, d: int = D) -> dict:
     if name == "pos_gain":
         return {"q_pos_gain": torch.rand(MAX_KV, generator=g) + 0.5,
                 "k_pos_gain": torch.rand(MAX_KV, generator=g) + 0.5}
-    return {"q_gain": torch.rand(HEADS * GROUP, D, generator=g) + 0.5,
-            "k_gain": torch.rand(HEADS * GROUP, D, generator=g) + 0.5}
+    return {"q_gain": torch.rand(HEADS * GROUP, d, generator=g) + 0.5,
+            "k_gain": torch.rand(HEADS * GROUP, d, generator=g) + 0.5}
 
 
 def _load(name: str, variant: Variant, args: dict, q, k, q_pos, k_pos):
@@ -56,13 +57,14 @@ def _load(name: str, variant: Variant, args: dict, q, k, q_pos, k_pos):
     return qk_gain_ref(q, k, args["q_gain"], k_gain)
 
 
-def _check(name, spec, args, q, kv, table, qo_lens, out, lse, k_scale: float = 1.0):
+def _check(name, spec, args, q, kv, table, qo_lens, out, lse, k_scale: float = 1.0, positions=None):
+    """``positions``: per request, its (query, key) true positions (the sm90 kernel's ``positions`` option)."""
     params = runtime_params(spec)
     refs = {False: ([], []), True: ([], [])}
     start = 0
     for b, (k, v) in enumerate(request_kv(spec, kv, **table)):
         nq, nk = qo_lens[b], k.shape[0]
-        q_pos, k_pos = torch.arange(nk - nq, nk), torch.arange(nk)
+        q_pos, k_pos = positions[b] if positions else (torch.arange(nk - nq, nk), torch.arange(nk))
         for low in (False, True):
             dtype = q.dtype if low else torch.float64
             kk = (k.double() * k_scale).to(dtype)  # fp8: what the cache means
@@ -149,7 +151,8 @@ def test_decode_cuda_graph_replays_new_gains():
 PREFILL_CASES = [("ragged", "qk_gain", {}, None), ("paged", "qk_gain_cuda", {"pos_encoding": RoPE()}, None),
                  ("ragged", "pos_gain", {"pos_encoding": RoPE()}, None), ("paged", "pos_gain", {}, None),
                  ("ragged", "qk_gain", {}, "float8_e4m3fn"), ("paged", "pos_gain", {}, "float8_e5m2"),
-                 ("sm90", "qk_gain", {}, None), ("sm90", "pos_gain", {"mask": NoMask()}, None)]
+                 ("sm90", "qk_gain", {}, None), ("sm90", "pos_gain", {"mask": NoMask()}, None),
+                 ("sm90", "qk_gain_cuda", {"dtype": "float16"}, None)]
 
 
 @pytest.mark.parametrize("family,name,extra,kv_dtype", PREFILL_CASES)
@@ -157,8 +160,6 @@ def test_prefill(family, name, extra, kv_dtype):
     if family == "sm90" and not HOPPER:
         pytest.skip("the sm90 backend needs a compute-capability 9.0 GPU")
     variant = VARIANTS[name]
-    if family == "sm90":  # the Hopper kernel runs the q half
-        variant = Variant(q_transform=variant.q_transform, tensors=variant.tensors)
     layout = Paged(16) if family == "paged" else Ragged()
     spec = AttentionSpec(D, kv_layout=layout, mask=extra.pop("mask", Causal()), variant=variant, **extra)
     g = _generator("prefill", family, name, repr(extra), kv_dtype)
@@ -176,3 +177,55 @@ def test_prefill(family, name, extra, kv_dtype):
                  **{k: v.cuda() if k == "kv_indices" else v for k, v in table.items()})
     out, lse = wrapper.run(q.cuda(), _gpu(kv), out=nan_out(spec, q), return_lse=True, **_gpu(args))
     _check(name, spec, args, q, kv, table, qo_lens, out, lse, k_scale)
+
+
+# the Hopper prefill's k_transform by way of K's loads: ragged and TMA pages (the K staging ring: two stages at
+# head_dim 64, one above), gathered pages (Paged(5): in place), each head_dim; POS_GAIN fails a wrong kv_idx
+SM90_CASES = [(layout, d, name) for d in (64, 128, 256) for layout in ("ragged", "paged16", "paged5")
+              for name in ("qk_gain", "pos_gain")]
+SM90_LAYOUTS = {"ragged": Ragged(), "paged16": Paged(16), "paged5": Paged(5)}
+
+
+@pytest.mark.parametrize("layout,d,name", SM90_CASES)
+def test_sm90_k_transform(layout, d, name):
+    if not HOPPER:
+        pytest.skip("the sm90 backend needs a compute-capability 9.0 GPU")
+    variant = VARIANTS[name]
+    spec = AttentionSpec(d, kv_layout=SM90_LAYOUTS[layout], mask=Causal(), variant=variant)
+    g = _generator("sm90_k", layout, d, name)
+    qo_lens, kv_lens = [1, 200, 40, 77], [5, 1100, 40, 333]  # several KV tiles, partial last tiles and pages
+    q, kv, table = random_batch(spec, qo_lens, kv_lens, HEADS, GROUP, generator=g)
+    args = _args(name, g, d)
+    wrapper = flashgen.BatchPrefillWrapper(spec, backend="sm90")
+    qo_indptr = [0] + torch.tensor(qo_lens).cumsum(0).tolist()
+    wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=HEADS * GROUP, num_kv_heads=HEADS,
+                 **{k: v.cuda() if k == "kv_indices" else v for k, v in table.items()})
+    out, lse = wrapper.run(q.cuda(), _gpu(kv), out=nan_out(spec, q), return_lse=True, **_gpu(args))
+    _check(name, spec, args, q, kv, table, qo_lens, out, lse)
+
+
+@pytest.mark.parametrize("layout", ["ragged", "paged16"])
+def test_sm90_k_transform_at_explicit_positions(layout):
+    """kv_idx is the key's true position (kv_page_pos + its offset in the page; Ragged: one a key), q's its
+    q_pos: shifted positions that a kernel reading places instead would get wrong."""
+    if not HOPPER:
+        pytest.skip("the sm90 backend needs a compute-capability 9.0 GPU")
+    spec = AttentionSpec(D, kv_layout=SM90_LAYOUTS[layout], mask=NoMask(), variant=POS_GAIN)
+    g = _generator("sm90_k_pos", layout)
+    qo_lens, kv_lens = [3, 150], [300, 700]
+    q, kv, table = random_batch(spec, qo_lens, kv_lens, HEADS, GROUP, generator=g)
+    args = _args("pos_gain", g)
+    shift = [17, 400]
+    positions = [(torch.arange(nk - nq, nk) + s, torch.arange(nk) + s) for nq, nk, s in zip(qo_lens, kv_lens, shift)]
+    if layout == "ragged":
+        kv_page_pos = torch.cat([k for _, k in positions])
+    else:  # the first token's position of each page-table entry
+        kv_page_pos = torch.cat([k[::16] for _, k in positions])
+    q_pos = torch.cat([p for p, _ in positions])
+    wrapper = flashgen.BatchPrefillWrapper(spec, backend="sm90", kernel_options={"positions": True})
+    qo_indptr = [0] + torch.tensor(qo_lens).cumsum(0).tolist()
+    wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=HEADS * GROUP, num_kv_heads=HEADS,
+                 kv_page_pos=kv_page_pos.int().numpy(), q_pos=q_pos.int().numpy(),
+                 **{k: v.cuda() if k == "kv_indices" else v for k, v in table.items()})
+    out, lse = wrapper.run(q.cuda(), _gpu(kv), out=nan_out(spec, q), return_lse=True, **_gpu(args))
+    _check("pos_gain", spec, args, q, kv, table, qo_lens, out, lse, positions=positions)

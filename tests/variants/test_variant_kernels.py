@@ -19,6 +19,7 @@ from flashgen.kernels import family
 from flashgen.api.backends import select
 from flashgen.api.wrapper import fp8_scaled, runtime_values
 from flashgen.kernels import include_dir
+from flashgen.kernels.prefill_sm90 import SMEM_LIMIT, sm90_o_stage_bytes, sm90_tile_kv
 from flashgen.spec import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, SpecError, Variant
 from flashgen.testing import variants as ref
 from flashgen.testing.variants import evaluate, example_args, example_attention, tile_class
@@ -39,15 +40,16 @@ def _spec(variant, op, layout):
     return AttentionSpec(128, kv_layout=layout, mask=mask, variant=variant)
 
 
-def _runs(variant, op):
-    """Whether ``op`` runs ``variant`` (the Hopper prefill refuses k_transform)."""
-    return op != "prefill_sm90" or variant.k_transform is None
-
-
-COMPILE = [(op, _spec(v, op, layout), "sm_90a") for _, _, v in VARIANTS for op, layout in FAMILIES if _runs(v, op)]
+COMPILE = [(op, _spec(v, op, layout), "sm_90a") for _, _, v in VARIANTS for op, layout in FAMILIES]
 # the q half of the load transforms on the Hopper prefill, paged and ragged
 Q_GAIN = Variant(q_transform=EXAMPLES["qk_gain"][1].q_transform, tensors=EXAMPLES["qk_gain"][1].tensors)
 COMPILE += [("prefill_sm90", _spec(Q_GAIN, "prefill_sm90", layout), "sm_90a") for layout in (Ragged(), Paged(16))]
+# both halves on the Hopper prefill: TMA pages (the K staging ring) and gathered ones (in place), each head_dim;
+# gathered at head_dim 256 (40 producer registers) the K warp's hook spills 16 / 20 bytes (GATHERED_256_SPILLS)
+COMPILE += [("prefill_sm90", AttentionSpec(d, kv_layout=layout, mask=Causal(), variant=EXAMPLES["qk_gain"][1]),
+             "sm_90a") for d in (64, 128, 256) for layout in (Paged(16), Paged(5)) if (d, layout) != (256, Paged(5))]
+GATHERED_256 = AttentionSpec(256, kv_layout=Paged(5), mask=Causal(), variant=EXAMPLES["qk_gain"][1])
+GATHERED_256_SPILLS = 20
 # the load transforms under RoPE, fp8 K and explicit positions (options: each job's own)
 QK = EXAMPLES["qk_gain"][0]
 LOADS = [("decode", AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE(), variant=QK), None),
@@ -58,7 +60,9 @@ LOADS = [("decode", AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE(),
          ("prefill", AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), kv_dtype="float8_e4m3fn", variant=QK), None),
          ("prefill", AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE(), variant=QK),
           {"positions": True}),
-         ("prefill_sm90", AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=Q_GAIN), {"positions": True})]
+         ("prefill_sm90", AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=Q_GAIN), {"positions": True}),
+         ("prefill_sm90", AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=QK), {"positions": True}),
+         ("prefill_sm90", AttentionSpec(64, kv_layout=Paged(16), mask=Causal(), variant=QK), {"positions": True})]
 prefetch(__name__, COMPILE)
 
 
@@ -89,7 +93,14 @@ def test_load_transforms_compile_with_rope_fp8_and_positions_without_spills(shar
         assert spills and max(spills) <= SPILL_BOUND[op], f"{entry.uri} spills {spills}: {report}"
         source = (entry.path / "kernel.cu").read_text()
         assert '#line 1 "variant.q_transform"' in source
-        assert ('#line 1 "variant.k_transform"' in source) == (op != "prefill_sm90")
+        assert ('#line 1 "variant.k_transform"' in source) == (spec.variant is not Q_GAIN)
+
+
+@pytest.mark.nvcc
+def test_the_sm90_k_transform_over_gathered_pages_at_head_dim_256_within_its_spill_bound(shared_cache):
+    (entry, report), = build_all([("prefill_sm90", GATHERED_256, "sm_90a")])
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    assert spills and max(spills) <= GATHERED_256_SPILLS, f"{entry.uri} spills {spills}: {report}"
 
 
 @pytest.mark.nvcc
@@ -148,23 +159,47 @@ def test_the_variant_params_come_last_with_their_layout():
         assert "static_assert(sizeof(VariantParams) == 32 && alignof(VariantParams) == 8" in jit.render(spec, op)
 
 
-def test_the_sm90_kernel_refuses_k_transforms_by_name():
-    with pytest.raises(SpecError, match=r"variant\.k_transform: the sm90 kernel does not run k transforms yet; "
-                                        r"use backend='portable'"):
-        jit.render(_spec(QK, "prefill_sm90", Ragged()), "prefill_sm90")
-    assert "flashgen_variant::Hooks" in jit.render(_spec(Q_GAIN, "prefill_sm90", Ragged()), "prefill_sm90")
-    for op, layout in FAMILIES[:3]:  # decode and the portable prefill run both
+def test_every_family_runs_k_transforms():
+    """One hook contract: decode, the portable and the Hopper prefill all render the k_transform."""
+    for op, layout in FAMILIES:
         assert '#line 1 "variant.k_transform"' in jit.render(_spec(QK, op, layout), op)
+    assert select(AttentionSpec(128, kv_layout=Ragged(), variant=QK), "auto", (9, 0)) == "sm90"
 
 
-def test_the_sm90_backend_refuses_a_q_transform_under_rope():
-    """Its RoPE pre-pass would rotate q before the kernel's transform: auto falls back to portable, sm90 says why."""
-    spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), pos_encoding=RoPE(), variant=Q_GAIN)
-    assert select(spec, "auto", (9, 0)) == "portable"
-    with pytest.raises(SpecError, match=r"variant\.q_transform: the sm90 backend rotates q in its RoPE pre-pass"):
-        select(spec, "sm90", (9, 0))
-    assert select(spec.replace(pos_encoding=None), "auto", (9, 0)) == "sm90"
-    assert select(AttentionSpec(128, kv_layout=Ragged(), variant=QK), "auto", (9, 0)) == "portable"
+def test_the_sm90_k_transform_stages_tma_loaded_k_and_enters_the_key():
+    """A k_transform over TMA-loaded 16-bit K takes the K staging ring (K_STAGED, K16_STAGES: two at head_dim 64,
+    else one); gathered pages transform in place (no ring); the kernel key differs from the plain kernel's and the
+    q-only variant's, and a kernel without a k_transform renders K_STAGED false."""
+    fam = family("prefill_sm90")
+    for d, stages in ((64, 2), (128, 1), (256, 1)):
+        for layout, staged in ((Ragged(), True), (Paged(16), True), (Paged(5), False)):
+            spec = AttentionSpec(d, kv_layout=layout, mask=Causal(), variant=QK)
+            source = jit.render(spec, "prefill_sm90")
+            assert f"K_STAGED = {'true' if staged else 'false'};" in source
+            assert f"K16_STAGES = {stages if staged else 0};" in source
+            launch = fam.launch(fam.project(spec))
+            plain = fam.launch(fam.project(spec.replace(variant=Q_GAIN)))
+            extra = stages * sm90_tile_kv(d) * d * 2 if staged else 0
+            # the staging ring takes the O staging's place where both do not fit (d128)
+            stage = (sm90_o_stage_bytes(d) if plain.o_staged and not launch.o_staged else 0)
+            assert launch.smem_bytes == plain.smem_bytes + extra - stage <= SMEM_LIMIT
+            uris = {fam.uri(fam.project(spec.replace(variant=v))) for v in (None, Q_GAIN, QK)}
+            keys = {jit.prepare(spec.replace(variant=v), "prefill_sm90", "sm_90a").content_key for v in (None, Q_GAIN, QK)}
+            assert len(uris) == len(keys) == 3
+        assert "K_STAGED = false;" in jit.render(AttentionSpec(d, kv_layout=Ragged(), variant=Q_GAIN), "prefill_sm90")
+
+
+def test_the_sm90_backend_refuses_load_transforms_under_rope():
+    """Its RoPE pre-pass would rotate q and K before the kernel's transforms: auto falls back to portable, sm90
+    says why."""
+    k_only = Variant(k_transform=QK.k_transform, tensors=QK.tensors)
+    for name, variant in (("q", Q_GAIN), ("k", k_only)):
+        spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), pos_encoding=RoPE(), variant=variant)
+        assert select(spec, "auto", (9, 0)) == "portable"
+        with pytest.raises(SpecError, match=rf"variant\.{name}_transform: the sm90 backend rotates {name} in its RoPE "
+                                            "pre-pass"):
+            select(spec, "sm90", (9, 0))
+        assert select(spec.replace(pos_encoding=None), "auto", (9, 0)) == "sm90"
 
 
 def test_load_transforms_enter_the_key_and_order_before_rope():
