@@ -169,15 +169,18 @@ __device__ __forceinline__ void gather_kv(const uint8_t* smem, const Params& p, 
     const int request = HOOK ? reinterpret_cast<const int*>(smem + L::REQUEST_OFFSET)[j % WORK_SLOTS] : 0;
     for (int t = 0; t < w.num_tiles; ++t, ++it) {
       const int s = it % C::STAGES;
-      const int pos0 = TileList<C>::pos(w.kv_lo, t, TileList<C>::entry(w.tiles, t));
       __syncwarp();  // every lane has read the previous tile's rows
-      Rows::addresses(rows, head, w.pages, p.stride_page, p.stride_token, kv_len, pos0, lane);
+      Rows::addresses(rows, head, w.pages, p.stride_page, p.stride_token, kv_len,
+                      TileList<C>::pos(w.kv_lo, t, TileList<C>::entry(w.tiles, t)), lane);
       mbarrier_wait((bars.*empty)(s), ((it / C::STAGES) & 1) ^ 1);
       __syncwarp();  // the rows are visible to the warp
       Rows::load(ring + s * L::KV_STAGE, rows, lane);
-      if constexpr (HOOK) transform_k_gathered<C>(p, key_tile<C>(p, w, request, pos0), ring + s * L::KV_STAGE,
-                                                  (bars.*full)(s), lane);
-      else cp_async_arrive_noinc((bars.*full)(s));
+      if constexpr (HOOK) {  // the tile's position read again (the plain warp's code stays as it was)
+        const int pos0 = TileList<C>::pos(w.kv_lo, t, TileList<C>::entry(w.tiles, t));
+        transform_k_gathered<C>(p, key_tile<C>(p, w, request, pos0), ring + s * L::KV_STAGE, (bars.*full)(s), lane);
+      } else {
+        cp_async_arrive_noinc((bars.*full)(s));
+      }
     }
     mbarrier_arrive(bars.work_empty(j % WORK_SLOTS));
   }
