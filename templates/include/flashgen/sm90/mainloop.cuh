@@ -210,11 +210,9 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   if constexpr (PRESCALED) prescale_q<C>(smem + qb * L::Q_BYTES, p.sm_scale, wg);
   float sc[C::TILE_KV / 2], o_scale[2];
   MaskBits<C> bits;
-  if constexpr (C::Variant::HEAVY || C::Variant::MASK) {
-    // heavy hooks (V::HEAVY), or a mask hook (two paths of hooks_by_pair a softmax): the steps below in one loop,
-    // the first tile's differences under t == 0, so that the softmax and the hooks in it are inlined once, not
-    // twice (T5's bias: ptxas 4.8 s -> 2.8 s, the document mask 4.3 s -> 2.9 s at sm_90a, nvcc 13.0); the wgmma
-    // groups stay uniform: the first P V's stage and scale-d are selected, not branched on
+  if constexpr (C::Variant::HEAVY) {
+    // heavy hooks: the steps below in one loop, the first tile's differences under t == 0, so that the softmax
+    // (and the hooks in it) is instantiated once, not twice
     for (int t = 0; t < n; ++t) {
       next_tile(t);
       if (t == 0) {
