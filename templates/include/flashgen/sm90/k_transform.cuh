@@ -17,6 +17,7 @@
 #pragma once
 #include <cstdint>
 #include <flashgen/common/mma.cuh>
+#include <flashgen/common/positions.cuh>
 #include <flashgen/common/variant.cuh>
 #include <flashgen/sm90/layout.cuh>
 #include <flashgen/sm90/tile_scheduler.cuh>
@@ -44,12 +45,8 @@ __device__ __forceinline__ KeyTile key_tile(const Params& p, const Work& w, int 
 template <class C, class Params>
 __device__ __forceinline__ int key_index(const Params& p, const KeyTile& kt, int row) {
   const int place = min(kt.pos0 + row, kt.last);
-  if constexpr (C::POSITIONS) {
-    constexpr int PS = C::PAGED ? C::PAGE_SIZE : 1;
-    return __ldg(p.kv_page_pos + kt.first + place / PS) + place % PS;
-  } else {
-    return place;
-  }
+  if constexpr (C::POSITIONS) return key_position<C::PAGED ? C::PAGE_SIZE : 1>(p.kv_page_pos + kt.first, place);
+  else return place;
 }
 
 // The K tile at shared address src through the hook into the 16-bit stage at dst (src == dst: in place), by the
