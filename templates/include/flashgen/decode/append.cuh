@@ -4,7 +4,7 @@
 // The new token sits at place kv_len - 1 of its request (the plan counts it). Split-KV chunks partition
 // [0, kv_len), so only the work items whose chunk ends at kv_len see that place: the one of qo tile 0 writes the
 // row into the cache (its page id loaded beside the first tiles', the store not waited on); every one of them
-// (one per qo tile) leaves the row out of its tile's cp.async (run: its row offset is SKIP_ROW) and stores it
+// (one per qo tile) leaves the row out of its tile's cp.async (by its index in the tile) and stores it
 // into that tile's stage in shared memory as the tile is issued (inject), so the tile's own barrier publishes it.
 // So no CTA of the launch reads the slot being written, and the attention sees exactly the bytes the cache
 // receives: the same as flashgen.append_kv, then decode.
@@ -119,7 +119,7 @@ struct NewRow {
     *reinterpret_cast<Bits*>(base + half + piece * ELEMS) = hi;
   }
 
-  // into row `row` of the K / V tiles of one stage, whose cp.async leaves that row out (SKIP_ROW)
+  // into row `row` of the K / V tiles of one stage, whose cp.async leaves that row out (copy_tile_rows' SKIP)
   __device__ __forceinline__ void inject(DTypeKV* ks, DTypeKV* vs, int row) const {
     if (!active) return;
     const int chunks = is_k ? L::K_CHUNKS : L::V_CHUNKS;

@@ -133,13 +133,9 @@ __device__ __forceinline__ void run(const Params& p) {
     const int pos = kv_start + tile * TILE + tid;
     return (tid < TILE && tile < num_tiles && pos < kv_end) ? rows.page(pos) : 0;
   };
-  auto store_offset = [&](int tile, int32_t page_id) {
+  auto store_offset = [&](int tile, int32_t page_id) {  // APPEND too: its new row is skipped by index (issue)
     const int pos = kv_start + tile * TILE + tid;
-    if constexpr (C::APPEND) {  // the new row comes from registers (inject): no copy of its slot
-      if (tid < TILE) row_offsets[(tile & 1) * TILE + tid] = (tile < num_tiles && pos < kv_end) ? (pos != kv_len - 1 ? rows.offset(pos, page_id) : SKIP_ROW) : -1;
-    } else {
-      if (tid < TILE) row_offsets[(tile & 1) * TILE + tid] = (tile < num_tiles && pos < kv_end) ? rows.offset(pos, page_id) : -1;
-    }
+    if (tid < TILE) row_offsets[(tile & 1) * TILE + tid] = (tile < num_tiles && pos < kv_end) ? rows.offset(pos, page_id) : -1;
   };
   // Each thread copies one fixed 16-byte column chunk of every (THREADS / CHUNKS)-th row of a tile: its
   // source column and (rows stepping by a multiple of 8) its swizzled destination are per-thread constants,
@@ -157,12 +153,12 @@ __device__ __forceinline__ void run(const Params& p) {
       const int64_t* offsets = row_offsets + (tile & 1) * TILE;
       DTypeKV* ks = k_smem + (tile % S) * TILE * D;
       DTypeKV* vs = v_smem + (tile % S) * TILE * DV;
-      // APPEND: the new row's tile copies every row but it (SKIP_ROW) and takes the row from registers, published
+      // APPEND: the new row's tile copies every row but it (by index) and takes the row from registers, published
       // by the barrier before the tile is read (the stage is free: every warp has passed the barrier after its
       // last read); the other tiles pay one compare a tile, not one a row
       if (C::APPEND && tile == new_tile) {
-        copy_tile_rows<DTypeKV, TILE, K_RPP, L::K_CHUNKS, D, true>(ks, k_src, offsets, k_row0, k_col);
-        copy_tile_rows<DTypeKV, TILE, V_RPP, L::V_CHUNKS, DV, true>(vs, v_src, offsets, v_row0, v_col);
+        copy_tile_rows<DTypeKV, TILE, K_RPP, L::K_CHUNKS, D, true>(ks, k_src, offsets, k_row0, k_col, new_row_in_tile);
+        copy_tile_rows<DTypeKV, TILE, V_RPP, L::V_CHUNKS, DV, true>(vs, v_src, offsets, v_row0, v_col, new_row_in_tile);
         new_row.inject(ks, vs, new_row_in_tile);
       } else {
         copy_tile_rows<DTypeKV, TILE, K_RPP, L::K_CHUNKS, D>(ks, k_src, offsets, k_row0, k_col);

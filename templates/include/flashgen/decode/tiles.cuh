@@ -58,22 +58,21 @@ __device__ __forceinline__ int copy_index(int row, int chunk, int chunks) {
 // the same for the 16-bit tiles the mma reads (8 elements a chunk)
 __device__ __forceinline__ int tile_index(int row, int chunk, int chunks) { return copy_index<uint16_t>(row, chunk, chunks); }
 
-// a row offset saying the row is stored from registers (the fused append's new row): no cp.async touches it
-constexpr int64_t SKIP_ROW = -2;
-
 // One K or V tile by cp.async: the thread's 16-byte chunk `col` of rows row0 + j * RPP (j < TILE / RPP), row r
-// from src + offsets[r] (a negative offset: a row past the request, zero-filled; SKIP_ROW where SKIP: left alone).
-// With RPP a multiple of 8 the swizzle repeats every pass, so the destination is the first pass's plus j * RPP
-// rows of WIDTH elements.
+// from src + offsets[r] (a negative offset: a row past the request, zero-filled). SKIP: row skip_row is left
+// alone (the fused append's new row, stored from registers: no cp.async touches it), found by its index so the
+// offsets of every tile stay the plain decode's. With RPP a multiple of 8 the swizzle repeats every pass, so the
+// destination is the first pass's plus j * RPP rows of WIDTH elements.
 template <typename T, int TILE, int RPP, int CHUNKS, int WIDTH, bool SKIP = false>
-__device__ __forceinline__ void copy_tile_rows(T* smem, const T* src, const int64_t* offsets, int row0, int col) {
+__device__ __forceinline__ void copy_tile_rows(T* smem, const T* src, const int64_t* offsets, int row0, int col,
+                                               int skip_row = -1) {
 #pragma unroll
   for (int j = 0; j < TILE / RPP; ++j) {
     const int r = row0 + j * RPP;
     const int64_t off = offsets[r];
     const int dst = RPP % 8 == 0 ? copy_index<T>(row0, col, CHUNKS) + j * RPP * WIDTH : copy_index<T>(r, col, CHUNKS);
     if constexpr (SKIP) {
-      if (off == SKIP_ROW) continue;
+      if (r == skip_row) continue;
     }
     cp_async_16(smem + dst, src + (off < 0 ? 0 : off), off < 0);
   }
