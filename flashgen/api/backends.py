@@ -3,8 +3,9 @@
 
 Prefill has two backends. ``portable`` is the mma.sync kernel (family ``prefill``): every spec the family
 accepts, split-KV plans, any GPU flashgen targets. ``sm90`` is the Hopper kernel (family ``prefill_sm90``):
-wgmma + TMA, sm_90a only, unsplit plans; a RoPE spec runs as the ``rope_gather`` pre-pass followed by the
-kernel of its ragged twin (``ragged_twin``), which is not CUDA-graph safe yet. Decode has one kernel.
+wgmma + TMA, sm_90a only, unsplit plans; a RoPE spec or a variant with a ``k_transform`` runs as the
+``rope_gather`` pre-pass followed by the kernel of its ragged twin (``ragged_twin``), which is not CUDA-graph safe
+yet. Decode has one kernel.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 from ..kernels import family
-from ..kernels import ragged_twin
+from ..kernels import prepass, prepass_variant, ragged_twin
 from ..spec import AttentionSpec, RoPE, SpecError
 
 BACKENDS = ("auto", "portable", "sm90")
@@ -37,8 +38,9 @@ class Backend(Protocol):
 
 def kernels_for(spec: AttentionSpec, backend: str) -> tuple[tuple[str, AttentionSpec], ...]:
     """The (op, spec) kernels ``backend`` (``"decode"``, ``"portable"``, ``"sm90"``) runs for ``spec``. For
-    ``sm90``: ``prefill_sm90`` of the spec itself, or for a RoPE spec the ``rope_gather`` pre-pass and
-    ``prefill_sm90`` of its ragged twin; an AOT build of a RoPE spec needs both.
+    ``sm90``: ``prefill_sm90`` of the spec itself, or for a RoPE spec or a variant with a k_transform
+    (``prepass``) the ``rope_gather`` pre-pass and ``prefill_sm90`` of its ragged twin; an AOT build of such a
+    spec needs both.
 
     >>> [op for op, _ in kernels_for(AttentionSpec(128, kv_layout=Ragged(), pos_encoding=RoPE()), "sm90")]
     ['rope_gather', 'prefill_sm90']
@@ -47,9 +49,10 @@ def kernels_for(spec: AttentionSpec, backend: str) -> tuple[tuple[str, Attention
         return (("decode", spec),)
     if backend == "portable":
         return (("prefill", spec),)
-    if isinstance(spec.pos_encoding, RoPE):
-        # the pre-pass only rotates and gathers: a variant's hooks run in the attention kernel alone
-        pre = spec if spec.variant is None else spec.replace(variant=None)
+    if prepass(spec):
+        # the pre-pass runs the k_transform (with RoPE the q_transform too) and rotates; the other hooks run in
+        # the attention kernel
+        pre = spec.replace(variant=prepass_variant(spec.variant, isinstance(spec.pos_encoding, RoPE)))
         return (("rope_gather", pre), ("prefill_sm90", ragged_twin(spec)))
     return (("prefill_sm90", spec),)
 
@@ -61,6 +64,9 @@ def check_sm90(spec: AttentionSpec, graph: bool = False, options: dict | None = 
     if graph and isinstance(spec.pos_encoding, RoPE):
         raise SpecError("pos_encoding: RoPE on the sm90 backend is not CUDA-graph safe yet (use_cuda_graph=True); "
                         "backend='portable' runs it in a graph")
+    if graph and prepass(spec):
+        raise SpecError("variant.k_transform: the sm90 backend runs it in its K pre-pass, not CUDA-graph safe yet "
+                        "(use_cuda_graph=True); backend='portable' runs it in a graph")
     rope = spec.pos_encoding
     if isinstance(rope, RoPE) and (rope.k_rotated or rope.scaling is not None):
         raise SpecError(f"pos_encoding: got {rope!r}; the sm90 backend's K pre-pass rotates every key with plain "
@@ -69,10 +75,6 @@ def check_sm90(spec: AttentionSpec, graph: bool = False, options: dict | None = 
     if isinstance(rope, RoPE) and spec.kv_dtype.startswith("float8"):
         raise SpecError(f"kv_dtype: {spec.kv_dtype} K/V on the sm90 backend take no RoPE (its pre-pass writes "
                         "16-bit K/V)")
-    for name in ("q_transform", "k_transform"):
-        if isinstance(rope, RoPE) and spec.variant is not None and getattr(spec.variant, name) is not None:
-            raise SpecError(f"variant.{name}: the sm90 backend rotates {name[0]} in its RoPE pre-pass, before its "
-                            f"kernel could transform it (the hook sees {name[0]} before RoPE); use backend='portable'")
     for op, kernel_spec in kernels_for(spec, "sm90"):
         fam = family(op, options)
         fam.check(fam.project(kernel_spec))

@@ -34,7 +34,7 @@ from .kv_inputs import TORCH_DTYPES, KVView, PageTable
 from .positions import wants_positions
 from .portable import HOST_ARRAYS_HINT, host_ids_reserve, page_fields, table_extras
 from .staging import DeviceBuffer
-from .variant_args import variant_args
+from .variant_args import variant_args, variant_offset, variant_size
 from .wrapper import Runtime, WrapperCore
 
 _TMA_DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", torch.float16: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16",
@@ -134,13 +134,16 @@ class SM90Prefill:
         self._options = {"positions": True} if self.positions else None
         self.last_plan = None
         self.max_batch_size = core.max_batch_size
-        # RoPE: the rope_gather pre-pass writes rotated q, rotated K and V (ragged) into scratch, and the kernel of
-        # the spec's ragged twin attends over it (backends.check_sm90 refuses RoPE in CUDA-graph mode)
-        self.rope = isinstance(spec.pos_encoding, RoPE)
+        # RoPE or a k_transform: the rope_gather pre-pass writes K (through the hook, rotated) and V, ragged, into
+        # scratch (with RoPE also q, rotated), and the kernel of the spec's ragged twin attends over it
+        # (backends.check_sm90 refuses the pre-pass in CUDA-graph mode)
         self._kernels = dict(kernels_for(spec, "sm90"))  # {"prefill_sm90": its spec[, "rope_gather": spec]}
+        self.rope = "rope_gather" in self._kernels  # the pre-pass runs
+        self._q_copied = isinstance(spec.pos_encoding, RoPE)  # it writes q too
         self.kernel_spec = self._kernels["prefill_sm90"]
         self._scratch = DeviceBuffer(TORCH_DTYPES[spec.dtype], core.device, False) if self.rope else None
         self._key_pos = DeviceBuffer(torch.int32, core.device, False) if self.rope and self.positions else None
+        self._variant_copy = None  # (kernel offset, pre-pass offset, size): the run() arguments both read
         self._maps: dict[tuple, bytes] = {}  # q / out tensor maps (_qo_map)
         self._heads: dict[tuple, tuple] = {}  # (num_qo_heads, num_kv_heads) -> _head_fields
         self._kernel = None
@@ -168,6 +171,7 @@ class SM90Prefill:
             self._rope_fn, self._rope_block = rope["rope_gather"], rope.launch_config.block
             self._rope_params = rope.params["rope_gather"].bind(
                 ("q", "k", "v", "stride_page", "stride_token", "stride_head"))
+            self._rope_layout = rope.params["rope_gather"]
         self._kernel = build(self.kernel_spec, "prefill_sm90", device=index, options=self._options)
         self._fn = self._kernel["prefill_sm90"]
         if self.tile_lists:
@@ -179,6 +183,14 @@ class SM90Prefill:
         self._params = layout.bind(names[: names.index("lse") + 1])  # tensor maps, K / V, q, o, lse: at run()
         self.variant = variant_args(self.kernel_spec, layout, self.device)
         self.params_buffer = self._params.buffer
+        pre = self._kernels.get("rope_gather")
+        if pre is not None and pre.variant is not None:  # the pre-pass's hooks read the run() arguments too
+            if self.variant is None:  # the kernel runs none of the hooks: the arguments go to the pre-pass alone
+                self.variant = variant_args(pre, self._rope_layout, self.device)
+                self.params_buffer = self._rope_params.buffer
+            else:  # the same declarations, so the same bytes: copied at run() (launch)
+                self._variant_copy = (variant_offset(layout), variant_offset(self._rope_layout),
+                                      variant_size(self.kernel_spec.variant))
 
     def plan(self, qo: np.ndarray, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime,
              custom_mask, enable_split: bool, split_policy=None, positions: dict | None = None,
@@ -283,6 +295,8 @@ class SM90Prefill:
         """Scratch for rotated q, K and V (and with ``positions`` the scratch keys' positions); the scratch K / V
         tensor maps; the pre-pass's plan-time params."""
         d = self.spec.head_dim
+        if not self._q_copied:  # no RoPE: the kernel reads the caller's q (and runs any q_transform itself)
+            total_q = 0
         q_n, kv_n = total_q * num_qo_heads * d, max(total_kv, 1) * num_kv_heads * d
         flat = self._scratch.get(q_n + 2 * kv_n + 64, "rope scratch")  # 64: 128-byte alignment of each part
         align = 128 // flat.element_size()
@@ -308,7 +322,8 @@ class SM90Prefill:
             "kv_out_indptr": addresses["kv_indptr"], "total_q": total_q, "total_kv_out": total_kv,
             "block_table_stride": tables["block_table_stride"], "batch": batch, "num_qo_heads": num_qo_heads,
             "num_kv_heads": num_kv_heads, "rope_rcp_scale": runtime.rope_rcp_scale,
-            "rope_log2_theta": runtime.rope_log2_theta, **extra})
+            "rope_log2_theta": runtime.rope_log2_theta, **extra,
+            **({"variant": b""} if self._kernels["rope_gather"].variant is not None else {})})  # run(): launch
 
     def kv_args(self, kv: KVView) -> tuple:
         """The TMA descriptors of K and V, bounded by the tensors' own size (the wrapper memoises them); for a
@@ -339,11 +354,16 @@ class SM90Prefill:
 
     def launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         stream = current_stream(self.device.index)
-        if self.rope:  # the kernel reads the rotated q in the scratch
+        if self.rope:  # the kernel reads the scratch K / V (with RoPE the rotated q there too)
             rope = self._rope_params
             rope.set(q.data_ptr(), kv[0], kv[1], *kv[2:])
+            if self._variant_copy is not None:
+                at, to, size = self._variant_copy
+                rope.buffer[to: to + size] = self._params.buffer[at: at + size]
             self._rope_fn.launch_params(self._rope_grid, self._rope_block, 0, stream, rope.address)
-            kv, q = self._scratch_maps, self._q_out
+            kv = self._scratch_maps
+            if self._q_copied:
+                q = self._q_out
         maps = (self._qo_map(q, self._launch.tile_q // self._group) if self._q_tma else NO_MAP,)
         if self._o_staged:
             maps += (self._qo_map(out, O_WARP_ROWS // self._group) if self._o_tma else NO_MAP,)

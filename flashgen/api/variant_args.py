@@ -40,7 +40,7 @@ class VariantArgs:
     def __init__(self, variant: Variant, layout: ParamsLayout, device: torch.device):
         self.variant, self.device = variant, device
         self._packer = struct.Struct(variant_layout(variant).format)
-        self._offset = layout.offsets[layout.names().index(VARIANT_FIELD)]
+        self._offset = variant_offset(layout)
         self._tensors = tuple((t.name, TORCH[t.dtype], t.rank) for t in variant.tensors)
         self._scalars = tuple((s.name, s.dtype) for s in variant.scalars)
         self._names = frozenset(n for n, *_ in (*self._tensors, *self._scalars))
@@ -101,6 +101,16 @@ def _scalar(name: str, value, dtype: str):
     if not lo <= number <= hi:
         raise ValueError(f"{name}: got {number}, expected an int in [{lo}, {hi}] (an {dtype} variant scalar)")
     return number
+
+
+def variant_offset(layout: ParamsLayout) -> int:
+    """The byte offset of a kernel params ``layout``'s ``VariantParams`` field."""
+    return layout.offsets[layout.names().index(VARIANT_FIELD)]
+
+
+def variant_size(variant: Variant) -> int:
+    """The bytes of ``variant``'s ``VariantParams`` (what ``VariantArgs.write`` packs)."""
+    return struct.calcsize(variant_layout(variant).format)
 
 
 def variant_args(spec, layout: ParamsLayout, device: torch.device) -> VariantArgs | None:

@@ -1,9 +1,12 @@
-"""The RoPE pre-pass of the Hopper prefill (op ``rope_gather``): q and K rotated, V copied, from any KV layout
-into ragged scratch tensors (``templates/include/flashgen/sm90/rope_gather.cuh``).
+"""The K pre-pass of the Hopper prefill (op ``rope_gather``): K through a variant's ``k_transform`` and rotated
+(RoPE), V copied, q (RoPE only) through the ``q_transform`` and rotated, from any KV layout into ragged scratch
+tensors (``templates/include/flashgen/sm90/rope_gather.cuh``).
 
-The sm90 prefill kernel has no RoPE of its own: for a RoPE spec the sm90 backend runs this pass, then the kernel
-of the same spec with ``kv_layout=Ragged()`` and no positional encoding over the scratch. The pass moves q once
-and K and V twice (read, write): for a 16k-token prefill at 8 kv heads, d=128, ~100 MB, about 30 µs at the
+The sm90 prefill kernel has no RoPE of its own and runs no k_transform: for such a spec the sm90 backend runs
+this pass, then the kernel of its ``ragged_twin`` (``kv_layout=Ragged()``, no positional encoding, the variant
+without the hooks the pass ran) over the scratch. The pass runs a hook once an element (in the kernel, every q
+tile that reads a key would run it again: 16 times a key on average at 4 x 4096 causal) and moves K and V twice
+(read, write), with RoPE q once too: for a 16k-token prefill at 8 kv heads, d=128, ~100 MB, about 30 µs at the
 H200's copy rate against ~3.5 ms of attention; for an append over a long cached KV it is a larger share (the
 cost of every cached key and value read and written once).
 """
@@ -12,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..spec import AttentionSpec, NoMask, Paged, Ragged, RoPE, SpecError
-from .family import POSITION_FIELDS, EntryPoint, KernelFamily, LaunchConfig, positions_option, struct
+from ..spec import AttentionSpec, NoMask, Paged, Ragged, RoPE, SpecError, Variant
+from ..spec.variant import HOOKS
+from .family import POSITION_FIELDS, EntryPoint, KernelFamily, LaunchConfig, positions_option, struct, variant_fields
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 BLOCK_THREADS = 256
@@ -41,12 +45,17 @@ class RopeGatherFamily(KernelFamily):
         return f"{self.op}_{spec.uri}{'_pos' if self.positions else ''}"
 
     def project(self, spec: object) -> AttentionSpec:
-        """Only what the pass depends on: dtypes, head dims, the KV layout (RoPE's theta / scale are runtime)."""
+        """Only what the pass depends on: dtypes, head dims, the KV layout, whether it rotates (RoPE's theta /
+        scale are runtime) and the variant's load hooks it runs (``prepass_variant``)."""
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
-        return replace(spec, mask=NoMask(), pos_encoding=RoPE(), soft_cap=None, sm_scale=None)
+        rope = isinstance(spec.pos_encoding, RoPE)
+        return replace(spec, mask=NoMask(), pos_encoding=RoPE() if rope else None, soft_cap=None, sm_scale=None,
+                       variant=prepass_variant(spec.variant, rope))
 
     def check(self, spec: AttentionSpec) -> None:
+        if not isinstance(spec.pos_encoding, RoPE) and spec.variant is None:
+            raise SpecError("spec: rope_gather runs RoPE or a variant's k_transform, and the spec has neither")
         if spec.dtype not in CPP_TYPES or spec.kv_dtype != spec.dtype:
             raise SpecError(f"kv_dtype: rope_gather takes float16 / bfloat16 with kv_dtype == dtype, got "
                             f"{spec.dtype} / {spec.kv_dtype}")
@@ -60,7 +69,8 @@ class RopeGatherFamily(KernelFamily):
         paged = isinstance(spec.kv_layout, Paged)
         return {"DType": CPP_TYPES[spec.dtype], "HEAD_DIM": spec.head_dim, "PAGED": "true" if paged else "false",
                 "PAGE_SIZE": spec.kv_layout.page_size if paged else 1, "BLOCK_THREADS": BLOCK_THREADS,
-                "POSITIONS": "true" if self.positions else "false"}
+                "POSITIONS": "true" if self.positions else "false",
+                "ROPE": "true" if isinstance(spec.pos_encoding, RoPE) else "false"}
 
     def launch(self, spec: AttentionSpec) -> LaunchConfig:
         """``BLOCK_THREADS`` threads, one (row, rotation pair) a thread: the grid covers the pairs of q and K."""
@@ -78,11 +88,33 @@ class RopeGatherFamily(KernelFamily):
             ("int64_t", "total_q"), ("int64_t", "total_kv_out"),
             ("int32_t", "block_table_stride"), ("int32_t", "batch"), ("int32_t", "num_qo_heads"),
             ("int32_t", "num_kv_heads"), ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"),
-            *((*POSITION_FIELDS, ("int32_t*", "kv_pos_out")) if self.positions else ()),
+            *((*POSITION_FIELDS, ("int32_t*", "kv_pos_out")) if self.positions else ()), *variant_fields(spec),
         )
         return (EntryPoint("rope_gather", params),)
 
 
+def prepass(spec: AttentionSpec) -> bool:
+    """Whether the sm90 backend runs ``spec`` as this pass and its ``ragged_twin``: RoPE, or a k_transform."""
+    return isinstance(spec.pos_encoding, RoPE) or (spec.variant is not None and spec.variant.k_transform is not None)
+
+
+def prepass_variant(variant: Variant | None, rope: bool) -> Variant | None:
+    """The hooks of ``variant`` the pass runs: its k_transform and, with RoPE (the pass then writes q), its
+    q_transform, with every declaration (so the pass's ``VariantParams`` are the kernel's, packed alike); None
+    where it runs none."""
+    if variant is None or (variant.k_transform is None and not (rope and variant.q_transform is not None)):
+        return None
+    return Variant(q_transform=variant.q_transform if rope else None, k_transform=variant.k_transform,
+                   tensors=variant.tensors, scalars=variant.scalars)
+
+
 def ragged_twin(spec: AttentionSpec) -> AttentionSpec:
-    """The sm90 kernel's spec behind a RoPE spec: the same attention over the ragged, rotated scratch."""
-    return replace(spec, kv_layout=Ragged(), pos_encoding=None)
+    """The sm90 kernel's spec behind a pre-pass spec (``prepass``): the same attention over the ragged scratch,
+    without RoPE and without the hooks the pass ran (``prepass_variant``), the variant's declarations kept (the
+    kernel's params pack the same run() arguments)."""
+    variant = spec.variant
+    if variant is not None:
+        q_transform = None if isinstance(spec.pos_encoding, RoPE) else variant.q_transform
+        left = any(getattr(variant, name) is not None for name in HOOKS if name not in ("q_transform", "k_transform"))
+        variant = replace(variant, k_transform=None, q_transform=q_transform) if left or q_transform else None
+    return replace(spec, kv_layout=Ragged(), pos_encoding=None, variant=variant)

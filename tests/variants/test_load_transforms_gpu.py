@@ -1,7 +1,8 @@
 """q_transform / k_transform against the fp64 reference: the raw element through the hook, then the spec's RoPE
 (flashgen.testing.reference.attend over the transformed q and k). Decode (paged, RoPE, fp8 K with a k_scale the
 hook sees applied, CUDA-graph replay), the portable prefill (ragged and paged, RoPE, fp8 K), the Hopper prefill
-(both: ragged, TMA pages and gathered pages, head_dim 64 / 128 / 256, explicit positions); fresh random inputs,
+(both, run by its K pre-pass, also under RoPE: ragged, TMA pages and gathered pages, head_dim 64 / 128 / 256,
+explicit positions); fresh random inputs,
 NaN-poisoned outputs, split requests. POS_GAIN reads the true positions: a gain per query position and per key
 position, so a key transformed at a wrong position fails."""
 
@@ -30,7 +31,9 @@ MAX_KV = 2200
 POS_GAIN = Variant(q_transform="return value * q_pos_gain[qo_idx];",
                    k_transform=lambda x, kv_idx, k_pos_gain: x * k_pos_gain[kv_idx],
                    tensors=[Tensor("q_pos_gain", "float32", 1), Tensor("k_pos_gain", "float32", 1)])
-VARIANTS = {"qk_gain": QK_GAIN, "qk_gain_cuda": QK_GAIN_CUDA, "pos_gain": POS_GAIN}
+# a k_transform alone: on the Hopper prefill its pre-pass takes every run() argument (the kernel runs no hook)
+K_GAIN = Variant(k_transform="return value * k_gain(kv_head, dim);", tensors=[Tensor("k_gain", "float32", 2)])
+VARIANTS = {"qk_gain": QK_GAIN, "qk_gain_cuda": QK_GAIN_CUDA, "pos_gain": POS_GAIN, "k_gain": K_GAIN}
 
 
 def _generator(*key) -> torch.Generator:
@@ -41,8 +44,9 @@ def _args(name: str, g: torch.Generator, d: int = D) -> dict:
     if name == "pos_gain":
         return {"q_pos_gain": torch.rand(MAX_KV, generator=g) + 0.5,
                 "k_pos_gain": torch.rand(MAX_KV, generator=g) + 0.5}
-    return {"q_gain": torch.rand(HEADS * GROUP, d, generator=g) + 0.5,
+    args = {"q_gain": torch.rand(HEADS * GROUP, d, generator=g) + 0.5,
             "k_gain": torch.rand(HEADS * GROUP, d, generator=g) + 0.5}
+    return {"k_gain": args["k_gain"]} if name == "k_gain" else args
 
 
 def _load(name: str, variant: Variant, args: dict, q, k, q_pos, k_pos):
@@ -54,7 +58,7 @@ def _load(name: str, variant: Variant, args: dict, q, k, q_pos, k_pos):
             k = (k.to(work) * args["k_pos_gain"][k_pos.long()].to(work)[:, None, None]).to(k.dtype)
         return q, k
     k_gain = args["k_gain"] if variant.k_transform is not None else torch.ones_like(args["k_gain"])
-    return qk_gain_ref(q, k, args["q_gain"], k_gain)
+    return qk_gain_ref(q, k, args.get("q_gain", torch.ones_like(k_gain)), k_gain)
 
 
 def _check(name, spec, args, q, kv, table, qo_lens, out, lse, k_scale: float = 1.0, positions=None):
@@ -152,7 +156,10 @@ PREFILL_CASES = [("ragged", "qk_gain", {}, None), ("paged", "qk_gain_cuda", {"po
                  ("ragged", "pos_gain", {"pos_encoding": RoPE()}, None), ("paged", "pos_gain", {}, None),
                  ("ragged", "qk_gain", {}, "float8_e4m3fn"), ("paged", "pos_gain", {}, "float8_e5m2"),
                  ("sm90", "qk_gain", {}, None), ("sm90", "pos_gain", {"mask": NoMask()}, None),
-                 ("sm90", "qk_gain_cuda", {"dtype": "float16"}, None)]
+                 ("sm90", "qk_gain_cuda", {"dtype": "float16"}, None),
+                 # under RoPE the Hopper pre-pass runs both hooks, then rotates
+                 ("sm90", "qk_gain_cuda", {"pos_encoding": RoPE()}, None), ("sm90", "pos_gain", {"pos_encoding": RoPE()}, None),
+                 ("sm90", "k_gain", {}, None), ("sm90", "k_gain", {"pos_encoding": RoPE()}, None)]
 
 
 @pytest.mark.parametrize("family,name,extra,kv_dtype", PREFILL_CASES)
@@ -179,8 +186,8 @@ def test_prefill(family, name, extra, kv_dtype):
     _check(name, spec, args, q, kv, table, qo_lens, out, lse, k_scale)
 
 
-# the Hopper prefill's k_transform by way of K's loads: ragged and TMA pages (the K staging ring: two stages at
-# head_dim 64, one above), gathered pages (Paged(5): in place), each head_dim; POS_GAIN fails a wrong kv_idx
+# the Hopper prefill's k_transform, run by its K pre-pass over each layout: ragged, TMA pages and gathered pages
+# (Paged(5)), each head_dim; POS_GAIN fails a wrong kv_idx
 SM90_CASES = [(layout, d, name) for d in (64, 128, 256) for layout in ("ragged", "paged16", "paged5")
               for name in ("qk_gain", "pos_gain")]
 SM90_LAYOUTS = {"ragged": Ragged(), "paged16": Paged(16), "paged5": Paged(5)}

@@ -16,7 +16,7 @@ import flashgen
 from compile_checks import build_all, prefetch
 from flashgen import jit
 from flashgen.kernels import family
-from flashgen.api.backends import select
+from flashgen.api.backends import kernels_for, select
 from flashgen.api.wrapper import fp8_scaled, runtime_values
 from flashgen.kernels import include_dir
 from flashgen.kernels.prefill_sm90 import SMEM_LIMIT, sm90_o_stage_bytes, sm90_tile_kv
@@ -189,17 +189,35 @@ def test_the_sm90_k_transform_stages_tma_loaded_k_and_enters_the_key():
         assert "K_STAGED = false;" in jit.render(AttentionSpec(d, kv_layout=Ragged(), variant=Q_GAIN), "prefill_sm90")
 
 
-def test_the_sm90_backend_refuses_load_transforms_under_rope():
-    """Its RoPE pre-pass would rotate q and K before the kernel's transforms: auto falls back to portable, sm90
-    says why."""
+def test_the_sm90_backend_runs_load_transforms_in_its_pre_pass():
+    """A k_transform (and under RoPE the q_transform too) runs in the rope_gather pre-pass, once an element, before
+    RoPE; the kernel of the ragged twin runs the rest of the variant (None where nothing is left) and keeps every
+    declaration. Not in CUDA-graph mode: auto falls back to portable there, sm90 says why."""
     k_only = Variant(k_transform=QK.k_transform, tensors=QK.tensors)
-    for name, variant in (("q", Q_GAIN), ("k", k_only)):
-        spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), pos_encoding=RoPE(), variant=variant)
-        assert select(spec, "auto", (9, 0)) == "portable"
-        with pytest.raises(SpecError, match=rf"variant\.{name}_transform: the sm90 backend rotates {name} in its RoPE "
-                                            "pre-pass"):
-            select(spec, "sm90", (9, 0))
-        assert select(spec.replace(pos_encoding=None), "auto", (9, 0)) == "sm90"
+    for rope in (None, RoPE()):
+        for variant in (Q_GAIN, k_only, QK):
+            spec = AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=rope, variant=variant)
+            assert select(spec, "auto", (9, 0)) == "sm90"
+            kernels = dict(kernels_for(spec, "sm90"))
+            if rope is None and variant is Q_GAIN:  # nothing for a pre-pass: the kernel itself
+                assert kernels == {"prefill_sm90": spec}
+                continue
+            pre, twin = kernels["rope_gather"].variant, kernels["prefill_sm90"].variant
+            assert kernels["prefill_sm90"].kv_layout == Ragged() and kernels["prefill_sm90"].pos_encoding is None
+            assert pre is None or (pre.k_transform == variant.k_transform and pre.tensors == variant.tensors)
+            assert (pre is not None and pre.q_transform is not None) == (rope is not None and variant.q_transform is not None)
+            if rope is None and variant.q_transform is not None:
+                assert twin.q_transform == variant.q_transform and twin.k_transform is None
+                assert twin.tensors == variant.tensors
+            else:
+                assert twin is None
+            if pre is not None:
+                source = jit.render(kernels["rope_gather"], "rope_gather")
+                for name in ("q_transform", "k_transform"):
+                    assert (f'#line 1 "variant.{name}"' in source) == (getattr(pre, name) is not None)
+            with pytest.raises(SpecError, match="not CUDA-graph safe"):
+                select(spec, "sm90", (9, 0), graph=True)
+            assert select(spec, "auto", (9, 0), graph=True) == "portable"
 
 
 def test_load_transforms_enter_the_key_and_order_before_rope():
