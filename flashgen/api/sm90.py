@@ -251,7 +251,7 @@ class SM90Prefill:
         if positions:  # with RoPE the keys' positions are the pre-pass's, one a scratch row
             fields.update(kv_page_pos=self._key_pos_at if self.rope else addresses["kv_page_pos"],
                           q_pos=addresses["q_pos"])
-        if self.variant is not None:
+        if self.kernel_spec.variant is not None:
             fields["variant"] = b""  # packed by run() (variant_args)
         if v_scale is not None:
             fields["v_scale"] = v_scale

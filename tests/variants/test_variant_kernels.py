@@ -438,3 +438,31 @@ def test_the_document_tile_predicate_agrees_with_its_mask():
         q1, k1 = q0 + int(torch.randint(1, 10, (1,), generator=g)), k0 + int(torch.randint(1, 10, (1,), generator=g))
         seen.add(tile_class(variant, q0, q1, k0, k1, {"doc_ids": ids}))
     assert seen == {0, 1, 2}
+
+
+@pytest.mark.parametrize("rope", [None, RoPE()], ids=["plain", "rope"])
+@pytest.mark.parametrize("which", ["k_only", "qk"])
+def test_the_sm90_pre_pass_takes_the_run_arguments(which, rope):
+    """The pre-pass's VariantParams carry the run() arguments: packed there alone when the kernel runs no hook
+    (a k_transform alone, or both transforms under RoPE), else copied from the kernel's params at run()."""
+    variant = QK if which == "qk" else Variant(k_transform=QK.k_transform, tensors=QK.tensors)
+    spec = AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=rope, variant=variant)
+    with stubbed_cuda(), mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (9, 0)), \
+            mock.patch("flashgen.jit.build", fake_build), \
+            mock.patch("flashgen.api.sm90.kv_tensor_map", lambda *args: bytes(128)), \
+            mock.patch("flashgen.api.sm90.qo_tensor_map", lambda *args: bytes(128)):
+        wrapper = flashgen.BatchPrefillWrapper(spec)
+        assert wrapper.backend == "sm90"
+        wrapper.plan(qo_indptr=[0, 3, 5], kv_indptr=[0, 2, 3], kv_indices=[4, 1, 0], kv_last_page_len=[3, 4],
+                     num_qo_heads=4, num_kv_heads=2)
+        impl = wrapper._impl
+        kernel_runs_hooks = impl.kernel_spec.variant is not None
+        assert kernel_runs_hooks == (which == "qk" and rope is None)
+        q = on_device(torch.zeros(5, 4, 128, dtype=torch.bfloat16))
+        cache = tuple(on_device(torch.zeros(5, 16, 2, 128, dtype=torch.bfloat16)) for _ in range(2))
+        args = {"q_gain": on_device(torch.ones(4, 128)), "k_gain": on_device(torch.ones(2, 128))}  # both declared
+        wrapper.run(q, cache, out=on_device(torch.zeros(5, 4, 128, dtype=torch.bfloat16)), **args)
+        pre = impl._rope_params.values()["variant"]
+        assert args["k_gain"].data_ptr() in struct.unpack(f"{len(pre) // 8}q", pre)
+        if kernel_runs_hooks:
+            assert impl._params.values()["variant"] == pre
