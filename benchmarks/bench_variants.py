@@ -6,7 +6,9 @@ bf16, 32 q / 8 kv heads, head_dim 128, ragged, 4x4096 and 1x16384 tokens, causal
 (every one but prefix-LM, whose mask is its own). TFLOP/s count the visible (query, key) pairs, causal as half
 (FlashAttention's convention): documents of --doc-len tokens count their causal blocks, prefix-LM its prefix
 square on top. Flex has no sink and no normaliser-free softmax: the sink's row is Flex's output scaled by
-sigmoid(lse - sink) (one extra elementwise kernel, timed with it); sigmoid attention has no Flex row. The tree
+sigmoid(lse - sink) (one extra elementwise kernel, timed with it); sigmoid attention has no Flex row; Flex has no
+load transform: its qk_gain row multiplies q and k by their gains in torch first (timed with it). flashgen's
+Hopper backend runs the k_transform in its K pre-pass (timed with it). The tree
 example's ancestor bits cover 64 tokens, so it is not run at these lengths. ``document_tiled`` is the
 document mask with its tile predicate (the issue's 1k-token document row): the portable prefill never loads the
 empty tiles at either end of a CTA's range and skips the compute of the empty ones inside it; the Hopper prefill
@@ -34,7 +36,8 @@ import torch  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = "4x4096,1x16384"
-EXAMPLE_NAMES = ("sink", "document", "document_tiled", "t5_bias", "alibi", "sigmoid", "prefix_lm")  # tree: <= 64 tokens
+EXAMPLE_NAMES = ("sink", "document", "document_tiled", "t5_bias", "alibi", "sigmoid", "prefix_lm",
+                 "qk_gain")  # tree: <= 64 tokens
 
 
 def visible_pairs(name: str, seqlen: int, doc_len: int, prefix: int) -> float:
@@ -58,6 +61,7 @@ def example_inputs(name: str, batch: int, seqlen: int, doc_len: int, prefix: int
         "alibi": lambda: {"slopes": torch.rand(HQ, generator=g) * 0.1},
         "sigmoid": lambda: {"bias": -math.log(seqlen)},
         "prefix_lm": lambda: {"prefix_len": torch.full((batch,), prefix, dtype=torch.int32)},
+        "qk_gain": lambda: {"q_gain": torch.rand(HQ, D, generator=g) + 0.5, "k_gain": torch.rand(HKV, D, generator=g) + 0.5},
     }[name]()
     return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
@@ -108,7 +112,13 @@ def flex_call(name: str, q, k, v, batch: int, seqlen: int, args: dict):
         score_mod = lambda s, b, h, qi, ki: s + table[h, t5_bucket_torch(ki - qi)]  # noqa: E731
     block_mask = create_block_mask(mask_mod, batch if name == "prefix_lm" else None, None, seqlen, seqlen)
     q4, k4, v4 = (x.view(batch, seqlen, -1, D).transpose(1, 2) for x in (q, k, v))
-    if name == "sink":
+    if name == "qk_gain":
+        q_gain, k_gain = args["q_gain"].view(1, HQ, 1, D), args["k_gain"].view(1, HKV, 1, D)
+
+        def call():
+            return flex((q4 * q_gain).to(q4.dtype), (k4 * k_gain).to(k4.dtype), v4, block_mask=block_mask,
+                        enable_gqa=True)
+    elif name == "sink":
         sinks = args["sinks"].view(1, HQ, 1, 1)
 
         def call():
@@ -138,9 +148,9 @@ def flashgen_call(name: str, backend: str, q, k, v, batch: int, seqlen: int, arg
 def build(names: list[str], backends: list[str]) -> None:
     """Every flashgen kernel of the run, compiled in parallel before anything is timed."""
     from flashgen import ensure_compiled
+    from flashgen.api.backends import kernels_for
 
-    ops = {"portable": "prefill", "sm90": "prefill_sm90"}
-    jobs = [(spec_of(n), ops[b]) for n in names for b in backends]
+    jobs = [(spec, op) for n in names for b in backends for op, spec in kernels_for(spec_of(n), b)]
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(lambda job: ensure_compiled(*job), jobs))

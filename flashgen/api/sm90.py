@@ -22,7 +22,7 @@ import ctypes
 import numpy as np
 import torch
 
-from ..kernels import TILE_LIST_THREADS, sm90_qo_tma, sm90_tile_heads, sm90_tile_lists, sm90_tile_threads
+from ..kernels import TILE_LIST_THREADS, prepass_threads, sm90_qo_tma, sm90_tile_heads, sm90_tile_lists, sm90_tile_threads
 from ..plan import plan_prefill
 from ..plan.mask_tiles import plan_mask_tiles, tile_list_indptr
 from ..spec import AttentionSpec, CustomMask, Paged, RoPE
@@ -308,13 +308,13 @@ class SM90Prefill:
         view = KVView(k_out, v_out, 0, num_kv_heads * d, d, k_out.shape[0])
         self._scratch_maps = (kv_tensor_map(self.kernel_spec, view, k_out, self._tile_kv),
                               kv_tensor_map(self.kernel_spec, view, v_out, self._tile_kv))
-        pairs = (total_q * num_qo_heads + total_kv * num_kv_heads) * (d // 2)
+        threads = prepass_threads(total_q * num_qo_heads + total_kv * num_kv_heads, d)
         extra = {}
         if positions:
             self._key_pos_at = self._key_pos.address_of(max(total_kv, 1), "rope key positions")
             extra = {"kv_page_pos": addresses["kv_page_pos"], "q_pos": addresses["q_pos"],
                      "kv_pos_out": self._key_pos_at}
-        self._rope_grid = (max(1, -(-pairs // self._rope_block[0])), 1, 1)
+        self._rope_grid = (max(1, -(-threads // self._rope_block[0])), 1, 1)
         self._rope_params.pack({
             "q_out": self._q_out.data_ptr(), "k_out": k_out.data_ptr(), "v_out": v_out.data_ptr(),
             "qo_indptr": addresses["qo_indptr"], "kv_indptr": addresses["src_indptr"],

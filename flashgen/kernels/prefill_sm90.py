@@ -45,9 +45,7 @@ TILE_HOOK_THREADS = 256  # by the mask hook: a CTA a work item, its warps sharin
 def sm90_registers(head_dim: int, gathered: bool, fp8: bool = False) -> tuple[int, int, int]:
     """``(PRODUCER_REGS, CONSUMER_REGS, GATHER_BATCH)`` of a variant: the warpgroups' register split and how many
     row addresses a gathering K/V warp reads ahead of its copies. fp8 K/V up to head_dim 128 take the gathered
-    split too: the converting K/V warps keep ``sm90_kv8_ahead`` chunk loads in flight (4 registers each). A
-    k_transform keeps the split it would have without one: its K warp's rolled pass (sm90/k_transform.cuh) fits
-    in 40, and a consumer with explicit positions spills at 224."""
+    split too: the converting K/V warps keep ``sm90_kv8_ahead`` chunk loads in flight (4 registers each)."""
     if (gathered or fp8) and head_dim <= 128:
         return GATHER_PRODUCER_REGS, GATHER_CONSUMER_REGS, 8 if gathered else 4
     return PRODUCER_REGS, CONSUMER_REGS, 4
@@ -89,13 +87,12 @@ def sm90_gather(page_size: int, head_dim: int) -> bool:
 SMEM_FIXED = 256 + 512 + 1024  # barriers, the 4 Work slots, slack to align the dynamic base up to 1024
 
 
-def _smem(head_dim: int, q_buffers: int, elem: int, gather: bool = False, kv8: int = 0, k16: int = 0) -> int:
+def _smem(head_dim: int, q_buffers: int, elem: int, gather: bool = False, kv8: int = 0) -> int:
     """Q tiles + STAGES K and V stages + SMEM_FIXED (+ a gathered cache's row offsets: one KV tile of int64 for
-    each of the K and V warps; + fp8 K/V's ``kv8`` TMA staging stages of K and of V, one byte an element; + a
-    k_transform's ``k16`` TMA staging stages of 16-bit K)."""
+    each of the K and V warps; + fp8 K/V's ``kv8`` TMA staging stages of K and of V, one byte an element)."""
     tile = sm90_tile_kv(head_dim)
     return (q_buffers * TILE_Q * head_dim * elem + 2 * STAGES * tile * head_dim * elem + SMEM_FIXED
-            + (2 * tile * 8 if gather else 0) + 2 * kv8 * tile * head_dim + k16 * tile * head_dim * elem)
+            + (2 * tile * 8 if gather else 0) + 2 * kv8 * tile * head_dim)
 
 
 def sm90_q_buffers(head_dim: int, elem: int = 2) -> int:
@@ -124,18 +121,7 @@ def sm90_kv8_stages(head_dim: int) -> int:
     return 2 if _smem(head_dim, sm90_q_buffers(head_dim), 2, kv8=2) <= SMEM_LIMIT else 1
 
 
-def sm90_k16_stages(head_dim: int) -> int:
-    """A k_transform over 16-bit K (TMA-loaded): the TMA staging stages of K (the K warp runs the hook over one
-    into a 16-bit stage while the next loads; sm90/k_transform.cuh), two where they fit beside the Q buffers and
-    the 16-bit stages, else one; they come before the O staging, as fp8's (``sm90_kv8_stages``).
-
-    head_dim 64: 96 KB + 2 x 16 KB -> 2; head_dim 128: 192 KB + 2 x 32 KB = 256 KB -> 1 (224 KB); head_dim 256
-    (one Q buffer, 64-token tiles): 192 KB + 2 x 32 KB -> 1.
-    """
-    return 2 if _smem(head_dim, sm90_q_buffers(head_dim), 2, k16=2) <= SMEM_LIMIT else 1
-
-
-def sm90_o_staged(head_dim: int, gather: bool, elem: int = 2, kv8: int = 0, k16: int = 0) -> bool:
+def sm90_o_staged(head_dim: int, gather: bool, elem: int = 2, kv8: int = 0) -> bool:
     """Whether the epilogue may stage O in shared memory and store it by TMA (the kernel then does so for a
     warp's rows inside the request where the GQA group divides 16; else, and where this is False, it stores
     straight from registers): where the staging fits beside the Q buffers and KV stages, never at the cost of a
@@ -143,11 +129,10 @@ def sm90_o_staged(head_dim: int, gather: bool, elem: int = 2, kv8: int = 0, k16:
 
     head_dim 128: 192 KB + 1.75 KB + 32 KB = 225.75 KB <= 227 KB -> staged; a gathered cache's 2 KB of row
     offsets push it to 227.75 KB -> not; head_dim 256 (64 KB of staging) -> not; head_dim 64 -> staged; fp8 K/V
-    (``kv8`` staging stages): head_dim 128: 224 KB + 1.75 KB -> not; head_dim 64 -> staged; a k_transform's
-    ``k16`` staging stages of 16-bit K: the same.
+    (``kv8`` staging stages): head_dim 128: 224 KB + 1.75 KB -> not; head_dim 64 -> staged.
     """
-    return (_smem(head_dim, sm90_q_buffers(head_dim, elem), elem, gather, kv8, k16)
-            + sm90_o_stage_bytes(head_dim, elem) <= SMEM_LIMIT)
+    return (_smem(head_dim, sm90_q_buffers(head_dim, elem), elem, gather, kv8) + sm90_o_stage_bytes(head_dim, elem)
+            <= SMEM_LIMIT)
 
 
 def sm90_tile_lists(spec: AttentionSpec, positions: bool = False) -> bool:
@@ -199,19 +184,24 @@ def sm90_qo_tma(group: int, o_staged: bool) -> tuple[bool, bool]:
     return TILE_Q % group == 0, o_staged and O_WARP_ROWS % group == 0
 
 
-def sm90_smem_bytes(head_dim: int, elem: int = 2, gather: bool = False, kv8: int = 0, k16: int = 0) -> int:
+def sm90_smem_bytes(head_dim: int, elem: int = 2, gather: bool = False, kv8: int = 0) -> int:
     """The dynamic shared memory of a CTA (see ``_smem``, plus the O staging where ``sm90_o_staged``); ``gather``:
-    a gathered paged cache (``sm90_gather``); ``kv8``: fp8 K/V's staging stages (``sm90_kv8_stages``); ``k16``: a
-    k_transform's staging stages of 16-bit K (``sm90_k16_stages``)."""
-    stage = sm90_o_stage_bytes(head_dim, elem) if sm90_o_staged(head_dim, gather, elem, kv8, k16) else 0
-    return _smem(head_dim, sm90_q_buffers(head_dim, elem), elem, gather, kv8, k16) + stage
+    a gathered paged cache (``sm90_gather``); ``kv8``: fp8 K/V's staging stages (``sm90_kv8_stages``)."""
+    stage = sm90_o_stage_bytes(head_dim, elem) if sm90_o_staged(head_dim, gather, elem, kv8) else 0
+    return _smem(head_dim, sm90_q_buffers(head_dim, elem), elem, gather, kv8) + stage
 
 
 class PrefillSM90Family(AttentionFamily):
     op = "prefill_sm90"
     template = "prefill_sm90.cu.j2"
     variants = True
-    load_transforms = ("q_transform", "k_transform")
+    # a k_transform runs in the rope_gather pre-pass, once an element (backends.kernels_for: the kernel then
+    # reads its ragged scratch); in the kernel every q tile reading a key would run it again
+    load_transforms = ("q_transform",)
+
+    def refuse_transform(self, name: str) -> str:
+        return (f"variant.{name}: the sm90 kernel runs no {name[0]} transform itself; the sm90 backend runs it in "
+                "the rope_gather pre-pass (flashgen.api.backends.kernels_for)")
 
     def __init__(self, positions: bool = False):
         self.positions = positions
@@ -251,8 +241,8 @@ class PrefillSM90Family(AttentionFamily):
     def context(self, spec: AttentionSpec) -> dict:
         d = spec.head_dim
         paged = isinstance(spec.kv_layout, Paged)
-        kv8, k16 = _kv8(spec), _k16(spec)
-        smem = sm90_smem_bytes(d, gather=_gathered(spec), kv8=kv8, k16=k16)
+        kv8 = _kv8(spec)
+        smem = sm90_smem_bytes(d, gather=_gathered(spec), kv8=kv8)
         assert smem <= SMEM_LIMIT, (d, smem)
         regs = sm90_registers(d, _gathered(spec), fp8=kv8 > 0)
         return {
@@ -266,8 +256,6 @@ class PrefillSM90Family(AttentionFamily):
             "STAGES": STAGES,
             "KV8_STAGES": kv8,
             "KV8_AHEAD": sm90_kv8_ahead(d) if kv8 else 0,
-            "K_STAGED": "true" if k16 else "false",
-            "K16_STAGES": k16,
             "Q_BUFFERS": sm90_q_buffers(d),
             "SMEM_BYTES": smem,
             "PRODUCER_REGS": regs[0],
@@ -279,7 +267,7 @@ class PrefillSM90Family(AttentionFamily):
             "PAGE_SIZE": spec.kv_layout.page_size if paged else 0,
             "HND": "true" if paged and spec.kv_layout.order == "HND" else "false",
             "GATHER": "true" if _gathered(spec) else "false",
-            "O_STAGED": "true" if sm90_o_staged(d, _gathered(spec), kv8=kv8, k16=k16) else "false",
+            "O_STAGED": "true" if sm90_o_staged(d, _gathered(spec), kv8=kv8) else "false",
             "UNIFORM_WG": "true" if sm90_uniform_wg(d) else "false",
             "PINGPONG": "true",
             "POSITIONS": "true" if self.positions else "false",
@@ -290,10 +278,10 @@ class PrefillSM90Family(AttentionFamily):
 
     def launch(self, spec: AttentionSpec) -> LaunchConfig:
         """One persistent CTA an SM (the grid is at most ``num_sms``), a producer and two consumer warpgroups."""
-        d, gather, kv8, k16 = spec.head_dim, _gathered(spec), _kv8(spec), _k16(spec)
-        return LaunchConfig(block=(THREADS, 1, 1), smem_bytes=sm90_smem_bytes(d, gather=gather, kv8=kv8, k16=k16),
+        d, gather, kv8 = spec.head_dim, _gathered(spec), _kv8(spec)
+        return LaunchConfig(block=(THREADS, 1, 1), smem_bytes=sm90_smem_bytes(d, gather=gather, kv8=kv8),
                             tile_q=TILE_Q, tile_kv=sm90_tile_kv(d), ctas_per_sm=1, stages=STAGES, gather=gather,
-                            o_staged=sm90_o_staged(d, gather, kv8=kv8, k16=k16))
+                            o_staged=sm90_o_staged(d, gather, kv8=kv8))
 
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
         q = CPP_TYPES[spec.dtype]
@@ -301,7 +289,7 @@ class PrefillSM90Family(AttentionFamily):
         # q and o as 3-D TMA descriptors (qo_tensor_map; o only where the epilogue stages O), first: 128-byte
         # aligned, as the K and V descriptors after them, or for a gathered cache its base pointers and element
         # strides (KVView)
-        staged = sm90_o_staged(spec.head_dim, _gathered(spec), kv8=_kv8(spec), k16=_k16(spec))
+        staged = sm90_o_staged(spec.head_dim, _gathered(spec), kv8=_kv8(spec))
         maps = (("CUtensorMap", "tma_q"),) + ((("CUtensorMap", "tma_o"),) if staged else ())
         kv = ((f"const {q}*", "k"), (f"const {q}*", "v"), ("int64_t", "stride_page"), ("int64_t", "stride_token"),
               ("int64_t", "stride_head")) if _gathered(spec) else (("CUtensorMap", "tma_k"), ("CUtensorMap", "tma_v"))
@@ -337,18 +325,6 @@ def _gathered(spec: AttentionSpec) -> bool:
 def _kv8(spec: AttentionSpec) -> int:
     """fp8 K/V's TMA staging stages (``sm90_kv8_stages``), 0 for a 16-bit cache."""
     return sm90_kv8_stages(spec.head_dim) if KV_BYTES.get(spec.kv_dtype) == 1 else 0
-
-
-def _k_transform(spec: AttentionSpec) -> bool:
-    return spec.variant is not None and spec.variant.k_transform is not None
-
-
-def _k16(spec: AttentionSpec) -> int:
-    """A k_transform's TMA staging stages of 16-bit K (``sm90_k16_stages``); 0 without one, for fp8 K (its own
-    staging, ``_kv8``) and for a gathered cache (its K warp transforms each tile in place once its copies land)."""
-    if not _k_transform(spec) or _gathered(spec) or KV_BYTES.get(spec.kv_dtype) == 1:
-        return 0
-    return sm90_k16_stages(spec.head_dim)
 
 
 def _check_fp8(spec: AttentionSpec) -> None:

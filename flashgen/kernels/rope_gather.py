@@ -21,6 +21,12 @@ from .family import POSITION_FIELDS, EntryPoint, KernelFamily, LaunchConfig, pos
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 BLOCK_THREADS = 256
+VEC = 8  # rotation pairs a thread: a 16-byte chunk of each half of a 16-bit row
+
+
+def prepass_threads(rows: int, head_dim: int) -> int:
+    """Threads of the pass over ``rows`` (head rows of q and of K, summed): one a chunk of ``VEC`` pairs."""
+    return rows * (head_dim // 2 // VEC)
 
 
 class RopeGatherFamily(KernelFamily):
@@ -59,9 +65,9 @@ class RopeGatherFamily(KernelFamily):
         if spec.dtype not in CPP_TYPES or spec.kv_dtype != spec.dtype:
             raise SpecError(f"kv_dtype: rope_gather takes float16 / bfloat16 with kv_dtype == dtype, got "
                             f"{spec.dtype} / {spec.kv_dtype}")
-        if spec.head_dim != spec.head_dim_vo or spec.head_dim % 2:
-            raise SpecError(f"head_dim: rope_gather takes an even head_dim == head_dim_vo, got {spec.head_dim} / "
-                            f"{spec.head_dim_vo}")
+        if spec.head_dim != spec.head_dim_vo or spec.head_dim % (2 * VEC):
+            raise SpecError(f"head_dim: rope_gather takes a head_dim == head_dim_vo that is a multiple of {2 * VEC} "
+                            f"(16-byte halves), got {spec.head_dim} / {spec.head_dim_vo}")
         if not isinstance(spec.kv_layout, (Paged, Ragged)):
             raise SpecError(f"kv_layout: rope_gather takes Paged or Ragged, got {spec.kv_layout!r}")
 
@@ -73,7 +79,7 @@ class RopeGatherFamily(KernelFamily):
                 "ROPE": "true" if isinstance(spec.pos_encoding, RoPE) else "false"}
 
     def launch(self, spec: AttentionSpec) -> LaunchConfig:
-        """``BLOCK_THREADS`` threads, one (row, rotation pair) a thread: the grid covers the pairs of q and K."""
+        """``BLOCK_THREADS`` threads, a thread ``VEC`` rotation pairs of a row (``prepass_threads``)."""
         return LaunchConfig(block=(BLOCK_THREADS, 1, 1))
 
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:

@@ -32,7 +32,7 @@ FAMILIES = [("decode", Paged(16)), ("prefill", Ragged()), ("prefill", Paged(16))
 # ptxas spill bytes (stores, loads) a variant may add: decode and the Hopper prefill none; the portable prefill's
 # scores tile already sits at 255 registers (d=128, 64-key tiles), where per-pair table reads cost a few (T5's
 # bucket, a log a pair, the most: 44 / 40 bytes, measured 2026-12-02)
-SPILL_BOUND = {"decode": 0, "prefill": 64, "prefill_sm90": 0}
+SPILL_BOUND = {"decode": 0, "prefill": 64, "prefill_sm90": 0, "rope_gather": 0}
 
 
 def _spec(variant, op, layout):
@@ -40,16 +40,20 @@ def _spec(variant, op, layout):
     return AttentionSpec(128, kv_layout=layout, mask=mask, variant=variant)
 
 
-COMPILE = [(op, _spec(v, op, layout), "sm_90a") for _, _, v in VARIANTS for op, layout in FAMILIES]
+def _kernels(op, spec):
+    """The (op, spec) kernels behind ``op``: the Hopper backend's a k_transform runs in (its pre-pass, the kernel
+    of the ragged twin), else ``op`` itself."""
+    return kernels_for(spec, "sm90") if op == "prefill_sm90" else ((op, spec),)
+
+
+COMPILE = [job + ("sm_90a",) for _, _, v in VARIANTS for op, layout in FAMILIES for job in _kernels(op, _spec(v, op, layout))]
 # the q half of the load transforms on the Hopper prefill, paged and ragged
 Q_GAIN = Variant(q_transform=EXAMPLES["qk_gain"][1].q_transform, tensors=EXAMPLES["qk_gain"][1].tensors)
 COMPILE += [("prefill_sm90", _spec(Q_GAIN, "prefill_sm90", layout), "sm_90a") for layout in (Ragged(), Paged(16))]
-# both halves on the Hopper prefill: TMA pages (the K staging ring) and gathered ones (in place), each head_dim;
-# gathered at head_dim 256 (40 producer registers) the K warp's hook spills 16 / 20 bytes (GATHERED_256_SPILLS)
-COMPILE += [("prefill_sm90", AttentionSpec(d, kv_layout=layout, mask=Causal(), variant=EXAMPLES["qk_gain"][1]),
-             "sm_90a") for d in (64, 128, 256) for layout in (Paged(16), Paged(5)) if (d, layout) != (256, Paged(5))]
-GATHERED_256 = AttentionSpec(256, kv_layout=Paged(5), mask=Causal(), variant=EXAMPLES["qk_gain"][1])
-GATHERED_256_SPILLS = 20
+# both halves on the Hopper backend (the k_transform in the pre-pass): TMA and gathered pages, each head_dim
+COMPILE += [job + ("sm_90a",) for d in (64, 128, 256) for layout in (Paged(16), Paged(5))
+            for job in kernels_for(AttentionSpec(d, kv_layout=layout, mask=Causal(), variant=EXAMPLES["qk_gain"][1]),
+                                   "sm90")]
 # the load transforms under RoPE, fp8 K and explicit positions (options: each job's own)
 QK = EXAMPLES["qk_gain"][0]
 LOADS = [("decode", AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE(), variant=QK), None),
@@ -62,7 +66,9 @@ LOADS = [("decode", AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE(),
           {"positions": True}),
          ("prefill_sm90", AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=Q_GAIN), {"positions": True}),
          ("prefill_sm90", AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=QK), {"positions": True}),
-         ("prefill_sm90", AttentionSpec(64, kv_layout=Paged(16), mask=Causal(), variant=QK), {"positions": True})]
+         ("prefill_sm90", AttentionSpec(64, kv_layout=Paged(16), mask=Causal(), variant=QK), {"positions": True}),
+         ("prefill_sm90", AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE(), variant=QK),
+          {"positions": True})]
 prefetch(__name__, COMPILE)
 
 
@@ -79,7 +85,8 @@ def test_every_example_compiles_in_every_family_within_the_spill_bound(shared_ca
         regs = re.findall(r"Used (\d+) registers", report)
         report_lines.append(f"{entry.uri}: {regs} registers, spills {spills}")
         assert spills and max(spills) <= SPILL_BOUND[op], f"{entry.uri} spills {spills}: {report}"
-        assert spec.variant.uri in entry.uri
+        if spec.variant is not None:
+            assert spec.variant.uri in entry.uri
         # the Hopper kernel's wgmma pipeline unbroken with the hooks too (tests/sm90/test_prefill_sm90_compile.py)
         for code in ("C7514", "C7515", "C7517", "C7519"):
             assert code not in report, f"{entry.uri}: ptxas {code} (wgmma pipeline broken): {report}"
@@ -88,19 +95,14 @@ def test_every_example_compiles_in_every_family_within_the_spill_bound(shared_ca
 @pytest.mark.nvcc
 def test_load_transforms_compile_with_rope_fp8_and_positions_without_spills(shared_cache):
     for op, spec, options in LOADS:
-        (entry, report), = build_all([(op, spec, "sm_90a")], options=options)
-        spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
-        assert spills and max(spills) <= SPILL_BOUND[op], f"{entry.uri} spills {spills}: {report}"
-        source = (entry.path / "kernel.cu").read_text()
-        assert '#line 1 "variant.q_transform"' in source
-        assert ('#line 1 "variant.k_transform"' in source) == (spec.variant is not Q_GAIN)
-
-
-@pytest.mark.nvcc
-def test_the_sm90_k_transform_over_gathered_pages_at_head_dim_256_within_its_spill_bound(shared_cache):
-    (entry, report), = build_all([("prefill_sm90", GATHERED_256, "sm_90a")])
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
-    assert spills and max(spills) <= GATHERED_256_SPILLS, f"{entry.uri} spills {spills}: {report}"
+        jobs = _kernels(op, spec)  # the Hopper backend: the hooks split between its pre-pass and kernel
+        sources = ""
+        for (kernel_op, _), (entry, report) in zip(jobs, build_all([job + ("sm_90a",) for job in jobs], options=options)):
+            spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+            assert spills and max(spills) <= SPILL_BOUND[kernel_op], f"{entry.uri} spills {spills}: {report}"
+            sources += (entry.path / "kernel.cu").read_text()
+        assert sources.count('#line 1 "variant.q_transform"') == 1
+        assert sources.count('#line 1 "variant.k_transform"') == (spec.variant is not Q_GAIN)
 
 
 @pytest.mark.nvcc
@@ -160,33 +162,29 @@ def test_the_variant_params_come_last_with_their_layout():
 
 
 def test_every_family_runs_k_transforms():
-    """One hook contract: decode, the portable and the Hopper prefill all render the k_transform."""
+    """One hook contract: decode, the portable prefill and the Hopper backend (in its pre-pass) all render the
+    k_transform."""
     for op, layout in FAMILIES:
-        assert '#line 1 "variant.k_transform"' in jit.render(_spec(QK, op, layout), op)
+        sources = [jit.render(s, o) for o, s in _kernels(op, _spec(QK, op, layout))]
+        assert sum('#line 1 "variant.k_transform"' in source for source in sources) == 1
     assert select(AttentionSpec(128, kv_layout=Ragged(), variant=QK), "auto", (9, 0)) == "sm90"
 
 
-def test_the_sm90_k_transform_stages_tma_loaded_k_and_enters_the_key():
-    """A k_transform over TMA-loaded 16-bit K takes the K staging ring (K_STAGED, K16_STAGES: two at head_dim 64,
-    else one); gathered pages transform in place (no ring); the kernel key differs from the plain kernel's and the
-    q-only variant's, and a kernel without a k_transform renders K_STAGED false."""
-    fam = family("prefill_sm90")
-    for d, stages in ((64, 2), (128, 1), (256, 1)):
-        for layout, staged in ((Ragged(), True), (Paged(16), True), (Paged(5), False)):
-            spec = AttentionSpec(d, kv_layout=layout, mask=Causal(), variant=QK)
-            source = jit.render(spec, "prefill_sm90")
-            assert f"K_STAGED = {'true' if staged else 'false'};" in source
-            assert f"K16_STAGES = {stages if staged else 0};" in source
-            launch = fam.launch(fam.project(spec))
-            plain = fam.launch(fam.project(spec.replace(variant=Q_GAIN)))
-            extra = stages * sm90_tile_kv(d) * d * 2 if staged else 0
-            # the staging ring takes the O staging's place where both do not fit (d128)
-            stage = (sm90_o_stage_bytes(d) if plain.o_staged and not launch.o_staged else 0)
-            assert launch.smem_bytes == plain.smem_bytes + extra - stage <= SMEM_LIMIT
-            uris = {fam.uri(fam.project(spec.replace(variant=v))) for v in (None, Q_GAIN, QK)}
-            keys = {jit.prepare(spec.replace(variant=v), "prefill_sm90", "sm_90a").content_key for v in (None, Q_GAIN, QK)}
-            assert len(uris) == len(keys) == 3
-        assert "K_STAGED = false;" in jit.render(AttentionSpec(d, kv_layout=Ragged(), variant=Q_GAIN), "prefill_sm90")
+def test_the_sm90_kernel_leaves_the_k_transform_to_the_pre_pass_and_its_text_enters_the_key():
+    """The kernel itself refuses a k_transform, naming the pre-pass that runs it; the pre-pass's key follows the
+    hook text (two texts, two kernels; a q-only variant and no variant, none)."""
+    with pytest.raises(SpecError, match=r"variant\.k_transform: the sm90 kernel runs no k transform itself; the sm90 "
+                                        r"backend runs it in the rope_gather pre-pass"):
+        family("prefill_sm90").project(AttentionSpec(128, kv_layout=Ragged(), variant=QK))
+    other = Variant(k_transform="return value * 3.0f;")
+    for d in (64, 128, 256):
+        for layout in (Ragged(), Paged(16), Paged(5)):
+            specs = [AttentionSpec(d, kv_layout=layout, mask=Causal(), variant=v) for v in (QK, EXAMPLES["qk_gain"][1], other)]
+            keys = {jit.prepare(dict(kernels_for(s, "sm90"))["rope_gather"], "rope_gather", "sm_90a").content_key
+                    for s in specs}
+            assert len(keys) == 3
+            for v in (None, Q_GAIN):
+                assert "rope_gather" not in dict(kernels_for(specs[0].replace(variant=v), "sm90"))
 
 
 def test_the_sm90_backend_runs_load_transforms_in_its_pre_pass():

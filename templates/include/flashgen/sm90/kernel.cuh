@@ -34,12 +34,11 @@
 // fully masked tiles are never loaded, the bits are read only for BITS tiles, CAUSAL ones are masked by the
 // query positions. ALiBi and soft-cap transform the logits before the mask (logits.cuh).
 //
-// A variant's q_transform runs over each item's Q tile in shared memory before its first wgmma (q_transform.cuh); its
-// k_transform in the K warp, over each K tile between its load and the stage's full barrier (k_transform.cuh: TMA
-// into a staging stage, K_STAGED; a gathered tile in place).
+// A variant's q_transform runs over each item's Q tile in shared memory before its first wgmma (q_transform.cuh); a
+// k_transform is refused (it needs a conversion stage between TMA and wgmma).
 //
 // Files by role: sm90/tile_scheduler.cuh (the work list), layout.cuh (shared memory, mbarriers), producer.cuh
-// (K, V and Q loads), q_transform.cuh, k_transform.cuh, mainloop.cuh (the consumers' GEMMs and pipeline), softmax.cuh, epilogue.cuh,
+// (K, V and Q loads), q_transform.cuh, mainloop.cuh (the consumers' GEMMs and pipeline), softmax.cuh, epilogue.cuh,
 // named_barrier.cuh (the ping-pong turn); this header is the kernel's entry.
 #pragma once
 #include <cstdint>
@@ -69,13 +68,13 @@ __device__ __forceinline__ void run(const Params& p) {
     setmaxnreg_dec<C::PRODUCER_REGS>();
     if constexpr (C::GATHER) {
       if (threadIdx.x < 32)
-        gather_kv<C, C::Variant::K_TRANSFORM>(smem, p, p.k, base + L::K_OFFSET, &Barriers<C>::full_k, &Barriers<C>::empty_k, bars);
+        gather_kv<C>(smem, p, p.k, base + L::K_OFFSET, &Barriers<C>::full_k, &Barriers<C>::empty_k, bars);
       else if (threadIdx.x < 64)
         gather_kv<C>(smem, p, p.v, base + L::V_OFFSET, &Barriers<C>::full_v, &Barriers<C>::empty_v, bars);
       else
         produce_q_warps<C>(p, smem, bars);
     } else if (threadIdx.x < 32)
-      produce_kv<C, C::K_STAGED>(p, p.custom_mask, smem, &p.tma_k, base + L::K_OFFSET, &Barriers<C>::full_k, &Barriers<C>::empty_k,
+      produce_kv<C>(p, p.custom_mask, smem, &p.tma_k, base + L::K_OFFSET, &Barriers<C>::full_k, &Barriers<C>::empty_k,
                     bars, base + L::K8_OFFSET, &Barriers<C>::full_k8);
     else if (threadIdx.x < 64)
       produce_kv<C>(p, nullptr, smem, &p.tma_v, base + L::V_OFFSET, &Barriers<C>::full_v, &Barriers<C>::empty_v,

@@ -1,5 +1,5 @@
 // The Hopper prefill's shared memory (Q buffers, K and V stage rings, the O staging of the TMA-store epilogue,
-// an fp8 cache's TMA staging rings or a k_transform's staging ring of 16-bit K, the mbarriers, the Work slots, a gathered cache's row addresses) and its
+// an fp8 cache's TMA staging rings, the mbarriers, the Work slots, a gathered cache's row addresses) and its
 // mbarrier ring.
 #pragma once
 #include <cstdint>
@@ -27,10 +27,7 @@ struct Layout {
   static constexpr bool FP8 = sizeof(typename C::DTypeKV) == 1;
   static constexpr int KV8_BLOCK = C::TILE_KV * 64, KV8_STAGE = BLOCKS * KV8_BLOCK;
   static constexpr int K8_OFFSET = O_STAGE_OFFSET + O_STAGE_BYTES, V8_OFFSET = K8_OFFSET + C::KV8_STAGES * KV8_STAGE;
-  // a k_transform over TMA-loaded 16-bit K (C::K_STAGED, sm90/k_transform.cuh): K lands in a staging ring of
-  // K16_STAGES stages laid out as the 16-bit stages (128B-swizzled), at K8_OFFSET (16-bit K/V have no fp8 staging)
-  static constexpr int K16_OFFSET = K8_OFFSET, K16_BYTES = C::K16_STAGES * KV_STAGE;
-  static constexpr int BAR_OFFSET = V8_OFFSET + (FP8 ? C::KV8_STAGES * KV8_STAGE : 0) + K16_BYTES;
+  static constexpr int BAR_OFFSET = V8_OFFSET + (FP8 ? C::KV8_STAGES * KV8_STAGE : 0);
   // barriers, then the Work slots; the dynamic base is aligned up to 1024 at run time
   static constexpr int BAR_BYTES = 256, WORK_OFFSET = BAR_OFFSET + BAR_BYTES, WORK_BYTES = 512, ALIGN_SLACK = 1024;
   // a gathered cache: the K and the V warp's row addresses of the tile they copy (8 bytes each)
@@ -42,13 +39,10 @@ struct Layout {
   static_assert(D % 64 == 0 && sizeof(typename C::DTypeQ) == 2, "rows of whole 128-byte blocks of 16-bit values");
   static_assert(C::TILE_KV % 16 == 0 && C::TILE_KV <= 256 && (C::TILE_KV == 64 || C::TILE_KV == 128 || C::TILE_KV == 256),
                 "wgmma N of S");
-  static_assert((4 * C::STAGES + 2 * C::Q_BUFFERS + 2 * WORK_SLOTS + 2 * C::KV8_STAGES + C::K16_STAGES) * 8 <= BAR_BYTES,
+  static_assert((4 * C::STAGES + 2 * C::Q_BUFFERS + 2 * WORK_SLOTS + 2 * C::KV8_STAGES) * 8 <= BAR_BYTES,
                 "barriers fit their region");
   static_assert(FP8 ? C::KV8_STAGES >= 1 && !C::GATHER && sizeof(typename C::DTypeMMA) == 2 : C::KV8_STAGES == 0,
                 "fp8 K/V: TMA staging stages (no gathered pages); 16-bit K/V: none");
-  static_assert(C::K_STAGED == (C::K16_STAGES > 0) && (!C::K_STAGED || (!FP8 && !C::GATHER && C::Variant::K_TRANSFORM)) &&
-                    C::K16_STAGES <= 2,
-                "16-bit K staged (one or two stages) for a k_transform over TMA-loaded pages only");
   static_assert(C::Q_BUFFERS == 1 || C::Q_BUFFERS == 2, "one or two Q buffers");
   static_assert(Q_LOADERS % (D / 8) == 0, "the Q loaders cover whole rows of 16-byte chunks");
   // a variant's kernel: each slot's request (the hooks' batch) after the slots, so that Work, and with it every
@@ -74,8 +68,7 @@ struct Barriers {
     return base + 8 * (4 * C::STAGES + 2 * C::Q_BUFFERS + WORK_SLOTS + j);
   }
   // fp8 K/V: the staging stages' full barriers (one arrival + the tile's bytes); the K or V warp that waits for
-  // one also refills it, so a staging stage needs no empty barrier. A k_transform's 16-bit K staging (K_STAGED)
-  // takes full_k8(s) for its K16_STAGES stages.
+  // one also refills it, so a staging stage needs no empty barrier
   __device__ __forceinline__ uint32_t full_k8(int s) const {
     return base + 8 * (4 * C::STAGES + 2 * C::Q_BUFFERS + 2 * WORK_SLOTS + s);
   }
@@ -96,12 +89,9 @@ struct Barriers {
       mbarrier_init(full_k8(s), 1);
       mbarrier_init(full_v8(s), 1);
     }
-    for (int s = 0; s < C::K16_STAGES; ++s) mbarrier_init(full_k8(s), 1);
     constexpr bool LANES = C::GATHER || sizeof(typename C::DTypeKV) == 1;
-    // a k_transform (staged or gathered): K's stages filled by the K warp's lanes
-    constexpr bool K_LANES = LANES || C::Variant::K_TRANSFORM;
     for (int s = 0; s < C::STAGES; ++s) {
-      mbarrier_init(full_k(s), K_LANES ? 32 : 1);  // gathered or fp8: each lane of the warp; TMA: one + the bytes
+      mbarrier_init(full_k(s), LANES ? 32 : 1);  // gathered or fp8: each lane of the warp; TMA: one + the bytes
       mbarrier_init(full_v(s), LANES ? 32 : 1);
       mbarrier_init(empty_k(s), 256);  // every consumer thread arrives once it has finished the tile
       mbarrier_init(empty_v(s), 256);

@@ -8,7 +8,6 @@
 #include <flashgen/common/tile_entry.cuh>
 #include <flashgen/sm90/custom_mask.cuh>
 #include <flashgen/sm90/fp8.cuh>
-#include <flashgen/sm90/k_transform.cuh>
 #include <flashgen/sm90/kv_gather.cuh>
 #include <flashgen/sm90/layout.cuh>
 #include <flashgen/sm90/tile_scheduler.cuh>
@@ -59,10 +58,7 @@ struct KVBoxes {
 // fp8 K/V (sm90/fp8.cuh): tile it lands in staging stage it % KV8_STAGES (full8), and the warp converts tile
 // it + 1 - KV8_STAGES once it has issued tile it, so KV8_STAGES - 1 tiles' loads stay in flight while it converts
 // (across items: the conversion reads no Work); the last ones after the end of the list.
-// HOOK: the K warp of a k_transform over TMA-loaded 16-bit K (C::K_STAGED, sm90/k_transform.cuh): as fp8's, tile
-// it lands in staging stage it % K16_STAGES, and the warp runs the hook over tile it + 1 - K16_STAGES once it
-// has issued tile it, that tile's hook inputs (KeyTile) held from its own iteration, as its Work may be released.
-template <class C, bool HOOK = false, class Params>
+template <class C, class Params>
 __device__ __forceinline__ void produce_kv(const Params& p, const uint8_t* mask, const uint8_t* smem,
                                            const CUtensorMap* map, uint32_t ring,
                                            uint32_t (Barriers<C>::*full)(int) const,
@@ -70,20 +66,14 @@ __device__ __forceinline__ void produce_kv(const Params& p, const uint8_t* mask,
                                            uint32_t staging, uint32_t (Barriers<C>::*full8)(int) const) {
   using L = Layout<C>;
   using Boxes = KVBoxes<C>;
-  static_assert(!HOOK || C::K_STAGED, "the hook's staging: K_STAGED");
-  constexpr bool STAGED = L::FP8 || HOOK;  // TMA into a staging ring the warp converts or transforms from
-  constexpr int STAGING = HOOK ? C::K16_STAGES : C::KV8_STAGES, STAGING_BYTES = HOOK ? L::KV_STAGE : L::KV8_STAGE;
   const int lane = threadIdx.x % 32;
   if (lane == 0) prefetch_tensormap(map);
   uint32_t it = 0;  // unsigned: stage and phase are then a mask and a shift
-  KeyTile held{};   // HOOK, two staging stages: the last issued tile's hook inputs, transformed an iteration later
   for (uint32_t j = 0;; ++j) {
     // read in place (fields are re-read from shared memory after each barrier wait rather than held: the warp
     // has 40 registers) and released once the item's tiles are issued
     const Work& w = read_work<C>(smem, bars, j);
     if (!w.valid) break;
-    // the hooks' batch: the item's request, published beside its slot before work_full
-    const int request = HOOK ? reinterpret_cast<const int*>(smem + L::REQUEST_OFFSET)[j % WORK_SLOTS] : 0;
     const bool boxer = lane < Boxes::PER_TILE;
     int next_entry = w.num_tiles > 0 ? TileList<C>::entry(w.tiles, 0) : 0;
     int next_pos = TileList<C>::pos(w.kv_lo, 0, next_entry);
@@ -98,14 +88,14 @@ __device__ __forceinline__ void produce_kv(const Params& p, const uint8_t* mask,
         next_pos = TileList<C>::pos(w.kv_lo, t + 1, next_entry);
         if (boxer) next_page = Boxes::page(w, next_pos, lane);
       }
-      if constexpr (STAGED) {
+      if constexpr (L::FP8) {
         // the staging stage's previous tile was converted by this warp: its reads come before the TMA's writes
-        const int s8 = it % STAGING;
+        const int s8 = it % C::KV8_STAGES;
         fence_proxy_async();
         __syncwarp();
-        if (lane == 0) mbarrier_arrive_expect_tx((bars.*full8)(s8), STAGING_BYTES);
+        if (lane == 0) mbarrier_arrive_expect_tx((bars.*full8)(s8), L::KV8_STAGE);
         __syncwarp();
-        if (boxer) Boxes::load(staging + s8 * STAGING_BYTES, map, (bars.*full8)(s8), w, pos0, lane, page);
+        if (boxer) Boxes::load(staging + s8 * L::KV8_STAGE, map, (bars.*full8)(s8), w, pos0, lane, page);
       } else {
         mbarrier_wait((bars.*empty)(s), ((it / C::STAGES) & 1) ^ 1);
         if (lane == 0) mbarrier_arrive_expect_tx((bars.*full)(s), L::KV_STAGE);
@@ -114,18 +104,7 @@ __device__ __forceinline__ void produce_kv(const Params& p, const uint8_t* mask,
       }
       if constexpr (C::CUSTOM_MASK)
         if (bits && mask != nullptr) prefetch_mask_bits(mask, w, group_of(p), pos0, lane);
-      if constexpr (HOOK) {
-        const KeyTile kt = key_tile<C>(p, w, request, pos0);
-        if constexpr (C::K16_STAGES == 1) {
-          transform_k<C>(p, kt, it, staging, ring, (bars.*full)(it % C::STAGES), (bars.*empty)(it % C::STAGES),
-                         (bars.*full8)(0), lane);
-        } else {
-          if (it > 0)
-            transform_k<C>(p, held, it - 1, staging, ring, (bars.*full)((it - 1) % C::STAGES),
-                           (bars.*empty)((it - 1) % C::STAGES), (bars.*full8)((it - 1) % C::K16_STAGES), lane);
-          held = kt;
-        }
-      } else if constexpr (L::FP8) {
+      if constexpr (L::FP8) {
         const uint32_t i = it + 1 - C::KV8_STAGES;  // the tile to convert, if any (unsigned: it + 1 >= KV8_STAGES)
         if (it + 1 >= C::KV8_STAGES)
           convert_kv<C>(i, staging, ring, (bars.*full)(i % C::STAGES), (bars.*empty)(i % C::STAGES),
@@ -134,11 +113,7 @@ __device__ __forceinline__ void produce_kv(const Params& p, const uint8_t* mask,
     }
     mbarrier_arrive(bars.work_empty(j % WORK_SLOTS));
   }
-  if constexpr (HOOK && C::K16_STAGES == 2) {
-    if (it > 0)
-      transform_k<C>(p, held, it - 1, staging, ring, (bars.*full)((it - 1) % C::STAGES),
-                     (bars.*empty)((it - 1) % C::STAGES), (bars.*full8)((it - 1) % C::K16_STAGES), lane);
-  } else if constexpr (L::FP8) {
+  if constexpr (L::FP8) {
     for (uint32_t i = it + 1 >= C::KV8_STAGES ? it + 1 - C::KV8_STAGES : 0; i < it; ++i)
       convert_kv<C>(i, staging, ring, (bars.*full)(i % C::STAGES), (bars.*empty)(i % C::STAGES),
                     (bars.*full8)(i % C::KV8_STAGES), lane);
@@ -149,9 +124,7 @@ __device__ __forceinline__ void produce_kv(const Params& p, const uint8_t* mask,
 // (PageRows), their offsets computed before the wait for the stage. Completion: cp.async.mbarrier.arrive.noinc, one
 // arrival a lane once its copies landed, so the warp runs on to the next stage at once; the consumers fence the
 // async proxy after the full barrier (wait_kv).
-// HOOK: the K warp of a variant with a k_transform: each lane waits for its copies, and the warp transforms the tile
-// in place before the lanes arrive (sm90/k_transform.cuh transform_k_gathered), a tile at a time.
-template <class C, bool HOOK = false, class Params>
+template <class C, class Params>
 __device__ __forceinline__ void gather_kv(const uint8_t* smem, const Params& p, const typename C::DTypeKV* cache,
                                           uint32_t ring, uint32_t (Barriers<C>::*full)(int) const,
                                           uint32_t (Barriers<C>::*empty)(int) const, const Barriers<C>& bars) {
@@ -166,7 +139,6 @@ __device__ __forceinline__ void gather_kv(const uint8_t* smem, const Params& p, 
     if (!w.valid) break;
     const typename C::DTypeKV* head = cache + w.kv_head * p.stride_head;
     const int kv_len = w.kv_len(group_of(p));
-    const int request = HOOK ? reinterpret_cast<const int*>(smem + L::REQUEST_OFFSET)[j % WORK_SLOTS] : 0;
     for (int t = 0; t < w.num_tiles; ++t, ++it) {
       const int s = it % C::STAGES;
       __syncwarp();  // every lane has read the previous tile's rows
@@ -175,12 +147,7 @@ __device__ __forceinline__ void gather_kv(const uint8_t* smem, const Params& p, 
       mbarrier_wait((bars.*empty)(s), ((it / C::STAGES) & 1) ^ 1);
       __syncwarp();  // the rows are visible to the warp
       Rows::load(ring + s * L::KV_STAGE, rows, lane);
-      if constexpr (HOOK) {  // the tile's position read again (the plain warp's code stays as it was)
-        const int pos0 = TileList<C>::pos(w.kv_lo, t, TileList<C>::entry(w.tiles, t));
-        transform_k_gathered<C>(p, key_tile<C>(p, w, request, pos0), ring + s * L::KV_STAGE, (bars.*full)(s), lane);
-      } else {
-        cp_async_arrive_noinc((bars.*full)(s));
-      }
+      cp_async_arrive_noinc((bars.*full)(s));
     }
     mbarrier_arrive(bars.work_empty(j % WORK_SLOTS));
   }

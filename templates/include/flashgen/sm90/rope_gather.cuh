@@ -3,11 +3,11 @@
 // the variant's k_transform (C::Variant::K_TRANSFORM, each element as it is read: common/variant.cuh k_value) and,
 // with C::ROPE, rotated by its key position; V copied; with C::ROPE also q, through the q_transform and rotated by
 // its query position (without RoPE the caller passes total_q = 0: q is not copied and the kernel runs its own
-// q_transform). So a hook runs once an element, not once for every q tile that reads the key. One thread a pair
-// (x[i], x[i + D/2]) of one row and head (Llama halves, logits.cuh's rope_rotate); a K pair's thread also copies
-// V's elements i and i + D/2.
-//   flat index j < total_q * Hq * D/2:        q token, q head, pair
-//   then j < ... + total_kv_out * Hkv * D/2:  kv token of the scratch, kv head, pair
+// q_transform). So a hook runs once an element, not once for every q tile that reads the key. One thread a chunk
+// of VEC rotation pairs (x[i], x[i + D/2]), i = i0 .. i0 + VEC - 1, of one row and head: a 16-byte load and store
+// of each half (Llama halves, logits.cuh's rope_rotate); a K chunk's thread also copies V's two 16-byte chunks.
+//   flat index j < total_q * Hq * CHUNKS:        q token, q head, chunk (CHUNKS = D / 2 / VEC)
+//   then j < ... + total_kv_out * Hkv * CHUNKS:  kv token of the scratch, kv head, chunk
 // Query position: kv_len - qo_len + (token - qo_indptr[b]); key position: token - kv_out_indptr[b]. With
 // C::POSITIONS (common/positions.cuh): q_pos[token], and key t of request b at its kv_page_pos entry + offset,
 // which the thread of pair 0, head 0 also writes to kv_pos_out[token of the scratch]. The hooks see those
@@ -35,54 +35,67 @@ __device__ __forceinline__ int request_of(const int32_t* indptr, int batch, int6
 template <class C, class Params>
 __device__ __forceinline__ void rope_gather(const Params& p) {
   using T = typename C::DType;
-  using V = Vec16<T>;  // its element conversions
+  using V = Vec16<T>;  // VEC elements of a half, 16 bytes
   using H = typename C::Variant;
   static_assert(C::ROPE || !H::Q_TRANSFORM, "without RoPE q is not copied: the kernel runs the q_transform");
-  constexpr int HALF = C::HEAD_DIM / 2;
+  constexpr int HALF = C::HEAD_DIM / 2, VEC = V::N, CHUNKS = HALF / VEC;
+  static_assert(HALF % VEC == 0, "whole 16-byte chunks a half");
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t q_pairs = p.total_q * p.num_qo_heads * HALF;
-  if (j < q_pairs) {
-    const int i = j % HALF;
-    const int64_t row = j / HALF, token = row / p.num_qo_heads;  // row = token * Hq + head
+  const int64_t q_items = p.total_q * p.num_qo_heads * CHUNKS;
+  if (j < q_items) {
+    const int i0 = int(j % CHUNKS) * VEC;
+    const int64_t row = j / CHUNKS, token = row / p.num_qo_heads;  // row = token * Hq + head
     const int b = request_of(p.qo_indptr, p.batch, token);
     int pos;
     if constexpr (C::POSITIONS) pos = __ldg(p.q_pos + token);
     else pos = p.kv_len[b] - (p.qo_indptr[b + 1] - p.qo_indptr[b]) + int(token - p.qo_indptr[b]);
-    float lo = V::to_float(p.q[row * C::HEAD_DIM + i]), hi = V::to_float(p.q[row * C::HEAD_DIM + i + HALF]);
-    if constexpr (H::Q_TRANSFORM) {
-      const int head = int(row % p.num_qo_heads);
-      lo = flashgen::variant::q_value<H>(p, lo, b, pos, head, i);
-      hi = flashgen::variant::q_value<H>(p, hi, b, pos, head, i + HALF);
+    V lo, hi;
+    lo.load(p.q + row * C::HEAD_DIM + i0);
+    hi.load(p.q + row * C::HEAD_DIM + HALF + i0);
+    const int head = int(row % p.num_qo_heads);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      if constexpr (H::Q_TRANSFORM) {
+        lo.v[e] = flashgen::variant::q_value<H>(p, lo.v[e], b, pos, head, i0 + e);
+        hi.v[e] = flashgen::variant::q_value<H>(p, hi.v[e], b, pos, head, i0 + e + HALF);
+      }
+      if constexpr (C::ROPE) rope_rotate(lo.v[e], hi.v[e], float(pos), i0 + e, C::HEAD_DIM, p.rope_rcp_scale, p.rope_log2_theta);
     }
-    if constexpr (C::ROPE) rope_rotate(lo, hi, float(pos), i, C::HEAD_DIM, p.rope_rcp_scale, p.rope_log2_theta);
-    p.q_out[row * C::HEAD_DIM + i] = V::from_float(lo);
-    p.q_out[row * C::HEAD_DIM + i + HALF] = V::from_float(hi);
+    lo.store(p.q_out + row * C::HEAD_DIM + i0);
+    hi.store(p.q_out + row * C::HEAD_DIM + HALF + i0);
     return;
   }
-  const int64_t k = j - q_pairs;
-  if (k >= p.total_kv_out * p.num_kv_heads * HALF) return;
-  const int i = k % HALF, head = (k / HALF) % p.num_kv_heads;
-  const int64_t token = k / HALF / p.num_kv_heads;
+  const int64_t k = j - q_items;
+  if (k >= p.total_kv_out * p.num_kv_heads * CHUNKS) return;
+  const int i0 = int(k % CHUNKS) * VEC, head = int((k / CHUNKS) % p.num_kv_heads);
+  const int64_t token = k / CHUNKS / p.num_kv_heads;
   const int b = request_of(p.kv_out_indptr, p.batch, token);
   const int pos = int(token - p.kv_out_indptr[b]);
   const KVRows<C::PAGED, C::PAGE_SIZE> rows(p, b);
   const int64_t src = rows.offset(pos, rows.page(pos)) + int64_t(head) * p.stride_head;
   const int64_t dst = (token * p.num_kv_heads + head) * C::HEAD_DIM;
-  float lo = V::to_float(p.k[src + i]), hi = V::to_float(p.k[src + i + HALF]);
+  V lo, hi;
+  lo.load(p.k + src + i0);
+  hi.load(p.k + src + HALF + i0);
+  const uint4 v_lo = *reinterpret_cast<const uint4*>(p.v + src + i0);
+  const uint4 v_hi = *reinterpret_cast<const uint4*>(p.v + src + HALF + i0);
   int k_pos = pos;
   if constexpr (C::POSITIONS) {
     k_pos = key_position<C::PAGE_SIZE>(request_page_pos(p, b), pos);
-    if (i == 0 && head == 0) p.kv_pos_out[token] = k_pos;
+    if (i0 == 0 && head == 0) p.kv_pos_out[token] = k_pos;
   }
-  if constexpr (H::K_TRANSFORM) {
-    lo = flashgen::variant::k_value<H>(p, lo, b, k_pos, head, i);
-    hi = flashgen::variant::k_value<H>(p, hi, b, k_pos, head, i + HALF);
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    if constexpr (H::K_TRANSFORM) {
+      lo.v[e] = flashgen::variant::k_value<H>(p, lo.v[e], b, k_pos, head, i0 + e);
+      hi.v[e] = flashgen::variant::k_value<H>(p, hi.v[e], b, k_pos, head, i0 + e + HALF);
+    }
+    if constexpr (C::ROPE) rope_rotate(lo.v[e], hi.v[e], float(k_pos), i0 + e, C::HEAD_DIM, p.rope_rcp_scale, p.rope_log2_theta);
   }
-  if constexpr (C::ROPE) rope_rotate(lo, hi, float(k_pos), i, C::HEAD_DIM, p.rope_rcp_scale, p.rope_log2_theta);
-  p.k_out[dst + i] = V::from_float(lo);
-  p.k_out[dst + i + HALF] = V::from_float(hi);
-  p.v_out[dst + i] = p.v[src + i];
-  p.v_out[dst + i + HALF] = p.v[src + i + HALF];
+  lo.store(p.k_out + dst + i0);
+  hi.store(p.k_out + dst + HALF + i0);
+  *reinterpret_cast<uint4*>(p.v_out + dst + i0) = v_lo;
+  *reinterpret_cast<uint4*>(p.v_out + dst + HALF + i0) = v_hi;
 }
 
 }  // namespace flashgen
