@@ -36,11 +36,12 @@ class Backend(Protocol):
     def launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, lse: torch.Tensor | None) -> None: ...
 
 
-def kernels_for(spec: AttentionSpec, backend: str) -> tuple[tuple[str, AttentionSpec], ...]:
+def kernels_for(spec: AttentionSpec, backend: str, graph: bool = False) -> tuple[tuple[str, AttentionSpec], ...]:
     """The (op, spec) kernels ``backend`` (``"decode"``, ``"portable"``, ``"sm90"``) runs for ``spec``. For
-    ``sm90``: ``prefill_sm90`` of the spec itself, or for a RoPE spec or a variant with a k_transform
-    (``prepass``) the ``rope_gather`` pre-pass and ``prefill_sm90`` of its ragged twin; an AOT build of such a
-    spec needs both.
+    ``sm90``: ``prefill_sm90`` of the spec itself, or for a RoPE spec, a variant with a k_transform or (outside
+    CUDA-graph mode, ``graph``) fp8 K/V (``prepass``) the ``rope_gather`` pre-pass and ``prefill_sm90`` of its
+    16-bit ragged twin; an AOT build of such a spec needs both (and, for fp8 K/V used in CUDA graphs, the kernel
+    of ``graph=True``).
 
     >>> [op for op, _ in kernels_for(AttentionSpec(128, kv_layout=Ragged(), pos_encoding=RoPE()), "sm90")]
     ['rope_gather', 'prefill_sm90']
@@ -49,7 +50,7 @@ def kernels_for(spec: AttentionSpec, backend: str) -> tuple[tuple[str, Attention
         return (("decode", spec),)
     if backend == "portable":
         return (("prefill", spec),)
-    if prepass(spec):
+    if prepass(spec, graph):
         # the pre-pass runs the k_transform (with RoPE the q_transform too) and rotates; the other hooks run in
         # the attention kernel
         pre = spec.replace(variant=prepass_variant(spec.variant, isinstance(spec.pos_encoding, RoPE)))
@@ -64,7 +65,7 @@ def check_sm90(spec: AttentionSpec, graph: bool = False, options: dict | None = 
     if graph and isinstance(spec.pos_encoding, RoPE):
         raise SpecError("pos_encoding: RoPE on the sm90 backend is not CUDA-graph safe yet (use_cuda_graph=True); "
                         "backend='portable' runs it in a graph")
-    if graph and prepass(spec):
+    if graph and prepass(spec, graph):
         raise SpecError("variant.k_transform: the sm90 backend runs it in its K pre-pass, not CUDA-graph safe yet "
                         "(use_cuda_graph=True); backend='portable' runs it in a graph")
     rope = spec.pos_encoding
@@ -72,10 +73,7 @@ def check_sm90(spec: AttentionSpec, graph: bool = False, options: dict | None = 
         raise SpecError(f"pos_encoding: got {rope!r}; the sm90 backend's K pre-pass rotates every key with plain "
                         "RoPE, so k_rotated=True and Llama-3.1 / YaRN scaling are not implemented there yet; "
                         "backend='portable' runs k_rotated")
-    if isinstance(rope, RoPE) and spec.kv_dtype.startswith("float8"):
-        raise SpecError(f"kv_dtype: {spec.kv_dtype} K/V on the sm90 backend take no RoPE (its pre-pass writes "
-                        "16-bit K/V)")
-    for op, kernel_spec in kernels_for(spec, "sm90"):
+    for op, kernel_spec in kernels_for(spec, "sm90", graph):
         fam = family(op, options)
         fam.check(fam.project(kernel_spec))
 

@@ -137,7 +137,7 @@ class SM90Prefill:
         # RoPE or a k_transform: the rope_gather pre-pass writes K (through the hook, rotated) and V, ragged, into
         # scratch (with RoPE also q, rotated), and the kernel of the spec's ragged twin attends over it
         # (backends.check_sm90 refuses the pre-pass in CUDA-graph mode)
-        self._kernels = dict(kernels_for(spec, "sm90"))  # {"prefill_sm90": its spec[, "rope_gather": spec]}
+        self._kernels = dict(kernels_for(spec, "sm90", core.fixed))  # {"prefill_sm90": spec[, "rope_gather": spec]}
         self.rope = "rope_gather" in self._kernels  # the pre-pass runs
         self._q_copied = isinstance(spec.pos_encoding, RoPE)  # it writes q too
         self.kernel_spec = self._kernels["prefill_sm90"]
@@ -194,11 +194,12 @@ class SM90Prefill:
 
     def plan(self, qo: np.ndarray, table: PageTable, num_qo_heads: int, num_kv_heads: int, runtime: Runtime,
              custom_mask, enable_split: bool, split_policy=None, positions: dict | None = None,
-             v_scale: float | None = None) -> int:
+             v_scale: float | None = None, k_scale: float | None = None) -> int:
         """Plan unsplit (``enable_split`` and ``split_policy`` are ignored) and upload; returns the rows of q and
         out (total_q, or max_total_q in CUDA-graph mode). ``custom_mask``: CustomMask specs only (the wrapper
         checked). ``positions``: the ``q_pos`` and ``kv_page_pos`` extras of a wrapper with explicit positions.
-        ``v_scale``: fp8 V's per-tensor scale (k_scale is in ``runtime.sm_scale``)."""
+        ``v_scale``: fp8 V's per-tensor scale (k_scale is in ``runtime.sm_scale``, or, under a k_transform, given
+        as ``k_scale``): the kernel's param, or with the pre-pass the pass's (it dequantises into the scratch)."""
         core = self.core
         if self._kernel is None:
             self._load()
@@ -228,8 +229,9 @@ class SM90Prefill:
         addresses = core.upload(plan, extras, hint, host_ids_reserve(core, table, pages_host))
         tables, self._page_ids_held = page_fields(table, core.device, addresses)
         if self.rope:
+            scales = {"k_scale": k_scale or 1.0, "v_scale": v_scale or 1.0} if self.spec.kv_dtype != self.spec.dtype else {}
             self._plan_rope(addresses, int(qo[-1]), int(table.kv_lens.sum()), int(table.kv_lens.size), num_qo_heads,
-                            num_kv_heads, runtime, tables, positions)
+                            num_kv_heads, runtime, tables, positions, scales)
             tables.update(kv_indices=0, block_table=0, block_table_stride=0)  # the kernel's KV: the ragged scratch
         tables["kv_indptr"] = addresses["kv_indptr"]
         # persistent CTAs, one an SM, walk the capacity x num_kv_heads work items (the kernel strides over them)
@@ -253,7 +255,7 @@ class SM90Prefill:
                           q_pos=addresses["q_pos"])
         if self.kernel_spec.variant is not None:
             fields["variant"] = b""  # packed by run() (variant_args)
-        if v_scale is not None:
+        if v_scale is not None and self.kernel_spec.kv_dtype == self.spec.kv_dtype:
             fields["v_scale"] = v_scale
         self._params.pack(fields)
         return plan.info.max_total_q
@@ -291,7 +293,8 @@ class SM90Prefill:
         return mask_extras(plan.numel, bits, indptr, entries, extras, pages_host, self.max_batch_size)
 
     def _plan_rope(self, addresses: Mapping[str, int], total_q: int, total_kv: int, batch: int, num_qo_heads: int,
-                   num_kv_heads: int, runtime: Runtime, tables: dict, positions: dict | None = None) -> None:
+                   num_kv_heads: int, runtime: Runtime, tables: dict, positions: dict | None = None,
+                   scales: dict | None = None) -> None:
         """Scratch for rotated q, K and V (and with ``positions`` the scratch keys' positions); the scratch K / V
         tensor maps; the pre-pass's plan-time params."""
         d = self.spec.head_dim
@@ -322,7 +325,7 @@ class SM90Prefill:
             "kv_out_indptr": addresses["kv_indptr"], "total_q": total_q, "total_kv_out": total_kv,
             "block_table_stride": tables["block_table_stride"], "batch": batch, "num_qo_heads": num_qo_heads,
             "num_kv_heads": num_kv_heads, "rope_rcp_scale": runtime.rope_rcp_scale,
-            "rope_log2_theta": runtime.rope_log2_theta, **extra,
+            "rope_log2_theta": runtime.rope_log2_theta, **extra, **(scales or {}),
             **({"variant": b""} if self._kernels["rope_gather"].variant is not None else {})})  # run(): launch
 
     def kv_args(self, kv: KVView) -> tuple:

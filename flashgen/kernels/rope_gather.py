@@ -1,6 +1,7 @@
 """The K pre-pass of the Hopper prefill (op ``rope_gather``): K through a variant's ``k_transform`` and rotated
 (RoPE), V copied, q (RoPE only) through the ``q_transform`` and rotated, from any KV layout into ragged scratch
-tensors (``templates/include/flashgen/sm90/rope_gather.cuh``).
+tensors (``templates/include/flashgen/sm90/rope_gather.cuh``); fp8 K/V dequantised on the way into 16-bit
+scratch (K as it is, its k_scale left in sm_scale unless a k_transform reads it; V times v_scale).
 
 The sm90 prefill kernel has no RoPE of its own and runs no k_transform: for such a spec the sm90 backend runs
 this pass, then the kernel of its ``ragged_twin`` (``kv_layout=Ragged()``, no positional encoding, the variant
@@ -20,6 +21,7 @@ from ..spec.variant import HOOKS
 from .family import POSITION_FIELDS, EntryPoint, KernelFamily, LaunchConfig, positions_option, struct, variant_fields
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+FP8_TYPES = {"float8_e4m3fn": "__nv_fp8_e4m3", "float8_e5m2": "__nv_fp8_e5m2"}
 BLOCK_THREADS = 256
 VEC = 8  # rotation pairs a thread: a 16-byte chunk of each half of a 16-bit row
 
@@ -60,11 +62,12 @@ class RopeGatherFamily(KernelFamily):
                        variant=prepass_variant(spec.variant, rope))
 
     def check(self, spec: AttentionSpec) -> None:
-        if not isinstance(spec.pos_encoding, RoPE) and spec.variant is None:
-            raise SpecError("spec: rope_gather runs RoPE or a variant's k_transform, and the spec has neither")
-        if spec.dtype not in CPP_TYPES or spec.kv_dtype != spec.dtype:
-            raise SpecError(f"kv_dtype: rope_gather takes float16 / bfloat16 with kv_dtype == dtype, got "
-                            f"{spec.dtype} / {spec.kv_dtype}")
+        if not isinstance(spec.pos_encoding, RoPE) and spec.variant is None and spec.kv_dtype not in FP8_TYPES:
+            raise SpecError("spec: rope_gather runs RoPE, a variant's k_transform or fp8 K/V's dequantisation, and "
+                            "the spec has none")
+        if spec.dtype not in CPP_TYPES or spec.kv_dtype not in (spec.dtype, *FP8_TYPES):
+            raise SpecError(f"kv_dtype: rope_gather takes float16 / bfloat16 with kv_dtype == dtype or fp8 "
+                            f"(float8_e4m3fn, float8_e5m2), got {spec.dtype} / {spec.kv_dtype}")
         if spec.head_dim != spec.head_dim_vo or spec.head_dim % (2 * VEC):
             raise SpecError(f"head_dim: rope_gather takes a head_dim == head_dim_vo that is a multiple of {2 * VEC} "
                             f"(16-byte halves), got {spec.head_dim} / {spec.head_dim_vo}")
@@ -73,7 +76,7 @@ class RopeGatherFamily(KernelFamily):
 
     def context(self, spec: AttentionSpec) -> dict:
         paged = isinstance(spec.kv_layout, Paged)
-        return {"DType": CPP_TYPES[spec.dtype], "HEAD_DIM": spec.head_dim, "PAGED": "true" if paged else "false",
+        return {"DType": CPP_TYPES[spec.dtype], "DTypeKV": _kv_type(spec), "HEAD_DIM": spec.head_dim, "PAGED": "true" if paged else "false",
                 "PAGE_SIZE": spec.kv_layout.page_size if paged else 1, "BLOCK_THREADS": BLOCK_THREADS,
                 "POSITIONS": "true" if self.positions else "false",
                 "ROPE": "true" if isinstance(spec.pos_encoding, RoPE) else "false"}
@@ -83,10 +86,11 @@ class RopeGatherFamily(KernelFamily):
         return LaunchConfig(block=(BLOCK_THREADS, 1, 1))
 
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
-        t, i32 = CPP_TYPES[spec.dtype], "const int32_t*"
+        t, kv, i32 = CPP_TYPES[spec.dtype], _kv_type(spec), "const int32_t*"
+        fp8 = spec.kv_dtype in FP8_TYPES
         params = struct(
             "RopeGatherParams",
-            (f"const {t}*", "q"), (f"const {t}*", "k"), (f"const {t}*", "v"),
+            (f"const {t}*", "q"), (f"const {kv}*", "k"), (f"const {kv}*", "v"),
             (f"{t}*", "q_out"), (f"{t}*", "k_out"), (f"{t}*", "v_out"),
             (i32, "qo_indptr"), (i32, "kv_indptr"), (i32, "kv_indices"), (i32, "block_table"), (i32, "kv_len"),
             (i32, "kv_out_indptr"),
@@ -94,14 +98,22 @@ class RopeGatherFamily(KernelFamily):
             ("int64_t", "total_q"), ("int64_t", "total_kv_out"),
             ("int32_t", "block_table_stride"), ("int32_t", "batch"), ("int32_t", "num_qo_heads"),
             ("int32_t", "num_kv_heads"), ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"),
+            *((("float", "k_scale"), ("float", "v_scale")) if fp8 else ()),
             *((*POSITION_FIELDS, ("int32_t*", "kv_pos_out")) if self.positions else ()), *variant_fields(spec),
         )
         return (EntryPoint("rope_gather", params),)
 
 
-def prepass(spec: AttentionSpec) -> bool:
-    """Whether the sm90 backend runs ``spec`` as this pass and its ``ragged_twin``: RoPE, or a k_transform."""
-    return isinstance(spec.pos_encoding, RoPE) or (spec.variant is not None and spec.variant.k_transform is not None)
+def _kv_type(spec: AttentionSpec) -> str:
+    return FP8_TYPES.get(spec.kv_dtype) or CPP_TYPES[spec.dtype]
+
+
+def prepass(spec: AttentionSpec, graph: bool = False) -> bool:
+    """Whether the sm90 backend runs ``spec`` as this pass and its ``ragged_twin``: RoPE, a k_transform, or fp8
+    K/V outside CUDA-graph mode (the pass is not graph safe yet; in a graph the kernel converts fp8 K/V itself,
+    ``sm90/fp8.cuh``, at 0.83x the bf16 rate)."""
+    return (isinstance(spec.pos_encoding, RoPE) or (spec.variant is not None and spec.variant.k_transform is not None)
+            or (spec.kv_dtype in FP8_TYPES and not graph))
 
 
 def prepass_variant(variant: Variant | None, rope: bool) -> Variant | None:
@@ -123,4 +135,4 @@ def ragged_twin(spec: AttentionSpec) -> AttentionSpec:
         q_transform = None if isinstance(spec.pos_encoding, RoPE) else variant.q_transform
         left = any(getattr(variant, name) is not None for name in HOOKS if name not in ("q_transform", "k_transform"))
         variant = replace(variant, k_transform=None, q_transform=q_transform) if left or q_transform else None
-    return replace(spec, kv_layout=Ragged(), pos_encoding=None, variant=variant)
+    return replace(spec, kv_layout=Ragged(), kv_dtype=spec.dtype, pos_encoding=None, variant=variant)

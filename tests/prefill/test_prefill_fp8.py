@@ -58,14 +58,16 @@ def test_fp8_specs_refused_with_the_field_named(spec, tiles, message):
 
 
 def test_auto_picks_sm90_for_fp8_where_it_runs():
-    """fp8 K/V run on the Hopper kernel where TMA loads them (tests/sm90/test_prefill_sm90_fp8.py); gathered
-    page sizes stay on the portable kernel."""
+    """fp8 K/V run on the Hopper backend (tests/sm90/test_prefill_sm90_fp8.py): outside CUDA graphs through its
+    pre-pass, any page size; in a graph the kernel converts them where TMA loads them, and gathered page sizes
+    stay on the portable kernel."""
     from flashgen.api.backends import select
     assert select(AttentionSpec(128, kv_dtype=E4M3, kv_layout=Ragged(), mask=Causal()), "auto", (9, 0)) == "sm90"
     spec = AttentionSpec(128, kv_dtype=E4M3, kv_layout=Paged(5), mask=Causal())
-    assert select(spec, "auto", (9, 0)) == "portable"
+    assert select(spec, "auto", (9, 0)) == "sm90"
+    assert select(spec, "auto", (9, 0), graph=True) == "portable"
     with pytest.raises(SpecError, match="^backend: 'sm90' cannot run this spec \\(kv_dtype: float8_e4m3fn K/V"):
-        select(spec, "sm90", (9, 0))
+        select(spec, "sm90", (9, 0), graph=True)
 
 
 def test_fp8_stages_and_shared_memory():
@@ -97,16 +99,21 @@ def _prefill(spec, backend="portable", **plan):
 
 
 @pytest.mark.parametrize("backend", ["portable", "sm90"])
-def test_plan_folds_k_scale_and_packs_v_scale(stubbed, backend):
+def test_plan_folds_k_scale_and_packs_v_scale(stubbed, backend, monkeypatch):
+    """k_scale in sm_scale; v_scale in the kernel's params, or on the sm90 backend (outside graphs) in its
+    pre-pass's, which dequantises V into the scratch the 16-bit kernel reads."""
+    monkeypatch.setattr("flashgen.api.sm90.kv_tensor_map", lambda *args: bytes(128))  # scratch maps: the driver's
     spec = AttentionSpec(128, kv_dtype=E4M3, kv_layout=Paged(16), mask=Causal())
     w = _prefill(spec, backend, k_scale=0.5, v_scale=2.0, sm_scale=0.1)
     assert w.backend == backend
+    v_params = w._impl._rope_params if backend == "sm90" else w._impl._params
     fields = w._impl._params.values()
-    assert fields["sm_scale"] == pytest.approx(0.05) and fields["v_scale"] == 2.0
+    assert fields["sm_scale"] == pytest.approx(0.05) and v_params.values()["v_scale"] == 2.0
     w.plan(qo_indptr=[0, 3, 5], **HEADS, **CSR)  # scales default to 1
     fields = w._impl._params.values()
-    assert fields["sm_scale"] == pytest.approx(128 ** -0.5) and fields["v_scale"] == 1.0
-    if backend == "sm90":  # run() encodes TMA maps: the driver's (GPU tests)
+    assert fields["sm_scale"] == pytest.approx(128 ** -0.5) and v_params.values()["v_scale"] == 1.0
+    if backend == "sm90":  # the kernel reads 16-bit scratch: no v_scale of its own
+        assert "v_scale" not in fields and w._impl.kernel_spec.kv_dtype == "bfloat16"
         return
     cache = tuple(on_device(torch.zeros(5, 16, 2, 128, dtype=torch.float8_e4m3fn)) for _ in range(2))
     w.run(on_device(torch.zeros(5, 8, 128, dtype=torch.bfloat16)), cache)
@@ -210,11 +217,17 @@ def fp8_batch(spec, qo_lens, kv_lens, scales=(0.37, 1.9), codes=None, seed=None)
 
 
 def run_fp8(spec, qo_lens, kv_lens, *, codes=None, plan_kwargs=None, kernel_options=None, backend="portable",
-            scales=(0.37, 1.9), **runtime):
+            scales=(0.37, 1.9), graph=False, **runtime):
     """Plan with the scales, run into NaN-poisoned out / lse, check against the fp64 reference of the dequantised
-    cache; returns the wrapper."""
+    cache; returns the wrapper. ``graph``: a CUDA-graph wrapper sized to the batch, run eagerly (on the sm90
+    backend the kernel then converts fp8 itself, where outside graphs its pre-pass dequantises)."""
     q, kv8, kv_ref, table, qo_indptr, mask, k_scale, v_scale = fp8_batch(spec, qo_lens, kv_lens, scales, codes=codes)
-    wrapper = flashgen.BatchPrefillWrapper(spec, kernel_options=kernel_options, backend=backend)
+    capacity = {}
+    if graph:
+        capacity = dict(use_cuda_graph=True, max_batch_size=len(qo_lens), max_total_q=max(1, sum(qo_lens)))
+        if "kv_indices" in table:
+            capacity["max_num_pages"] = max(1, len(table["kv_indices"]))
+    wrapper = flashgen.BatchPrefillWrapper(spec, kernel_options=kernel_options, backend=backend, **capacity)
     assert wrapper.backend == backend
     tab = dict(table)
     if "kv_indices" in tab:

@@ -73,14 +73,28 @@ def test_fp8_specs_refused_with_kv_dtype_named(spec, message):
         family("prefill_sm90").check(spec)
 
 
-def test_fp8_rope_and_variants_refused():
-    from flashgen.api.backends import check_sm90
+def test_fp8_runs_through_the_pre_pass_outside_graphs():
+    """Outside CUDA-graph mode the sm90 backend dequantises fp8 K/V in its rope_gather pre-pass into 16-bit ragged
+    scratch and runs the 16-bit kernel (so RoPE and variants run over fp8 too); in graph mode the kernel converts
+    them itself (sm90/fp8.cuh), which takes no RoPE and no variant."""
+    from flashgen.api.backends import check_sm90, kernels_for
     from flashgen.variants.examples import DOCUMENT
 
-    with pytest.raises(SpecError, match=r"^kv_dtype: float8_e4m3fn K/V on the sm90 backend take no RoPE"):
-        check_sm90(AttentionSpec(128, kv_dtype=E4M3, kv_layout=Paged(16), pos_encoding=RoPE()))
+    for extra in ({}, {"pos_encoding": RoPE()}, {"variant": DOCUMENT}):
+        spec = AttentionSpec(128, kv_dtype=E4M3, kv_layout=Paged(16), mask=Causal(), **extra)
+        check_sm90(spec)
+        (pre_op, pre), (op, kernel) = kernels_for(spec, "sm90")
+        assert (pre_op, op) == ("rope_gather", "prefill_sm90")
+        assert pre.kv_dtype == E4M3 and kernel.kv_dtype == "bfloat16" and kernel.kv_layout == Ragged()
+        assert kernel.variant == spec.variant and kernel.pos_encoding is None
+        assert "__nv_fp8_e4m3" in family("rope_gather").render(pre)
+    plain = AttentionSpec(128, kv_dtype=E5M2, kv_layout=Paged(16), mask=Causal())
+    assert kernels_for(plain, "sm90", graph=True) == (("prefill_sm90", plain),)
+    check_sm90(plain, graph=True)
+    with pytest.raises(SpecError, match=r"^pos_encoding: RoPE on the sm90 backend is not CUDA-graph safe"):
+        check_sm90(plain.replace(pos_encoding=RoPE()), graph=True)
     with pytest.raises(SpecError, match=r"^kv_dtype: float8_e5m2 K/V on prefill_sm90 take no variant hooks"):
-        family("prefill_sm90").check(AttentionSpec(128, kv_dtype=E5M2, kv_layout=Ragged(), variant=DOCUMENT))
+        check_sm90(plain.replace(variant=DOCUMENT), graph=True)
 
 
 def test_fp8_staging_fits_shared_memory():
@@ -145,16 +159,18 @@ def run_sm90_fp8(spec, qo_lens=QO, kv_lens=KV, **kwargs):
     return checks.run_fp8(spec, qo_lens, kv_lens, backend="sm90", **kwargs)
 
 
+# graph: the kernel's own conversion (sm90/fp8.cuh, CUDA-graph mode), else the pre-pass's (rope_gather)
 @pytest.mark.cuda
 @pytest.mark.hopper
+@pytest.mark.parametrize("graph", [False, True], ids=["prepass", "inkernel"])
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("layout,mask", [
     (Ragged(), NoMask()), (Ragged(), Causal()), (Paged(16), Causal()), (Paged(16), NoMask()),
     (Paged(8, "HND"), SlidingWindow(20)), (Paged(256), Causal()), (Paged(16), CustomMask()),
 ])
-def test_sm90_fp8_layouts_and_masks(kv_dtype, dtype, layout, mask):
-    run_sm90_fp8(AttentionSpec(128, dtype=dtype, kv_dtype=kv_dtype, kv_layout=layout, mask=mask))
+def test_sm90_fp8_layouts_and_masks(kv_dtype, dtype, layout, mask, graph):
+    run_sm90_fp8(AttentionSpec(128, dtype=dtype, kv_dtype=kv_dtype, kv_layout=layout, mask=mask), graph=graph)
 
 
 @pytest.mark.cuda
@@ -176,10 +192,12 @@ def test_sm90_fp8_head_dims_and_logits(spec, runtime):
 @pytest.mark.hopper
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.02, 40.0), (3.0, 0.125)])
 def test_sm90_fp8_per_tensor_scales(scales):
-    """k_scale folded into sm_scale (the fp16 Q holds q * sm_scale), v_scale applied to the output."""
+    """k_scale folded into sm_scale (the fp16 Q holds q * sm_scale), v_scale applied to the output (in the kernel)
+    or to V (the pre-pass)."""
     for dtype in ("bfloat16", "float16"):
-        run_sm90_fp8(AttentionSpec(128, dtype=dtype, kv_dtype=E4M3, kv_layout=Paged(16), mask=Causal()),
-                     scales=scales)
+        for graph in (False, True):
+            run_sm90_fp8(AttentionSpec(128, dtype=dtype, kv_dtype=E4M3, kv_layout=Paged(16), mask=Causal()),
+                         scales=scales, graph=graph)
 
 
 @pytest.mark.cuda
@@ -187,10 +205,12 @@ def test_sm90_fp8_per_tensor_scales(scales):
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("codes", ["all", "subnormal"])
 def test_sm90_fp8_every_code(kv_dtype, codes):
-    """Every finite fp8 code converts exactly in the producer's staging conversion, subnormals included."""
+    """Every finite fp8 code converts exactly in the producer's staging conversion and in the pre-pass,
+    subnormals included."""
     for dtype, layout in (("bfloat16", Paged(16)), ("float16", Ragged())):
-        run_sm90_fp8(AttentionSpec(128, dtype=dtype, kv_dtype=kv_dtype, kv_layout=layout, mask=Causal()),
-                     [130, 17, 1], [300, 17, 64], codes=codes)
+        for graph in (False, True):
+            run_sm90_fp8(AttentionSpec(128, dtype=dtype, kv_dtype=kv_dtype, kv_layout=layout, mask=Causal()),
+                         [130, 17, 1], [300, 17, 64], codes=codes, graph=graph)
 
 
 @pytest.mark.cuda
@@ -200,4 +220,5 @@ def test_sm90_fp8_many_items_cross_the_staging_ring():
     loads across items (KV8_STAGES 2 at head_dim 64)."""
     lens = [1, 129, 4000, 7, 2048, 255, 1, 900]
     for d in (64, 128):
-        run_sm90_fp8(AttentionSpec(d, kv_dtype=E5M2, kv_layout=Paged(64), mask=Causal()), lens, [x + 37 for x in lens])
+        run_sm90_fp8(AttentionSpec(d, kv_dtype=E5M2, kv_layout=Paged(64), mask=Causal()), lens, [x + 37 for x in lens],
+                     graph=True)

@@ -159,7 +159,9 @@ PREFILL_CASES = [("ragged", "qk_gain", {}, None), ("paged", "qk_gain_cuda", {"po
                  ("sm90", "qk_gain_cuda", {"dtype": "float16"}, None),
                  # under RoPE the Hopper pre-pass runs both hooks, then rotates
                  ("sm90", "qk_gain_cuda", {"pos_encoding": RoPE()}, None), ("sm90", "pos_gain", {"pos_encoding": RoPE()}, None),
-                 ("sm90", "k_gain", {}, None), ("sm90", "k_gain", {"pos_encoding": RoPE()}, None)]
+                 ("sm90", "k_gain", {}, None), ("sm90", "k_gain", {"pos_encoding": RoPE()}, None),
+                 # fp8 K/V: the pre-pass dequantises, the hook sees k * k_scale, then RoPE
+                 ("sm90", "qk_gain", {}, "float8_e4m3fn"), ("sm90", "pos_gain", {"pos_encoding": RoPE()}, "float8_e5m2")]
 
 
 @pytest.mark.parametrize("family,name,extra,kv_dtype", PREFILL_CASES)
