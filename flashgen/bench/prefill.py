@@ -13,8 +13,8 @@ calls is reported as TFLOP/s (4·b·h·sq·sk·d, halved
 for causal; visible pairs for window and document masks) and % of the bf16 matmul rate (8192³) measured in
 the same run. FlexAttention's compile time is reported separately. Output: JSON, markdown table, PNG.
 ``--kv-dtypes bf16,e4m3,e5m2``: flashgen also over an fp8 cache (the bf16 K/V rounded, scale 1), rows
-``flashgen-<backend>-e4m3`` timed round-robin with the bf16 ones (the sm90 kernel runs fp8 K/V where TMA loads
-them: ragged and paged16, not paged1; the peers stay bf16).
+``flashgen-<backend>-e4m3`` timed round-robin with the bf16 ones (the sm90 backend dequantises fp8 K/V in its
+pre-pass, timed with it, then runs the 16-bit kernel; the peers stay bf16).
 
     python3 benchmarks/bench_prefill.py --out benchmarks/results/prefill.json
     python3 benchmarks/bench_prefill.py --head-dims 128 --shapes 4x4096 --masks causal --layouts ragged,paged16 \
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..api import BatchPrefillWrapper
+from ..api.backends import check_sm90, kernels_for
 from ..jit import ensure_compiled
 from ..kernels import family
 from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError
@@ -45,9 +46,12 @@ OPS = {"portable": "prefill", "sm90": "prefill_sm90"}  # the kernel family of ea
 
 
 def runs(spec: AttentionSpec, backend: str) -> bool:
-    """Whether ``backend`` runs ``spec`` (the sm90 kernel supports a subset; the portable one every spec here)."""
+    """Whether ``backend`` runs ``spec`` (the sm90 backend a subset; the portable one every spec here)."""
     try:
-        family(OPS[backend]).check(spec)
+        if backend == "sm90":
+            check_sm90(spec)
+        else:
+            family(OPS[backend]).check(spec)
         return True
     except SpecError:
         return False
@@ -227,7 +231,7 @@ def build(cfg: argparse.Namespace, progress_class=None) -> None:
     ``progress_class``: flashgen.progress.Progress, one step a kernel (else one line at the end)."""
     specs = {spec_for(d, layout, mask, kv) for d, _, _, mask in grid(cfg) for layout in cfg.layouts
              for kv in cfg.kv_dtypes}
-    jobs = [(s, OPS[b]) for s in specs for b in cfg.backends if runs(s, b)]
+    jobs = [(kernel_spec, op) for s in specs for b in cfg.backends if runs(s, b) for op, kernel_spec in kernels_for(s, b)]
     start = time.perf_counter()
     progress = progress_class(len(jobs)) if progress_class is not None else None
     try:

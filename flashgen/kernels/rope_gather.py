@@ -127,12 +127,14 @@ def prepass_variant(variant: Variant | None, rope: bool) -> Variant | None:
 
 
 def ragged_twin(spec: AttentionSpec) -> AttentionSpec:
-    """The sm90 kernel's spec behind a pre-pass spec (``prepass``): the same attention over the ragged scratch,
-    without RoPE and without the hooks the pass ran (``prepass_variant``), the variant's declarations kept (the
+    """The sm90 kernel's spec behind a pre-pass spec (``prepass``): the same attention over the ragged 16-bit
+    scratch, without RoPE (ALiBi kept) and without the hooks the pass ran (``prepass_variant``), the variant's declarations kept (the
     kernel's params pack the same run() arguments)."""
     variant = spec.variant
     if variant is not None:
         q_transform = None if isinstance(spec.pos_encoding, RoPE) else variant.q_transform
         left = any(getattr(variant, name) is not None for name in HOOKS if name not in ("q_transform", "k_transform"))
         variant = replace(variant, k_transform=None, q_transform=q_transform) if left or q_transform else None
-    return replace(spec, kv_layout=Ragged(), kv_dtype=spec.dtype, pos_encoding=None, variant=variant)
+    rope = isinstance(spec.pos_encoding, RoPE)  # rotated by the pass; ALiBi stays the kernel's
+    return replace(spec, kv_layout=Ragged(), kv_dtype=spec.dtype, pos_encoding=None if rope else spec.pos_encoding,
+                   variant=variant)

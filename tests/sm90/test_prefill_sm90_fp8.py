@@ -80,13 +80,15 @@ def test_fp8_runs_through_the_pre_pass_outside_graphs():
     from flashgen.api.backends import check_sm90, kernels_for
     from flashgen.variants.examples import DOCUMENT
 
-    for extra in ({}, {"pos_encoding": RoPE()}, {"variant": DOCUMENT}):
+    for extra in ({}, {"pos_encoding": RoPE()}, {"variant": DOCUMENT}, {"pos_encoding": ALiBi(), "soft_cap": 30.0}):
         spec = AttentionSpec(128, kv_dtype=E4M3, kv_layout=Paged(16), mask=Causal(), **extra)
         check_sm90(spec)
         (pre_op, pre), (op, kernel) = kernels_for(spec, "sm90")
         assert (pre_op, op) == ("rope_gather", "prefill_sm90")
         assert pre.kv_dtype == E4M3 and kernel.kv_dtype == "bfloat16" and kernel.kv_layout == Ragged()
-        assert kernel.variant == spec.variant and kernel.pos_encoding is None
+        assert kernel.variant == spec.variant and kernel.soft_cap == spec.soft_cap
+        # RoPE is the pass's; ALiBi (a bias by position) the kernel's
+        assert kernel.pos_encoding == (None if isinstance(spec.pos_encoding, RoPE) else spec.pos_encoding)
         assert "__nv_fp8_e4m3" in family("rope_gather").render(pre)
     plain = AttentionSpec(128, kv_dtype=E5M2, kv_layout=Paged(16), mask=Causal())
     assert kernels_for(plain, "sm90", graph=True) == (("prefill_sm90", plain),)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.spec import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, Tensor, Variant
+from flashgen.spec import ALiBi, AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, Tensor, Variant
 from flashgen.testing import request_kv, runtime_params
 from flashgen.testing.check import nan_out
 from flashgen.testing.layouts import random_batch
@@ -161,7 +161,9 @@ PREFILL_CASES = [("ragged", "qk_gain", {}, None), ("paged", "qk_gain_cuda", {"po
                  ("sm90", "qk_gain_cuda", {"pos_encoding": RoPE()}, None), ("sm90", "pos_gain", {"pos_encoding": RoPE()}, None),
                  ("sm90", "k_gain", {}, None), ("sm90", "k_gain", {"pos_encoding": RoPE()}, None),
                  # fp8 K/V: the pre-pass dequantises, the hook sees k * k_scale, then RoPE
-                 ("sm90", "qk_gain", {}, "float8_e4m3fn"), ("sm90", "pos_gain", {"pos_encoding": RoPE()}, "float8_e5m2")]
+                 ("sm90", "qk_gain", {}, "float8_e4m3fn"), ("sm90", "pos_gain", {"pos_encoding": RoPE()}, "float8_e5m2"),
+                 # ALiBi stays the kernel's (the pass rotates only RoPE)
+                 ("sm90", "k_gain", {"pos_encoding": ALiBi()}, None)]
 
 
 @pytest.mark.parametrize("family,name,extra,kv_dtype", PREFILL_CASES)
