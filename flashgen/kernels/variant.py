@@ -7,7 +7,8 @@ signature ``hook(const VariantParams& params, <the hook's inputs>)``. Each body 
 ``#line 1 "variant.<hook>"`` so that an nvcc error in a hook names the hook and its own line; after it a
 ``#line`` directive returns the numbering to ``source_name`` at the physical line that follows. Last comes
 ``struct Hooks``: the kernels' view of the variant (the flags of ``flashgen::variant::NoHooks``, ``ANY``, ``HEAVY``
-(``heavy_pair_hooks``), and a static member per given hook), named by a kernel's config as ``using Variant = flashgen_variant::Hooks``.
+(``heavy_pair_hooks``), ``DISTANCE`` (whether a pair hook reads ``distance``: the kernels compute it only then), and a
+static member per given hook), named by a kernel's config as ``using Variant = flashgen_variant::Hooks``.
 
 ``variant_layout`` is the host's view of ``VariantParams``: a ``ParamsLayout`` whose fields flatten it (a tensor's
 ``data`` pointer and one int64 element stride a dimension, then each scalar), with the same offsets, so that
@@ -53,6 +54,12 @@ def heavy_pair_hooks(variant: Variant | None) -> bool:
     if variant is None:
         return False
     return sum(hook_weight(h.body) for h in (variant.score, variant.mask) if h is not None) >= HEAVY_HOOK_WEIGHT
+
+
+def reads_distance(variant: Variant | None) -> bool:
+    """Whether a pair hook (``score``, ``mask``) reads its ``distance`` input, which the kernels then compute (as a
+    row's part plus a key's, see common/variant.cuh); a variant that does not read it keeps its code as it was."""
+    return variant is not None and (variant.uses("score", "distance") or variant.uses("mask", "distance"))
 
 
 def variant_layout(variant: Variant) -> ParamsLayout:
@@ -119,6 +126,7 @@ def render_variant(variant: Variant, source_name: str = "kernel.cu", first_line:
         "struct Hooks {",
         "  static constexpr bool ANY = true, SOFTMAX = flashgen_variant::SOFTMAX;",
         f"  static constexpr bool HEAVY = {'true' if heavy_pair_hooks(variant) else 'false'};",
+        f"  static constexpr bool DISTANCE = {'true' if reads_distance(variant) else 'false'};",
         *(f"  static constexpr bool {name.upper()} = HAS_{name.upper()};" for name in HOOKS),
     ]
     for hook in variant.hooks:

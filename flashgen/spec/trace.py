@@ -418,9 +418,19 @@ class _Ranges:
         return (min(t[0], f[0]), max(t[1], f[1]))
 
 
-def to_cuda(node: Node) -> str:
-    """A C++ expression for ``node`` (fully parenthesised; helpers from ``flashgen/common/variant.cuh``)."""
-    return _Emitter(node).emit(node)[0]
+def to_cuda(node: Node, distance: bool = False) -> str:
+    """A C++ expression for ``node`` (fully parenthesised; helpers from ``flashgen/common/variant.cuh``).
+    ``distance``: the hook has the float input ``distance`` (``kv_idx - qo_idx``, the pair hooks): a conversion to
+    float of ``kv_idx - qo_idx`` is then ``distance`` (of ``qo_idx - kv_idx``, ``-distance``), which the kernels
+    compute without an int -> float conversion a pair; the int difference used as an int stays as it is."""
+    return _Emitter(node, distance).emit(node)[0]
+
+
+def _distance_sign(node: Node) -> int:
+    """1 for the int ``kv_idx - qo_idx`` of the two position inputs, -1 for ``qo_idx - kv_idx``, else 0."""
+    if node.op != "-" or node.type != "int" or any(x.op != "input" for x in node.args):
+        return 0
+    return {("kv_idx", "qo_idx"): 1, ("qo_idx", "kv_idx"): -1}.get(tuple(x.value for x in node.args), 0)
 
 
 class _Emitter:
@@ -429,8 +439,9 @@ class _Emitter:
     index arithmetic, int compares and int <-> float conversions stay 32-bit (a 64-bit one is several
     instructions, a conversion from or to 64 bits a slow one) with the same values."""
 
-    def __init__(self, root: Node):
+    def __init__(self, root: Node, distance: bool = False):
         self.ranges = _Ranges(root).of
+        self.distance = distance
         self._memo: dict[int, tuple[str, str]] = {}
 
     def _fits(self, node: Node, margin: int = 0) -> bool:
@@ -463,6 +474,8 @@ class _Emitter:
         if op == "load":  # as the node's type: a __half or int32 element must not pick a helper overload
             load = f"{node.value}({', '.join(self.emit(i)[0] for i in a)})"
             return (load if t == "bool" else f"static_cast<{C_TYPES[t]}>({load})"), C_TYPES[t]
+        if op == "cast" and t == "float" and self.distance and _distance_sign(a[0]):
+            return ("distance" if _distance_sign(a[0]) > 0 else "(-distance)"), "float"
         if op == "cast":
             ctype = self._int_op(node) if t == "int" else C_TYPES[t]
             return f"static_cast<{ctype}>({self.emit(a[0])[0]})", ctype

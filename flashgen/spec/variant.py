@@ -7,11 +7,12 @@ are accepted) and which ``flashgen.spec.trace`` turns into CUDA. Either way the 
 canonical CUDA text, and that text with the declarations is all that enters the kernel key. Scalars are runtime
 parameters and never enter it; whether ``run()`` was given every declared tensor and scalar is checked there.
 
-Hooks (inputs -> result; indices are ``int``, ``logit``/``value`` are ``float``):
+Hooks (inputs -> result; indices are ``int``, ``logit``/``value``/``distance`` are ``float``):
 
 =============  =========================================================================  ==================
-``score``      logit, batch, qo_idx, kv_idx, qo_head, kv_head: the logit after ``sm_scale``  float
-``mask``       batch, qo_idx, kv_idx, qo_head, kv_head: True keeps the pair                   bool
+``score``      logit, batch, qo_idx, kv_idx, qo_head, kv_head, distance: the logit after      float
+               ``sm_scale``
+``mask``       batch, qo_idx, kv_idx, qo_head, kv_head, distance: True keeps the pair         bool
 ``mask_tile``  batch, qo_head, kv_head, qo_begin, qo_end, kv_begin, kv_end (half-open)        int: TILE_EMPTY /
                -- optional; must agree with ``mask`` on every pair of the tile               PARTIAL / FULL
 ``q_transform``  value, batch, qo_idx, qo_head, dim: an element of q at load                  float
@@ -19,6 +20,12 @@ Hooks (inputs -> result; indices are ``int``, ``logit``/``value`` are ``float``)
 ``output``     value, batch, qo_idx, qo_head, dim: an element of the normalised output        float
 ``sink``       batch, qo_idx, qo_head: a logit added to the softmax denominator only          float
 =============  =========================================================================  ==================
+
+``distance`` (the pair hooks only) is ``kv_idx - qo_idx`` as a float, which the kernels form as a row's part
+plus a key's part, each converted once (one add a pair): a hook that reads it pays no int -> float conversion a
+pair, where ``static_cast<float>(kv_idx - qo_idx)`` costs one (a traced hook's ``float(kv_idx - q_idx)``, either
+order, becomes ``distance`` or ``-distance`` by itself). It is exact while ``|kv_idx - qo_idx|`` stays below
+2^24 less a tile of keys (contexts under 16M tokens); beyond, within about one float ulp (two roundings).
 
 ``q_transform`` / ``k_transform`` see each raw element as it is loaded, at the query's / key's true position
 (``qo_idx``, ``kv_idx``: as the pair hooks see them), and their result is rounded to q's dtype (fp16 where the
@@ -49,6 +56,7 @@ from .parts import SpecError
 from .trace import Node, Sym, TensorSym, to_cuda, trace
 
 _INDEX = ("batch", "qo_idx", "kv_idx", "qo_head", "kv_head")
+_PAIR = tuple((n, "int") for n in _INDEX) + (("distance", "float"),)  # the pair hooks' inputs
 
 
 @dataclass(frozen=True)
@@ -59,9 +67,9 @@ class HookSig:
 
 
 HOOKS: dict[str, HookSig] = {
-    "score": HookSig((("logit", "float"),) + tuple((n, "int") for n in _INDEX), "float",
+    "score": HookSig((("logit", "float"),) + _PAIR, "float",
                      (("score", "logit"), ("b", "batch"), ("h", "qo_head"), ("q_idx", "qo_idx"))),
-    "mask": HookSig(tuple((n, "int") for n in _INDEX), "bool"),
+    "mask": HookSig(_PAIR, "bool"),
     "mask_tile": HookSig(tuple((n, "int") for n in ("batch", "qo_head", "kv_head", "qo_begin", "qo_end",
                                                      "kv_begin", "kv_end")), "int"),
     "q_transform": HookSig((("value", "float"),) + tuple((n, "int") for n in ("batch", "qo_idx", "qo_head", "dim")),
@@ -332,7 +340,7 @@ class Variant:
             syms.update({s.name: Sym(Node("scalar", _TRACE_TYPE[s.dtype], value=s.name)) for s in self.scalars})
             expr = trace(name, value, dict(sig.inputs), dict(sig.aliases), syms, sig.returns)
             origin = getattr(value, "__qualname__", "function")
-            return Hook(name, f"return {to_cuda(expr)};", expr, origin)
+            return Hook(name, f"return {to_cuda(expr, 'distance' in dict(sig.inputs))};", expr, origin)
         raise SpecError(f"variant.{name}: got {type(value).__name__}, expected None, a CUDA snippet (str) or a "
                         "Python function")
 

@@ -1,7 +1,8 @@
 """fp64 references of the shipped variants, and an evaluator of a traced hook's expression on tensors.
 
 ``evaluate(expr, env)`` computes a ``flashgen.spec.trace.Node`` with torch (floats in fp64, ints in int64),
-broadcasting the inputs given in ``env`` (hook inputs, declared scalars, declared tensors by name); its int
+broadcasting the inputs given in ``env`` (hook inputs, declared scalars, declared tensors by name; ``distance``,
+unless given, from ``kv_idx`` and ``qo_idx``); its int
 ``//`` and ``%`` floor as the CUDA helpers do. The ``*_ref`` functions compute each example's math directly,
 over a grid of ``[heads, qo, kv]`` (or ``[heads]``), independently of the tracer.
 """
@@ -28,6 +29,8 @@ def evaluate(expr: Node, env: dict) -> torch.Tensor:
     op, args = expr.op, expr.args
     if op == "const":
         return torch.tensor(expr.value, dtype=_DTYPE[expr.type])
+    if op == "input" and expr.value == "distance" and "distance" not in env:  # kv_idx - qo_idx, exact in fp64
+        return torch.as_tensor(env["kv_idx"]).double() - torch.as_tensor(env["qo_idx"]).double()
     if op in ("input", "scalar"):
         return torch.as_tensor(env[expr.value]).to(_DTYPE[expr.type])
     vals = [evaluate(a, env) for a in args]

@@ -63,11 +63,12 @@ def _t5_score(score, q_idx, kv_idx, h, rel_bias):
 
 T5_BIAS = Variant(score=_t5_score, tensors=[Tensor("rel_bias", "float32", 2)])
 
-# ALiBi with arbitrary slopes: slopes[h] * (kv_idx - qo_idx)
+# ALiBi with arbitrary slopes: slopes[h] * (kv_idx - qo_idx). The snippet reads the float input distance
+# (kv_idx - qo_idx, which the kernels form without an int -> float conversion a pair); the traced hook's
+# float(kv_idx - q_idx) becomes distance by itself.
 ALIBI = Variant(score=lambda score, h, q_idx, kv_idx, slopes: score + slopes[h] * (kv_idx - q_idx),
                 tensors=[Tensor("slopes", "float32", 1)])
-ALIBI_CUDA = Variant(score="return logit + slopes[qo_head] * static_cast<float>(kv_idx - qo_idx);",
-                     tensors=[Tensor("slopes", "float32", 1)])
+ALIBI_CUDA = Variant(score="return logit + slopes[qo_head] * distance;", tensors=[Tensor("slopes", "float32", 1)])
 
 # sigmoid attention: w = sigmoid(logit + bias), no softmax normaliser
 SIGMOID = Variant(score=lambda score, bias: ops.sigmoid(score + bias), scalars=[Scalar("bias", "float32")],

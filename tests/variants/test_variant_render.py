@@ -89,6 +89,38 @@ def test_heavy_pair_hooks_are_weighed_by_their_calls():
     assert "static constexpr bool HEAVY = false;" in render_variant(EXAMPLES["alibi"][0])
 
 
+def test_the_pair_hooks_take_the_distance_and_the_kernels_compute_it_where_read():
+    from flashgen.kernels.variant import hook_signature, reads_distance
+    from flashgen.variants.examples import EXAMPLES
+
+    assert hook_signature("score").endswith("int qo_head, int kv_head, float distance)")
+    assert hook_signature("mask").endswith("int qo_head, int kv_head, float distance)")
+    assert all("distance" not in hook_signature(h) for h in HOOKS if h not in ("score", "mask"))
+    reading = {name for name, pair in EXAMPLES.items() for v in pair if v is not None and reads_distance(v)}
+    assert reading == {"alibi"}  # both spellings: the snippet names it, the traced one's conversion becomes it
+    assert all(reads_distance(v) for v in EXAMPLES["alibi"])
+    assert reads_distance(Variant(mask="return distance < 0.f;")) and not reads_distance(None)
+    assert "static constexpr bool DISTANCE = true;" in render_variant(EXAMPLES["alibi"][1])
+    assert "static constexpr bool DISTANCE = false;" in render_variant(EXAMPLES["document"][1])
+
+
+@pytest.mark.nvcc
+def test_the_alibi_example_converts_no_int_a_pair(tmp_path):
+    # the ALiBi snippet's bias through distance: its kernels' int -> float conversions are a row's, not a pair's
+    # (sm_90a, nvcc 13.0: 16 cvt.rn.f32.s32 in the Hopper prefill's PTX, 264 through static_cast<float> a pair)
+    from flashgen import jit
+    from flashgen.spec import AttentionSpec, Causal, Ragged
+    from flashgen.variants.examples import EXAMPLES
+
+    spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=EXAMPLES["alibi"][1])
+    (tmp_path / "kernel.cu").write_text(jit.render(spec, "prefill_sm90"))
+    cmd = [str(find_nvcc().path), "-ptx", "-arch=sm_90a", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
+           f"-I{include_dir()}", "kernel.cu", "-o", "kernel.ptx"]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "kernel.ptx").read_text().count("cvt.rn.f32.s32") < 64
+
+
 @pytest.mark.nvcc
 def test_the_sm90_kernel_inlines_a_heavy_hook_once_a_tile(tmp_path):
     # T5's bucket floors once a pair: 64 pairs a thread a tile. Inlined at the first tile and in the tile loop,

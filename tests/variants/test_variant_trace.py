@@ -98,3 +98,50 @@ def test_kernel_families_run_the_load_transforms():
         # the Hopper backend runs the k_transform in its K pre-pass (rope_gather)
         k_op = "rope_gather" if op == "prefill_sm90" else op
         assert '#line 1 "variant.k_transform"' in render(AttentionSpec(128, variant=Variant(k_transform="value")), k_op)
+
+
+def test_a_float_distance_of_the_positions_is_the_distance_input():
+    """float(kv_idx - q_idx) is the pair hooks' distance, q_idx - kv_idx its negation; nothing else is."""
+    from flashgen.variants.examples import ALIBI, T5_BIAS
+
+    assert ALIBI.score.body == "return (logit + (static_cast<float>(slopes(qo_head)) * distance));"
+    v = Variant(score=lambda score, q_idx, kv_idx: score * (q_idx - kv_idx) + 0.5 * (kv_idx - q_idx))
+    assert v.score.body == "return ((logit * (-distance)) + (0.5f * distance));"
+    m = Variant(mask=lambda q_idx, kv_idx: (kv_idx - q_idx) * 1.0 > -8.5)
+    assert m.mask.body == "return ((distance * 1.0f) > -8.5f);"
+    # the int difference used as an int stays one; other conversions to float stay conversions
+    ints = Variant(score=lambda score, q_idx, kv_idx, bias: score + bias[kv_idx - q_idx + 8] + (kv_idx - q_idx) // 2
+                   + ops.where(kv_idx - q_idx > 0, 1.0, 0.0) + (kv_idx - q_idx + 1) + abs(kv_idx - q_idx),
+                   tensors=[("bias", "float32", 1)])
+    body = ints.score.body
+    assert "distance" not in body
+    assert body.count("(kv_idx - qo_idx)") == 5 and "fg_floordiv(static_cast<long long>((kv_idx - qo_idx)), 2)" in body
+    assert "((kv_idx - qo_idx) > 0)" in body and "static_cast<float>(fg_abs((kv_idx - qo_idx)))" in body
+    assert "distance" not in T5_BIAS.score.body  # its conversions are of |kv_idx - qo_idx|
+    other = Variant(score=lambda score, q_idx, kv_idx: score + (kv_idx - kv_idx) + (q_idx - q_idx) * 1.0)
+    assert "distance" not in other.score.body
+    # the expression keeps the conversion: evaluated, it is the difference either way
+    q, k = torch.arange(5).view(-1, 1), torch.arange(7).view(1, -1)
+    out = evaluate(v.score.expr, {"logit": torch.ones(()), "qo_idx": q, "kv_idx": k})
+    assert torch.equal(out, (q - k).double() + 0.5 * (k - q).double())
+
+
+def test_a_traced_hook_may_name_the_distance():
+    v = Variant(score=lambda score, distance: score - abs(distance), mask=lambda distance, kv_idx: distance <= kv_idx)
+    assert v.score.body == "return (logit - fg_abs(distance));"
+    assert v.mask.body == "return (distance <= static_cast<float>(kv_idx));"
+    q, k = torch.arange(5).view(-1, 1), torch.arange(7).view(1, -1)
+    out = evaluate(v.score.expr, {"logit": torch.zeros(()), "qo_idx": q, "kv_idx": k})
+    assert torch.equal(out, -(k - q).abs().double())
+
+
+@pytest.mark.parametrize("hook", ["mask_tile", "q_transform", "k_transform", "output", "sink"])
+def test_the_distance_is_an_input_of_the_pair_hooks_only(hook):
+    mask = "return true;" if hook == "mask_tile" else None
+    with pytest.raises(SpecError, match=rf"'{hook}', line 1 .*'distance' is not an input of this hook"):
+        Variant(**{hook: "return distance;"}, mask=mask)
+    with pytest.raises(SpecError, match=rf"'{hook}'.*parameter 'distance' is neither an input"):
+        Variant(**{hook: lambda distance: distance}, mask=mask)
+    Variant(score="return logit + distance;", mask="return distance <= 0.f;")
+    with pytest.raises(SpecError, match="reserved"):
+        Variant(score="logit", scalars=[("distance", "float32")])

@@ -71,23 +71,43 @@ struct Tensor {
 // flashgen_variant::Hooks with the same flags and a static member per given hook (kernels/variant.py). HEAVY: the
 // pair hooks inline enough code that a kernel runs them from as few sites as it can (heavy_pair_hooks).
 struct NoHooks {
-  static constexpr bool ANY = false, HEAVY = false, SCORE = false, MASK = false, MASK_TILE = false,
+  static constexpr bool ANY = false, HEAVY = false, DISTANCE = false, SCORE = false, MASK = false, MASK_TILE = false,
                         Q_TRANSFORM = false, K_TRANSFORM = false, OUTPUT = false, SINK = false, SOFTMAX = true;
 };
+
+// The pair hooks' distance kv_idx - qo_idx as a float, where a pair hook reads it (V::DISTANCE; else 0, never
+// read). pair_distance: a row's part (its first key's offset from the query, converted once a tile a row) plus
+// the key's offset from that first key (a constant of the unrolled loop): one FADD a pair, no I2F. Exact while
+// both parts and the sum are below 2^24 in magnitude; beyond, within about an ulp. distance_at: one conversion
+// a pair, for the paths that read each key's position (explicit positions) or that are not hot.
+template <class V>
+__device__ __forceinline__ float row_distance(int first_key, int qo_idx) {
+  return V::DISTANCE ? static_cast<float>(first_key - qo_idx) : 0.f;
+}
+template <class V>
+__device__ __forceinline__ float pair_distance(float row, int key_offset) {
+  return V::DISTANCE ? row + static_cast<float>(key_offset) : 0.f;
+}
+template <class V>
+__device__ __forceinline__ float distance_at(int qo_idx, int kv_idx) {
+  return V::DISTANCE ? static_cast<float>(kv_idx - qo_idx) : 0.f;
+}
 
 // One contract for every kernel family. A pair (query qo_idx, key kv_idx) of request `batch`, query head qo_head
 // and kv head kv_head, with logit x = q.k * sm_scale in natural-log units (after the spec's ALiBi and soft-cap):
 // the mask hook first (a masked pair is -inf, or weight 0 without softmax, and its score is never computed), then
 // the score hook. The caller converts the result to its own units (base 2 for the softmax kernels).
 // P: the kernel's params (their `variant` field, present when V::ANY, is read in the hooks' branches only).
+// distance: kv_idx - qo_idx as a float (pair_distance / distance_at; read by the hooks only where V::DISTANCE).
 // use_mask: false on a tile the tile predicate called TILE_FULL (every pair kept).
 template <class V, class P>
 __device__ __forceinline__ float pair_logit(const P& p, float x, int batch, int qo_idx, int kv_idx, int qo_head,
-                                            int kv_head, bool use_mask = true) {
+                                            int kv_head, float distance, bool use_mask = true) {
   if constexpr (V::MASK) {
-    if (use_mask && !V::mask(p.variant, batch, qo_idx, kv_idx, qo_head, kv_head)) return V::SOFTMAX ? -INFINITY : 0.f;
+    if (use_mask && !V::mask(p.variant, batch, qo_idx, kv_idx, qo_head, kv_head, distance))
+      return V::SOFTMAX ? -INFINITY : 0.f;
   }
-  if constexpr (V::SCORE) x = V::score(p.variant, x, batch, qo_idx, kv_idx, qo_head, kv_head);
+  if constexpr (V::SCORE) x = V::score(p.variant, x, batch, qo_idx, kv_idx, qo_head, kv_head, distance);
   return x;
 }
 
@@ -95,11 +115,12 @@ __device__ __forceinline__ float pair_logit(const P& p, float x, int batch, int 
 // without softmax). Evaluated on every pair of a row, a hook's loads that depend on the row alone (slopes[qo_head],
 // prefix_len[batch], doc_ids[qo_idx]) become common to the row's pairs and are read once a tile (under a branch a
 // pair, they were read pair by pair). The caller passes a key of the request for a pair past its keys, so that
-// the hooks only ever see real pairs; what they return for a hidden pair is discarded.
+// the hooks only ever see real pairs; what they return for a hidden pair is discarded (its distance may be the
+// unclamped key's).
 template <class V, class P>
 __device__ __forceinline__ float pair_value(const P& p, bool hidden, float x, int batch, int qo_idx, int kv_idx,
-                                            int qo_head, int kv_head, bool use_mask = true) {
-  const float y = pair_logit<V>(p, x, batch, qo_idx, kv_idx, qo_head, kv_head, use_mask);
+                                            int qo_head, int kv_head, float distance, bool use_mask = true) {
+  const float y = pair_logit<V>(p, x, batch, qo_idx, kv_idx, qo_head, kv_head, distance, use_mask);
   return hidden ? (V::SOFTMAX ? -INFINITY : 0.f) : y;
 }
 

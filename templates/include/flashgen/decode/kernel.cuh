@@ -373,6 +373,9 @@ __device__ __forceinline__ void run(const Params& p) {
 
     // logits transform, mask (the tile's end only: the window already moved kv_start), online softmax (base 2)
     const bool last_tile = tile == num_tiles - 1;
+    // the pair hooks' distance: the lane's first key's offset from the query (a key past kv_end is hidden, so its
+    // distance may be the unclamped key's), plus each key's offset from it; with positions, each key's own
+    const float row_dist = flashgen::variant::row_distance<V>(kv_start + tile * TILE + n0 + 2 * t4, q_pos);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
@@ -387,8 +390,11 @@ __device__ __forceinline__ void run(const Params& p) {
             hidden = hidden || (C::WINDOW && k_pos < q_pos - p.window_left);
           }
           const int qo_head = q_head0 + min(g + 8 * (e / 2), rows_valid - 1);
+          const float dist = C::POSITIONS ? flashgen::variant::distance_at<V>(q_pos, k_pos)
+                                          : flashgen::variant::pair_distance<V>(row_dist, 8 * nt + e % 2);
           s[nt][e] = flashgen::variant::pair_value<V>(p, hidden, transform.natural(s[nt][e], k_pos - q_pos), request,
-                                                      q_pos, k_pos, qo_head, kv_head) * (V::SOFTMAX ? LOG2E : 1.f);
+                                                      q_pos, k_pos, qo_head, kv_head, dist) *
+                     (V::SOFTMAX ? LOG2E : 1.f);
         } else if constexpr (C::POSITIONS) {  // the window by true position, element by element
           const int k_pos = key_position<C::PAGE_SIZE>(page_pos, min(pos, kv_end - 1));
           const bool hidden = pos >= kv_end || (C::WINDOW && k_pos < q_pos - p.window_left);

@@ -213,7 +213,8 @@ __device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
 // hooks, and leaves in base 2; a hidden pair is -inf (softmax=False: weight 0). Every pair is evaluated and the
 // hidden ones discarded (pair_value), a key past kv_hi at the last before it: a hook never sees a key past the
 // request's. qo_idx is the row's query position (a row past the request's queries asks
-// for its last query), kv_idx the key's position.
+// for its last query), kv_idx the key's position; distance the lane's first key's offset from the row's query,
+// converted once a row a tile, plus the key's offset from that key (explicit positions: each key's own).
 template <class C, class Params>
 __device__ __forceinline__ void hook_logits(const Params& p, float (&s)[C::MMA_Q][C::TILE_KV / 8][4], const RowInfo<C>& ri,
                                             const HookRowsOf<C>& hr,
@@ -232,6 +233,7 @@ __device__ __forceinline__ void hook_logits(const Params& p, float (&s)[C::MMA_Q
       if constexpr (!C::POSITIONS) q_pos = min(q_pos, mi.q_base + mi.qo_len - 1);
       const int qo_head = hr.qo_head[r];
       if constexpr (C::ALIBI) transform.slope = ri.slope[r];
+      const float row_dist = flashgen::variant::row_distance<V>(base, q_pos);
 #pragma unroll
       for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
 #pragma unroll
@@ -240,8 +242,10 @@ __device__ __forceinline__ void hook_logits(const Params& p, float (&s)[C::MMA_Q
           int k_pos = min(t, mi.kv_hi - 1);
           if constexpr (C::POSITIONS) k_pos = key_position<C::PAGE_SIZE>(page_pos, k_pos);
           const bool hidden = t >= mi.kv_hi || s[mq][nt][e] == -INFINITY;
+          const float dist = C::POSITIONS ? flashgen::variant::distance_at<V>(q_pos, k_pos)
+                                          : flashgen::variant::pair_distance<V>(row_dist, nt * 8 + e % 2);
           s[mq][nt][e] = flashgen::variant::pair_value<V>(p, hidden, transform.natural(s[mq][nt][e], k_pos - q_pos),
-                                                          batch, q_pos, k_pos, qo_head, kv_head, use_mask) *
+                                                          batch, q_pos, k_pos, qo_head, kv_head, dist, use_mask) *
                          UNITS;
         }
     }

@@ -46,6 +46,19 @@ struct LogitsParams {
   int kv_hi, window_left;
 };
 
+// The pair hooks' distance (common/variant.cuh), without an I2F a pair: a row's part, the thread's first key of the
+// tile t0 + 2 q4 less the row's query position, converted once a tile; key i adds its offset from that key, a
+// constant. A key clamped to kv_hi - 1 is hidden, so its distance may be the unclamped key's.
+template <class V>
+__device__ __forceinline__ void row_distances(float (&row)[2], const RowState& rs, int t0) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) row[h] = flashgen::variant::row_distance<V>(t0 + 2 * (threadIdx.x % 4), rs.q_pos[h]);
+}
+template <class V>
+__device__ __forceinline__ float key_distance(const float (&row)[2], int i) {
+  return flashgen::variant::pair_distance<V>(row[(i / 2) % 2], 8 * (i / 4) + i % 2);
+}
+
 // The pair hooks on a tile whose keys all lie inside the item (not under a tile predicate, without explicit
 // positions), before the spec's mask: every pair evaluated, so that what the hooks read for a row is read once a
 // tile, and a tile the mask leaves alone takes the hooks alone, no test or clamp a pair (the item's last tile and
@@ -62,13 +75,15 @@ __device__ __forceinline__ void hooks_inside(float (&s)[C::TILE_KV / 2], const R
   using V = typename C::Variant;
   constexpr bool RAW = !C::ALIBI && !C::SOFT_CAP;
   const int q4 = threadIdx.x % 4;
+  float row_dist[2];
+  row_distances<V>(row_dist, rs, t0);
 #pragma unroll
   for (int i = 0; i < C::TILE_KV / 2; ++i) {
     int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2;
     if constexpr (ANY_TILE) place = min(place, lg.kv_hi - 1);
     const int h = (i / 2) % 2;
     s[i] = flashgen::variant::pair_logit<V>(p, RAW ? s[i] * lg.mul : s[i], hi.batch, rs.q_pos[h], place,
-                                            rs.qo_head[h], hi.kv_head);
+                                            rs.qo_head[h], hi.kv_head, key_distance<V>(row_dist, i));
   }
 }
 
@@ -123,12 +138,15 @@ __device__ __forceinline__ void hooks_by_pair(float (&s)[C::TILE_KV / 2], const 
     return;
   }
   const bool use_mask = cls != flashgen::variant::TILE_FULL;
+  float row_dist[2];
+  row_distances<V>(row_dist, rs, t0);
   if (inside) {  // (never with positions or a tile predicate; TILE_FULL only from lists the mask hook wrote)
 #pragma unroll
     for (int i = 0; i < C::TILE_KV / 2; ++i) {
       const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
       s[i] = flashgen::variant::pair_value<V>(p, s[i] == -INFINITY, RAW ? s[i] * lg.mul : s[i], hi.batch,
-                                              rs.q_pos[h], place, rs.qo_head[h], hi.kv_head, use_mask);
+                                              rs.q_pos[h], place, rs.qo_head[h], hi.kv_head,
+                                              key_distance<V>(row_dist, i), use_mask);
     }
   } else if constexpr (BY_BRANCH) {
 #pragma unroll
@@ -137,9 +155,11 @@ __device__ __forceinline__ void hooks_by_pair(float (&s)[C::TILE_KV / 2], const 
       int pos = place;
       if constexpr (C::POSITIONS) pos = kp.at(t0, i);
       const bool hidden = place >= lg.kv_hi || s[i] == -INFINITY || cls == flashgen::variant::TILE_EMPTY;
+      const float dist = C::POSITIONS ? flashgen::variant::distance_at<V>(rs.q_pos[h], pos)
+                                      : key_distance<V>(row_dist, i);
       s[i] = hidden ? HIDDEN
                     : flashgen::variant::pair_logit<V>(p, RAW ? s[i] * lg.mul : s[i], hi.batch, rs.q_pos[h], pos,
-                                                       rs.qo_head[h], hi.kv_head, use_mask);
+                                                       rs.qo_head[h], hi.kv_head, dist, use_mask);
     }
   } else {
 #pragma unroll
@@ -147,7 +167,7 @@ __device__ __forceinline__ void hooks_by_pair(float (&s)[C::TILE_KV / 2], const 
       const int place = min(t0 + 8 * (i / 4) + 2 * q4 + i % 2, lg.kv_hi - 1), h = (i / 2) % 2;
       s[i] = flashgen::variant::pair_value<V>(p, s[i] == -INFINITY || cls == flashgen::variant::TILE_EMPTY,
                                               RAW ? s[i] * lg.mul : s[i], hi.batch, rs.q_pos[h], place,
-                                              rs.qo_head[h], hi.kv_head, use_mask);
+                                              rs.qo_head[h], hi.kv_head, key_distance<V>(row_dist, i), use_mask);
     }
   }
 }

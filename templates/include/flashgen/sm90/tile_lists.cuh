@@ -71,7 +71,8 @@ __device__ __forceinline__ int mask_hook_class(const Params& p, const Work& w, c
       for (int j = 0; j < C::TILE_KV / 32; ++j) {
         const int key = kv_begin + lane + 32 * j;
         if (!decltype(bounded)::value || (key >= lo && key < hi)) {
-          const bool keep = V::mask(p.variant, request, q_pos, key, qo_head, w.kv_head);
+          const bool keep = V::mask(p.variant, request, q_pos, key, qo_head, w.kv_head,
+                                    flashgen::variant::distance_at<V>(q_pos, key));
           kept |= keep;
           dropped |= !keep;
         }
