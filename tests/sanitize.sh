@@ -57,7 +57,8 @@ FILES_positions="tests/sparse/test_positions_gpu.py"
 K_positions=${K_POSITIONS:-"test_sparse_decode or test_variable_blocks or graph_replay or (test_block_sparse_with_positions \
 and not sm90 and (16-16 or 32-1)) or (test_block_sparse_with_positions_on_sm90 and causal_rope)"}
 
-FILES_variants="tests/variants/test_variants_gpu.py tests/variants/test_variants_sm90_tiles.py tests/variants/test_load_transforms_gpu.py"
+FILES_variants="tests/variants/test_variants_gpu.py tests/variants/test_variants_sm90_tiles.py tests/variants/test_load_transforms_gpu.py \
+tests/variants/test_distance_gpu.py"
 K_variants=${K_VARIANTS:-"test_"}
 FILES_sm90fp8="tests/sm90/test_prefill_sm90_fp8.py"
 K_sm90fp8=${K_SM90FP8:-"test_"}
