@@ -3,7 +3,8 @@ the host, plan buffers and the launch.
 
 ``BatchPrefillWrapper`` selects it by itself (``backend="auto"``, ``backends.select``) on a compute-capability
 9.0 GPU for what ``PrefillSM90Family.check`` accepts (Ragged or paged KV, NoMask / Causal / SlidingWindow / CustomMask, fp16 /
-bf16, or fp8 K/V under TMA-loaded pages, head_dim == head_dim_vo in 64 / 128 / 256); it plans every request unsplit (one item per (request,
+bf16, fp8 K/V (dequantised by the rope_gather pre-pass, or in CUDA-graph mode by the kernel under TMA-loaded
+pages), head_dim == head_dim_vo in 64 / 128 / 256); it plans every request unsplit (one item per (request,
 128-row q tile), its whole KV). A custom mask becomes a tile list per item (``plan.mask_tiles``): a host mask
 is classified on the host (fully masked tiles skipped, fully visible ones unmasked); a device mask is read
 in place with every tile treated as partial (no sync, no skipping). A variant's mask (``kernels.sm90_tile_lists``: by its

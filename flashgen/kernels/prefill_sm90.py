@@ -334,7 +334,8 @@ def _check_fp8(spec: AttentionSpec) -> None:
                         f"divides the KV tile of {sm90_tile_kv(spec.head_dim)} tokens or is divided by it) or "
                         f"Ragged(), got {spec.kv_layout!r}")
     if isinstance(spec.pos_encoding, RoPE):
-        raise SpecError(f"kv_dtype: {spec.kv_dtype} K/V on prefill_sm90 take no RoPE (its pre-pass writes 16-bit K/V)")
+        raise SpecError(f"kv_dtype: {spec.kv_dtype} K/V on prefill_sm90 take no RoPE (the sm90 backend's rope_gather "
+                        "pre-pass dequantises and rotates them first, outside CUDA graphs)")
     if spec.variant is not None:
         raise SpecError(f"kv_dtype: {spec.kv_dtype} K/V on prefill_sm90 take no variant hooks (fp16 or bf16 K/V do)")
 
