@@ -23,7 +23,8 @@ import ctypes
 import numpy as np
 import torch
 
-from ..kernels import TILE_LIST_THREADS, prepass_threads, sm90_qo_tma, sm90_tile_heads, sm90_tile_lists, sm90_tile_threads
+from ..kernels import (TILE_LIST_THREADS, prepass_threads, sm90_qo_tma, sm90_tile_heads, sm90_tile_lists,
+                       sm90_tile_threads)
 from ..plan import plan_prefill
 from ..plan.mask_tiles import plan_mask_tiles, tile_list_indptr
 from ..spec import AttentionSpec, CustomMask, Paged, RoPE
@@ -139,11 +140,11 @@ class SM90Prefill:
         # scratch (with RoPE also q, rotated), and the kernel of the spec's ragged twin attends over it
         # (backends.check_sm90 refuses the pre-pass in CUDA-graph mode)
         self._kernels = dict(kernels_for(spec, "sm90", core.fixed))  # {"prefill_sm90": spec[, "rope_gather": spec]}
-        self.rope = "rope_gather" in self._kernels  # the pre-pass runs
+        self.prepass = "rope_gather" in self._kernels  # the pre-pass runs (public: tests and tools ask)
         self._q_copied = isinstance(spec.pos_encoding, RoPE)  # it writes q too
         self.kernel_spec = self._kernels["prefill_sm90"]
-        self._scratch = DeviceBuffer(TORCH_DTYPES[spec.dtype], core.device, False) if self.rope else None
-        self._key_pos = DeviceBuffer(torch.int32, core.device, False) if self.rope and self.positions else None
+        self._scratch = DeviceBuffer(TORCH_DTYPES[spec.dtype], core.device, False) if self.prepass else None
+        self._key_pos = DeviceBuffer(torch.int32, core.device, False) if self.prepass and self.positions else None
         self._variant_copy = None  # (kernel offset, pre-pass offset, size): the run() arguments both read
         self._maps: dict[tuple, bytes] = {}  # q / out tensor maps (_qo_map)
         self._heads: dict[tuple, tuple] = {}  # (num_qo_heads, num_kv_heads) -> _head_fields
@@ -167,7 +168,7 @@ class SM90Prefill:
         from ..jit import build
 
         index = self.device.index
-        if self.rope:
+        if self.prepass:
             rope = build(self._kernels["rope_gather"], "rope_gather", device=index, options=self._options)
             self._rope_fn, self._rope_block = rope["rope_gather"], rope.launch_config.block
             self._rope_params = rope.params["rope_gather"].bind(
@@ -212,7 +213,7 @@ class SM90Prefill:
         extras, pages_host = table_extras(table, core.max_batch_size)
         if "kv_indptr" not in extras:  # a block table needs no offsets; the kernel reads a (zero) array anyway
             extras["kv_indptr"] = np.zeros(qo.size if not core.fixed else core.max_batch_size + 1, np.int32)
-        if self.rope:  # the kernel reads the ragged scratch; the pre-pass reads the cache through its own table
+        if self.prepass:  # the kernel reads the ragged scratch; the pre-pass reads the cache through its own table
             extras = {"kv_indptr": _ragged_indptr(table.kv_lens, extras["kv_indptr"].size),
                       "src_indptr": extras["kv_indptr"]}
         if positions:
@@ -229,8 +230,9 @@ class SM90Prefill:
         hint = HOST_ARRAYS_HINT if len(extras) > fixed else "raise max_batch_size"
         addresses = core.upload(plan, extras, hint, host_ids_reserve(core, table, pages_host))
         tables, self._page_ids_held = page_fields(table, core.device, addresses)
-        if self.rope:
-            scales = {"k_scale": k_scale or 1.0, "v_scale": v_scale or 1.0} if self.spec.kv_dtype != self.spec.dtype else {}
+        if self.prepass:
+            fp8 = self.spec.kv_dtype != self.spec.dtype  # the pass dequantises
+            scales = {"k_scale": k_scale or 1.0, "v_scale": v_scale or 1.0} if fp8 else {}
             self._plan_rope(addresses, int(qo[-1]), int(table.kv_lens.sum()), int(table.kv_lens.size), num_qo_heads,
                             num_kv_heads, runtime, tables, positions, scales)
             tables.update(kv_indices=0, block_table=0, block_table_stride=0)  # the kernel's KV: the ragged scratch
@@ -252,7 +254,7 @@ class SM90Prefill:
                       mask_offset=addresses["mask_offset"] if custom else 0,
                       tile_indptr=addresses["tile_indptr"] if custom or self.tile_lists else 0, tiles=tiles)
         if positions:  # with RoPE the keys' positions are the pre-pass's, one a scratch row
-            fields.update(kv_page_pos=self._key_pos_at if self.rope else addresses["kv_page_pos"],
+            fields.update(kv_page_pos=self._key_pos_at if self.prepass else addresses["kv_page_pos"],
                           q_pos=addresses["q_pos"])
         if self.kernel_spec.variant is not None:
             fields["variant"] = b""  # packed by run() (variant_args)
@@ -302,7 +304,7 @@ class SM90Prefill:
         if not self._q_copied:  # no RoPE: the kernel reads the caller's q (and runs any q_transform itself)
             total_q = 0
         q_n, kv_n = total_q * num_qo_heads * d, max(total_kv, 1) * num_kv_heads * d
-        flat = self._scratch.get(q_n + 2 * kv_n + 64, "rope scratch")  # 64: 128-byte alignment of each part
+        flat = self._scratch.get(q_n + 2 * kv_n + 64, "pre-pass scratch")  # 64: 128-byte alignment of each part
         align = 128 // flat.element_size()
         k_at = -(-q_n // align) * align
         v_at = k_at + -(-kv_n // align) * align
@@ -315,7 +317,7 @@ class SM90Prefill:
         threads = prepass_threads(total_q * num_qo_heads + total_kv * num_kv_heads, d)
         extra = {}
         if positions:
-            self._key_pos_at = self._key_pos.address_of(max(total_kv, 1), "rope key positions")
+            self._key_pos_at = self._key_pos.address_of(max(total_kv, 1), "pre-pass key positions")
             extra = {"kv_page_pos": addresses["kv_page_pos"], "q_pos": addresses["q_pos"],
                      "kv_pos_out": self._key_pos_at}
         self._rope_grid = (max(1, -(-threads // self._rope_block[0])), 1, 1)
@@ -334,7 +336,7 @@ class SM90Prefill:
         gathered page size (``launch_config.gather``) or RoPE, the cache's addresses and element strides (k, v,
         stride_page, stride_token, stride_head: the kernel's params, or with RoPE the pre-pass's, the kernel
         then reading the scratch)."""
-        if self.rope or self.gather:
+        if self.prepass or self.gather:
             return (kv.k.data_ptr(), kv.v.data_ptr(), kv.stride_page, kv.stride_token, kv.stride_head)
         if kv.k.shape[0] == 0:  # a map needs an address: an empty cache is read through a one-row stand-in
             key = (tuple(kv.k.shape[1:]), kv.k.dtype)
@@ -358,7 +360,7 @@ class SM90Prefill:
 
     def launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         stream = current_stream(self.device.index)
-        if self.rope:  # the kernel reads the scratch K / V (with RoPE the rotated q there too)
+        if self.prepass:  # the kernel reads the scratch K / V (with RoPE the rotated q there too)
             rope = self._rope_params
             rope.set(q.data_ptr(), kv[0], kv[1], *kv[2:])
             if self._variant_copy is not None:

@@ -231,7 +231,8 @@ def build(cfg: argparse.Namespace, progress_class=None) -> None:
     ``progress_class``: flashgen.progress.Progress, one step a kernel (else one line at the end)."""
     specs = {spec_for(d, layout, mask, kv) for d, _, _, mask in grid(cfg) for layout in cfg.layouts
              for kv in cfg.kv_dtypes}
-    jobs = [(kernel_spec, op) for s in specs for b in cfg.backends if runs(s, b) for op, kernel_spec in kernels_for(s, b)]
+    jobs = [(kernel_spec, op) for s in specs for b in cfg.backends if runs(s, b)
+            for op, kernel_spec in kernels_for(s, b)]
     start = time.perf_counter()
     progress = progress_class(len(jobs)) if progress_class is not None else None
     try:

@@ -76,7 +76,8 @@ class RopeGatherFamily(KernelFamily):
 
     def context(self, spec: AttentionSpec) -> dict:
         paged = isinstance(spec.kv_layout, Paged)
-        return {"DType": CPP_TYPES[spec.dtype], "DTypeKV": _kv_type(spec), "HEAD_DIM": spec.head_dim, "PAGED": "true" if paged else "false",
+        return {"DType": CPP_TYPES[spec.dtype], "DTypeKV": _kv_type(spec), "HEAD_DIM": spec.head_dim,
+                "PAGED": "true" if paged else "false",
                 "PAGE_SIZE": spec.kv_layout.page_size if paged else 1, "BLOCK_THREADS": BLOCK_THREADS,
                 "POSITIONS": "true" if self.positions else "false",
                 "ROPE": "true" if isinstance(spec.pos_encoding, RoPE) else "false"}
@@ -128,8 +129,8 @@ def prepass_variant(variant: Variant | None, rope: bool) -> Variant | None:
 
 def ragged_twin(spec: AttentionSpec) -> AttentionSpec:
     """The sm90 kernel's spec behind a pre-pass spec (``prepass``): the same attention over the ragged 16-bit
-    scratch, without RoPE (ALiBi kept) and without the hooks the pass ran (``prepass_variant``), the variant's declarations kept (the
-    kernel's params pack the same run() arguments)."""
+    scratch, without RoPE (ALiBi kept) and without the hooks the pass ran (``prepass_variant``), the variant's
+    declarations kept (the kernel's params pack the same run() arguments; the variant None where no hook is left)."""
     variant = spec.variant
     if variant is not None:
         q_transform = None if isinstance(spec.pos_encoding, RoPE) else variant.q_transform
