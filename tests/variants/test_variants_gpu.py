@@ -8,7 +8,6 @@ in seconds once the cache is warm.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import flashgen
+from flashgen.api.backends import kernels_for
 from flashgen.spec import AttentionSpec, Causal, NoMask, Paged, Ragged
 from flashgen.testing import request_kv, runtime_params
 from flashgen.testing.check import nan_out
@@ -40,10 +40,7 @@ PREFILL_LENS = {"tree": ([1, 17, 40], [5, 30, 64]), "t5_bias": ([1, 70, 40], [5,
 
 def _spec(name: str, spelling: int, layout, op: str) -> AttentionSpec:
     mask = NoMask() if op == "decode" or name == "prefix_lm" else Causal()
-    variant = EXAMPLES[name][spelling]
-    if op == "prefill_sm90" and variant.k_transform is not None:  # the Hopper kernel runs the q half only
-        variant = dataclasses.replace(variant, k_transform=None)
-    return AttentionSpec(D, kv_layout=layout, mask=mask, variant=variant)
+    return AttentionSpec(D, kv_layout=layout, mask=mask, variant=EXAMPLES[name][spelling])
 
 
 FAMILIES = {"decode": ("decode", Paged(16)), "ragged": ("prefill", Ragged()), "paged": ("prefill", Paged(16)),
@@ -53,10 +50,15 @@ FAMILIES = {"decode": ("decode", Paged(16)), "ragged": ("prefill", Ragged()), "p
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
     """Every kernel of the module, compiled in parallel into the default cache (nvcc is one thread a kernel)."""
-    jobs = [(_spec(name, i, layout, "decode" if op == "decode" else op), op)
-            for name, i in CASES for key, (op, layout) in FAMILIES.items() if key != "sm90" or HOPPER]
+    jobs = [job for name, i in CASES for key, (op, layout) in FAMILIES.items() if key != "sm90" or HOPPER
+            for job in _kernels(_spec(name, i, layout, op), op)]
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
         list(pool.map(lambda job: flashgen.ensure_compiled(*job), jobs))
+
+
+def _kernels(spec: AttentionSpec, op: str) -> tuple:
+    """The (spec, op) kernels behind ``op``: the Hopper backend's (its K pre-pass where it runs one), else ``op``."""
+    return tuple((s, o) for o, s in kernels_for(spec, "sm90")) if op == "prefill_sm90" else ((spec, op),)
 
 
 def _generator(*key) -> torch.Generator:
@@ -124,8 +126,6 @@ def test_prefill(name, spelling, family):
     qo_lens, kv_lens = PREFILL_LENS.get(name, ([1, 130, 40], [5, 900, 40]))
     q, kv, table = random_batch(spec, qo_lens, kv_lens, HEADS, GROUP, generator=g)
     args = example_args(name, heads=HEADS * GROUP, max_kv=max(kv_lens), batch=len(kv_lens), generator=g)
-    if "k_gain" in args and spec.variant.k_transform is None:  # sm90: k untransformed, as the reference then sees
-        args["k_gain"] = torch.ones_like(args["k_gain"])
     qo_indptr = [0] + torch.tensor(qo_lens).cumsum(0).tolist()
     wrapper = flashgen.BatchPrefillWrapper(spec, backend="sm90" if family == "sm90" else "portable")
     wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=HEADS * GROUP, num_kv_heads=HEADS, **_cuda_table(table))
@@ -189,3 +189,26 @@ def test_attention_takes_the_variant_arguments():
     args = example_args(name, heads=HEADS * GROUP, max_kv=80, batch=1, generator=g)
     out, lse = flashgen.attention(q.cuda(), kv[0].cuda(), kv[1].cuda(), spec, return_lse=True, **_gpu(args))
     _check(name, spec, args, q, kv, table, [50], out, lse)
+
+
+@pytest.mark.parametrize("name", sorted({name for name, _ in CASES}))
+def test_prefill_sm90_over_fp8_pages(name):
+    """Each example over an fp8 (e4m3) paged cache on the Hopper backend: its K pre-pass dequantises the pages into
+    16-bit ragged scratch and the 16-bit kernel runs the hooks; against the fp64 reference of the dequantised
+    cache (fp8 values are exact in bf16)."""
+    if not HOPPER:
+        pytest.skip("the sm90 backend needs a compute-capability 9.0 GPU")
+    spec = _spec(name, 0, Paged(16), "prefill_sm90")
+    g = _generator("prefill_fp8", name)
+    qo_lens, kv_lens = PREFILL_LENS.get(name, ([1, 130, 40], [5, 900, 40]))
+    q, kv, table = random_batch(spec, qo_lens, kv_lens, HEADS, GROUP, generator=g)
+    e4m3 = torch.float8_e4m3fn
+    kv8 = tuple(x.to(e4m3) for x in kv) if isinstance(kv, tuple) else kv.to(e4m3)
+    kv_ref = tuple(x.to(q.dtype) for x in kv8) if isinstance(kv8, tuple) else kv8.to(q.dtype)
+    args = example_args(name, heads=HEADS * GROUP, max_kv=max(kv_lens), batch=len(kv_lens), generator=g)
+    qo_indptr = [0] + torch.tensor(qo_lens).cumsum(0).tolist()
+    wrapper = flashgen.BatchPrefillWrapper(spec.replace(kv_dtype="float8_e4m3fn"), backend="sm90")
+    assert wrapper._impl.prepass
+    wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=HEADS * GROUP, num_kv_heads=HEADS, **_cuda_table(table))
+    out, lse = wrapper.run(q.cuda(), _to_cuda(kv8), out=nan_out(spec, q), return_lse=True, **_gpu(args))
+    _check(name, spec, args, q, kv_ref, table, qo_lens, out, lse)
