@@ -69,8 +69,8 @@ class UsageError(Exception):
 
 def _plan_builds(path: Path) -> list[tuple[str, object]]:
     """The builds of a plan file (``flashgen.deploy.read_plan``: TOML, or the older JSON list). A
-    ``prefill_sm90`` item stands for the kernels the sm90 backend runs for its spec (for RoPE: the rope_gather
-    pre-pass and the ragged twin's kernel), so a plan names the spec a model serves, not the backend's
+    ``prefill_sm90`` item stands for the kernels the sm90 backend runs for its spec (``sm90_builds``; for RoPE: the
+    rope_gather pre-pass and the ragged twin's kernel), so a plan names the spec a model serves, not the backend's
     internals. Every mistake in the file is a ``UsageError`` naming it, and the item."""
     from .api.backends import kernels_for
     from .deploy import PlanError, read_plan
@@ -81,8 +81,26 @@ def _plan_builds(path: Path) -> list[tuple[str, object]]:
         raise UsageError(str(exc)) from exc
     builds = []
     for op, spec in items:
-        builds += kernels_for(spec, "sm90") if op == "prefill_sm90" else [(op, spec)]
+        builds += sm90_builds(spec) if op == "prefill_sm90" else [(op, spec)]
     return list(dict.fromkeys(builds))
+
+
+def sm90_builds(spec) -> list[tuple[str, object]]:
+    """The kernels the sm90 backend runs for ``spec``: outside CUDA graphs (``kernels_for``) and, where they differ
+    and the kernel takes the spec (fp8 K/V under TMA-loaded pages: the kernel converts them itself), in a graph."""
+    from .api.backends import kernels_for
+    from .kernels import family
+    from .spec import SpecError
+
+    builds = list(kernels_for(spec, "sm90"))
+    for op, kernel_spec in kernels_for(spec, "sm90", graph=True):
+        if (op, kernel_spec) not in builds:
+            try:
+                family(op).check(family(op).project(kernel_spec))
+            except SpecError:
+                continue
+            builds.append((op, kernel_spec))
+    return builds
 
 
 GIB_PER_JOB = 0.5  # a compile's peak resident memory, 0.24 GiB measured (sm90 prefill), with a margin

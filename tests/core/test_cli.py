@@ -50,10 +50,23 @@ PLANS = sorted((REPO / "plans").glob("*.json"))
 
 def plan_builds(items: list[dict]) -> list[tuple[str, object]]:
     """What `flashgen build --plan` compiles for a plan's items (cli._plan_builds on a file)."""
-    from flashgen.api.backends import kernels_for
-
     specs = [(item["op"], cli.spec_from_dict(item["spec"])) for item in items]
-    return [b for op, spec in specs for b in (kernels_for(spec, "sm90") if op == "prefill_sm90" else [(op, spec)])]
+    return [b for op, spec in specs for b in (cli.sm90_builds(spec) if op == "prefill_sm90" else [(op, spec)])]
+
+
+def test_an_fp8_spec_builds_both_sm90_routes():
+    """fp8 K/V on sm90: the pre-pass and the 16-bit twin (outside CUDA graphs) and the kernel that converts them
+    itself (in a graph); over a gathered page size the graph route is the portable kernel's, so not built here."""
+    from flashgen.spec import AttentionSpec, Causal, Paged
+
+    spec = AttentionSpec(128, kv_dtype="float8_e4m3fn", kv_layout=Paged(16), mask=Causal())
+    builds = cli.sm90_builds(spec)
+    assert [op for op, _ in builds] == ["rope_gather", "prefill_sm90", "prefill_sm90"]
+    assert builds[1][1].kv_dtype == "bfloat16" and builds[2] == ("prefill_sm90", spec)
+    gathered = spec.replace(kv_layout=Paged(5))
+    assert [op for op, _ in cli.sm90_builds(gathered)] == ["rope_gather", "prefill_sm90"]
+    plain = spec.replace(kv_dtype="bfloat16")
+    assert cli.sm90_builds(plain) == [("prefill_sm90", plain)]
 
 
 prefetch(__name__, [(op, spec, "sm_90a") for op, spec in DEFAULT_BUILDS + tuple(plan_builds(ROPE_PLAN))]
