@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Mapping
 
 import ctypes
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -165,9 +166,15 @@ class SM90Prefill:
         self._tiles_fn = None
 
     def _load(self) -> None:
-        from ..jit import build
+        from ..compile.toolchain import device_arch
+        from ..jit import build, ensure_compiled
 
         index = self.device.index
+        arch = device_arch(index)
+        if self.prepass and arch is not None:  # a first use compiles the pass and the kernel side by side
+            jobs = (("rope_gather", self._kernels["rope_gather"]), ("prefill_sm90", self.kernel_spec))
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                list(pool.map(lambda job: ensure_compiled(job[1], job[0], arch=arch, options=self._options), jobs))
         if self.prepass:
             rope = build(self._kernels["rope_gather"], "rope_gather", device=index, options=self._options)
             self._rope_fn, self._rope_block = rope["rope_gather"], rope.launch_config.block
