@@ -86,21 +86,18 @@ def _plan_builds(path: Path) -> list[tuple[str, object]]:
 
 
 def sm90_builds(spec) -> list[tuple[str, object]]:
-    """The kernels the sm90 backend runs for ``spec``: outside CUDA graphs (``kernels_for``) and, where they differ
-    and the kernel takes the spec (fp8 K/V under TMA-loaded pages: the kernel converts them itself), in a graph."""
-    from .api.backends import kernels_for
-    from .kernels import family
+    """The kernels the sm90 backend runs for ``spec``: outside CUDA graphs (``kernels_for``) and, where the backend
+    takes the spec in a graph (``check_sm90``; fp8 K/V under TMA-loaded pages: the kernel converts them itself),
+    the graph's too."""
+    from .api.backends import check_sm90, kernels_for
     from .spec import SpecError
 
     builds = list(kernels_for(spec, "sm90"))
-    for op, kernel_spec in kernels_for(spec, "sm90", graph=True):
-        if (op, kernel_spec) not in builds:
-            try:
-                family(op).check(family(op).project(kernel_spec))
-            except SpecError:
-                continue
-            builds.append((op, kernel_spec))
-    return builds
+    try:
+        check_sm90(spec, graph=True)
+    except SpecError:
+        return builds
+    return builds + [job for job in kernels_for(spec, "sm90", graph=True) if job not in builds]
 
 
 GIB_PER_JOB = 0.5  # a compile's peak resident memory, 0.24 GiB measured (sm90 prefill), with a margin
