@@ -143,6 +143,7 @@ class SM90Prefill:
         self._kernels = dict(kernels_for(spec, "sm90", core.fixed))  # {"prefill_sm90": spec[, "rope_gather": spec]}
         self.prepass = "rope_gather" in self._kernels  # the pre-pass runs (public: tests and tools ask)
         self._q_copied = isinstance(spec.pos_encoding, RoPE)  # it writes q too
+        self._dequantises = self.prepass and spec.kv_dtype != spec.dtype  # fp8 K/V into the 16-bit scratch
         self.kernel_spec = self._kernels["prefill_sm90"]
         self._scratch = DeviceBuffer(TORCH_DTYPES[spec.dtype], core.device, False) if self.prepass else None
         self._key_pos = DeviceBuffer(torch.int32, core.device, False) if self.prepass and self.positions else None
@@ -238,8 +239,7 @@ class SM90Prefill:
         addresses = core.upload(plan, extras, hint, host_ids_reserve(core, table, pages_host))
         tables, self._page_ids_held = page_fields(table, core.device, addresses)
         if self.prepass:
-            fp8 = self.spec.kv_dtype != self.spec.dtype  # the pass dequantises
-            scales = {"k_scale": k_scale or 1.0, "v_scale": v_scale or 1.0} if fp8 else {}
+            scales = {"k_scale": k_scale or 1.0, "v_scale": v_scale or 1.0} if self._dequantises else {}
             self._plan_rope(addresses, int(qo[-1]), int(table.kv_lens.sum()), int(table.kv_lens.size), num_qo_heads,
                             num_kv_heads, runtime, tables, positions, scales)
             tables.update(kv_indices=0, block_table=0, block_table_stride=0)  # the kernel's KV: the ragged scratch
@@ -265,7 +265,7 @@ class SM90Prefill:
                           q_pos=addresses["q_pos"])
         if self.kernel_spec.variant is not None:
             fields["variant"] = b""  # packed by run() (variant_args)
-        if v_scale is not None and self.kernel_spec.kv_dtype == self.spec.kv_dtype:
+        if v_scale is not None and not self._dequantises:  # else the pass's
             fields["v_scale"] = v_scale
         self._params.pack(fields)
         return plan.info.max_total_q
