@@ -78,7 +78,7 @@ class RopeGatherFamily(KernelFamily):
         paged = isinstance(spec.kv_layout, Paged)
         return {"DType": CPP_TYPES[spec.dtype], "DTypeKV": _kv_type(spec), "HEAD_DIM": spec.head_dim,
                 "PAGED": "true" if paged else "false",
-                "PAGE_SIZE": spec.kv_layout.page_size if paged else 1, "BLOCK_THREADS": BLOCK_THREADS,
+                "PAGE_SIZE": spec.kv_layout.page_size if paged else 1, "BLOCK_THREADS": BLOCK_THREADS, "VEC": VEC,
                 "POSITIONS": "true" if self.positions else "false",
                 "ROPE": "true" if isinstance(spec.pos_encoding, RoPE) else "false"}
 

@@ -58,8 +58,8 @@ __device__ __forceinline__ void rope_gather(const Params& p) {
   using V = Vec16<T>;  // VEC elements of a half, 16 bytes
   using H = typename C::Variant;
   static_assert(C::ROPE || !H::Q_TRANSFORM, "without RoPE q is not copied: the kernel runs the q_transform");
-  constexpr int HALF = C::HEAD_DIM / 2, VEC = V::N, CHUNKS = HALF / VEC;
-  static_assert(HALF % VEC == 0, "whole 16-byte chunks a half");
+  constexpr int HALF = C::HEAD_DIM / 2, VEC = C::VEC, CHUNKS = HALF / VEC;
+  static_assert(VEC == V::N && HALF % VEC == 0, "a thread's chunk: 16 bytes of each half");
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t q_items = p.total_q * p.num_qo_heads * CHUNKS;
   if (j < q_items) {
