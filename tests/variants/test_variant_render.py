@@ -104,35 +104,33 @@ def test_the_pair_hooks_take_the_distance_and_the_kernels_compute_it_where_read(
     assert "static constexpr bool DISTANCE = false;" in render_variant(EXAMPLES["document"][1])
 
 
-@pytest.mark.nvcc
-def test_the_alibi_example_converts_no_int_a_pair(tmp_path):
-    # the ALiBi snippet's bias through distance: its kernels' int -> float conversions are a row's, not a pair's
-    # (sm_90a, nvcc 13.0: 16 cvt.rn.f32.s32 in the Hopper prefill's PTX, 264 through static_cast<float> a pair)
+def _sm90_causal_ptx(variant, tmp_path) -> str:
+    """The PTX (sm_90a) of the Hopper prefill with ``variant`` over ragged K/V, causal, d128."""
     from flashgen import jit
     from flashgen.spec import AttentionSpec, Causal, Ragged
-    from flashgen.variants.examples import EXAMPLES
 
-    spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=EXAMPLES["alibi"][1])
+    spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=variant)
     (tmp_path / "kernel.cu").write_text(jit.render(spec, "prefill_sm90"))
     cmd = [str(find_nvcc().path), "-ptx", "-arch=sm_90a", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
            f"-I{include_dir()}", "kernel.cu", "-o", "kernel.ptx"]
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "kernel.ptx").read_text().count("cvt.rn.f32.s32") < 64
+    return (tmp_path / "kernel.ptx").read_text()
+
+
+@pytest.mark.nvcc
+def test_the_alibi_example_converts_no_int_a_pair(tmp_path):
+    # the ALiBi snippet's bias through distance: its kernels' int -> float conversions are a row's, not a pair's
+    # (sm_90a, nvcc 13.0: 16 cvt.rn.f32.s32 in the Hopper prefill's PTX, 264 through static_cast<float> a pair)
+    from flashgen.variants.examples import EXAMPLES
+
+    assert _sm90_causal_ptx(EXAMPLES["alibi"][1], tmp_path).count("cvt.rn.f32.s32") < 64
 
 
 @pytest.mark.nvcc
 def test_the_sm90_kernel_inlines_a_heavy_hook_once_a_tile(tmp_path):
     # T5's bucket floors once a pair: 64 pairs a thread a tile. Inlined at the first tile and in the tile loop,
     # inside the item and at its edge, it was 4 x 64 floors (ptxas 11 s at sm_90a); one site is 64.
-    from flashgen import jit
-    from flashgen.spec import AttentionSpec, Causal, Ragged
     from flashgen.variants.examples import EXAMPLES
 
-    spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=EXAMPLES["t5_bias"][0])
-    (tmp_path / "kernel.cu").write_text(jit.render(spec, "prefill_sm90"))
-    cmd = [str(find_nvcc().path), "-ptx", "-arch=sm_90a", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
-           f"-I{include_dir()}", "kernel.cu", "-o", "kernel.ptx"]
-    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert (tmp_path / "kernel.ptx").read_text().count("cvt.rmi.f32.f32") == 64
+    assert _sm90_causal_ptx(EXAMPLES["t5_bias"][0], tmp_path).count("cvt.rmi.f32.f32") == 64
