@@ -3,9 +3,10 @@
 
 Prefill has two backends. ``portable`` is the mma.sync kernel (family ``prefill``): every spec the family
 accepts, split-KV plans, any GPU flashgen targets. ``sm90`` is the Hopper kernel (family ``prefill_sm90``):
-wgmma + TMA, sm_90a only, unsplit plans; a RoPE spec or a variant with a ``k_transform`` runs as the
-``rope_gather`` pre-pass followed by the kernel of its ragged twin (``ragged_twin``), which is not CUDA-graph safe
-yet. Decode has one kernel.
+wgmma + TMA, sm_90a only, unsplit plans; RoPE over unrotated K, a variant with a ``k_transform`` or (outside CUDA
+graphs) fp8 K/V run as the ``rope_gather`` pre-pass followed by the kernel of its ragged twin (``ragged_twin``),
+which is not CUDA-graph safe yet; RoPE over rotated K (``k_rotated=True``) turns q in the kernel, graphs included.
+Decode has one kernel.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import numpy as np
 import torch
 
 from ..kernels import family
-from ..kernels import prepass, prepass_variant, ragged_twin
-from ..spec import AttentionSpec, RoPE, SpecError
+from ..kernels import prepass, prepass_variant, ragged_twin, rotates
+from ..spec import AttentionSpec, SpecError
 
 BACKENDS = ("auto", "portable", "sm90")
 SM90_CAPABILITY = (9, 0)  # the sm90 kernel is built for sm_90a (H100, H200, H20)
@@ -38,7 +39,7 @@ class Backend(Protocol):
 
 def kernels_for(spec: AttentionSpec, backend: str, graph: bool = False) -> tuple[tuple[str, AttentionSpec], ...]:
     """The (op, spec) kernels ``backend`` (``"decode"``, ``"portable"``, ``"sm90"``) runs for ``spec``. For
-    ``sm90``: ``prefill_sm90`` of the spec itself, or for a RoPE spec, a variant with a k_transform or (outside
+    ``sm90``: ``prefill_sm90`` of the spec itself, or for RoPE over unrotated K, a variant with a k_transform or (outside
     CUDA-graph mode, ``graph``) fp8 K/V (``prepass``) the ``rope_gather`` pre-pass and ``prefill_sm90`` of its
     16-bit ragged twin; an AOT build of such a spec needs both (and, for fp8 K/V used in CUDA graphs, the kernel
     of ``graph=True``).
@@ -51,28 +52,24 @@ def kernels_for(spec: AttentionSpec, backend: str, graph: bool = False) -> tuple
     if backend == "portable":
         return (("prefill", spec),)
     if prepass(spec, graph):
-        # the pre-pass runs the k_transform (with RoPE the q_transform too) and rotates; the other hooks run in
+        # the pre-pass runs the k_transform (when it turns, the q_transform too) and turns; the other hooks run in
         # the attention kernel
-        pre = spec.replace(variant=prepass_variant(spec.variant, isinstance(spec.pos_encoding, RoPE)))
+        pre = spec.replace(variant=prepass_variant(spec.variant, rotates(spec)))
         return (("rope_gather", pre), ("prefill_sm90", ragged_twin(spec)))
     return (("prefill_sm90", spec),)
 
 
 def check_sm90(spec: AttentionSpec, graph: bool = False, options: dict | None = None) -> None:
     """Raise ``SpecError`` unless the sm90 backend runs ``spec`` (every kernel of ``kernels_for``, with kernel
-    ``options``, e.g. ``{"positions": True}``; ``graph``: in CUDA-graph mode, where the RoPE pre-pass is
+    ``options``, e.g. ``{"positions": True}``; ``graph``: in CUDA-graph mode, where the K pre-pass is
     refused: its grid and totals depend on the plan)."""
-    if graph and isinstance(spec.pos_encoding, RoPE):
-        raise SpecError("pos_encoding: RoPE on the sm90 backend is not CUDA-graph safe yet (use_cuda_graph=True); "
-                        "backend='portable' runs it in a graph")
+    if graph and rotates(spec):
+        raise SpecError("pos_encoding: RoPE over unrotated K on the sm90 backend turns K in a pre-pass that is not "
+                        "CUDA-graph safe yet (use_cuda_graph=True); RoPE(k_rotated=True) (a cache of rotated K, as "
+                        "append_kv(rope=...) writes) runs in a graph there, backend='portable' runs either")
     if graph and prepass(spec, graph):
         raise SpecError("variant.k_transform: the sm90 backend runs it in its K pre-pass, not CUDA-graph safe yet "
                         "(use_cuda_graph=True); backend='portable' runs it in a graph")
-    rope = spec.pos_encoding
-    if isinstance(rope, RoPE) and (rope.k_rotated or rope.scaling is not None):
-        raise SpecError(f"pos_encoding: got {rope!r}; the sm90 backend's K pre-pass rotates every key with plain "
-                        "RoPE, so k_rotated=True and Llama-3.1 / YaRN scaling are not implemented there yet; "
-                        "backend='portable' runs k_rotated")
     for op, kernel_spec in kernels_for(spec, "sm90", graph):
         fam = family(op, options)
         fam.check(fam.project(kernel_spec))

@@ -15,7 +15,7 @@ from ..spec import AttentionSpec
 from . import handles
 from .checks import check_count
 from .device import current_stream
-from .fused_append import append_fields, check_new_rows, rope_scaling_params, wants_append
+from .fused_append import append_fields, check_new_rows, wants_append
 from .kv_inputs import PageTable, kv_view, page_table
 from .page_ids import page_ids_for
 from .positions import Positions, refuse_positions, wants_positions
@@ -214,11 +214,11 @@ class DecodeBackend(SplitKVLaunch):
         tmp_o = self._tmp_o.address_of(info.partial_capacity * num_qo_heads * self.spec.head_dim_vo, "tmp_o")
         tmp_lse = self._tmp_lse.address_of(info.partial_capacity * num_qo_heads, "tmp_lse")
         counters = core.counters(info.max_total_q * num_qo_heads, "raise max_batch_size")
-        fields.update(split_kv_fields(addresses, tmp_o, tmp_lse, counters, num_qo_heads, num_kv_heads, runtime))
+        fields.update(split_kv_fields(addresses, tmp_o, tmp_lse, counters, num_qo_heads, num_kv_heads, runtime,
+                                      self.spec))
         fields["v_scale"] = v_scale
         if dequantises_k(self.spec):  # a k_transform over fp8 K: the kernel dequantises K itself
             fields["k_scale"] = float(k_scale)
-        fields.update(rope_scaling_params(self.spec, runtime))
         if self._append:
             fields.update(append_fields(k_scale, v_scale))
         if positions:

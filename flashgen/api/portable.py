@@ -15,6 +15,7 @@ from ..plan.mask_tiles import split_plan_mask_tiles
 from ..spec import CustomMask, NoMask
 from .custom_mask import custom_mask_bits, device_mask, mask_extras
 from .device import current_stream
+from .fused_append import rope_scaling_params
 from .kv_inputs import KVView, PageTable, device_page_ids
 from .staging import DeviceBuffer
 from .variant_args import variant_args
@@ -73,14 +74,16 @@ def page_fields(table: PageTable, device: torch.device, addresses: Mapping[str, 
 
 
 def split_kv_fields(addresses: Mapping[str, int], tmp_o: int, tmp_lse: int, counters: int, num_qo_heads: int,
-                    num_kv_heads: int, runtime: Runtime) -> dict:
-    """The split-KV plan's params shared by decode and the portable prefill (names of ``SPLIT_KV_SCHEMA``)."""
+                    num_kv_heads: int, runtime: Runtime, spec) -> dict:
+    """The split-KV plan's params shared by decode and the portable prefill (names of ``SPLIT_KV_SCHEMA``, and
+    ``spec``'s RoPE scaling's where it has one)."""
     fields = {name: addresses[name] for name in ("qo_indptr", "kv_len", "request_idx", "qo_tile_idx", "chunk_idx",
                                                   "kv_start", "kv_end", "merge_indptr", "num_chunks")}
     fields.update(tmp_o=tmp_o, tmp_lse=tmp_lse, counters=counters, num_qo_heads=num_qo_heads,
                   group_size=num_qo_heads // num_kv_heads, window_left=runtime.window_left,
                   sm_scale=runtime.sm_scale, soft_cap=runtime.soft_cap, rope_rcp_scale=runtime.rope_rcp_scale,
                   rope_log2_theta=runtime.rope_log2_theta)
+    fields.update(rope_scaling_params(spec, runtime))
     return fields
 
 
@@ -161,7 +164,8 @@ class PortablePrefill(SplitKVLaunch):
         tmp_o = self._tmp_o.address_of(info.partial_capacity * num_qo_heads * dv, "tmp_o")
         tmp_lse = self._tmp_lse.address_of(info.partial_capacity * num_qo_heads, "tmp_lse")
         counters = core.counters(info.max_total_q * num_qo_heads, "raise max_total_q")
-        fields.update(split_kv_fields(addresses, tmp_o, tmp_lse, counters, num_qo_heads, num_kv_heads, runtime))
+        fields.update(split_kv_fields(addresses, tmp_o, tmp_lse, counters, num_qo_heads, num_kv_heads, runtime,
+                                      self.spec))
         if isinstance(self.spec.mask, CustomMask):  # bits (a host mask's) and tile lists from the plan buffer
             fields.update(custom_mask=mask_held.data_ptr() if mask_held is not None else addresses["base"],
                           mask_offset=addresses["mask_offset"], tile_indptr=addresses["tile_indptr"],

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ..kernels import (TILE_LIST_THREADS, prepass_threads, sm90_qo_tma, sm90_tile_heads, sm90_tile_lists,
+from ..kernels import (TILE_LIST_THREADS, prepass_threads, rotates, sm90_qo_tma, sm90_tile_heads, sm90_tile_lists,
                        sm90_tile_threads)
 from ..plan import plan_prefill
 from ..plan.mask_tiles import plan_mask_tiles, tile_list_indptr
@@ -33,6 +33,7 @@ from .backends import kernels_for
 from .custom_mask import custom_mask_bits, device_mask, mask_extras
 from .device import current_stream
 from .fastdiv import fast_div
+from .fused_append import rope_scaling_params
 from .kv_inputs import TORCH_DTYPES, KVView, PageTable
 from .positions import wants_positions
 from .portable import HOST_ARRAYS_HINT, host_ids_reserve, page_fields, table_extras
@@ -137,12 +138,13 @@ class SM90Prefill:
         self._options = {"positions": True} if self.positions else None
         self.last_plan = None
         self.max_batch_size = core.max_batch_size
-        # RoPE or a k_transform: the rope_gather pre-pass writes K (through the hook, rotated) and V, ragged, into
-        # scratch (with RoPE also q, rotated), and the kernel of the spec's ragged twin attends over it
-        # (backends.check_sm90 refuses the pre-pass in CUDA-graph mode)
+        # RoPE over unrotated K, a k_transform or fp8 K/V: the rope_gather pre-pass writes K (through the hook,
+        # rotated) and V, ragged, into scratch (when it turns, also q, rotated), and the kernel of the spec's ragged
+        # twin attends over it (backends.check_sm90 refuses the pre-pass in CUDA-graph mode); RoPE over rotated K:
+        # the kernel turns q itself
         self._kernels = dict(kernels_for(spec, "sm90", core.fixed))  # {"prefill_sm90": spec[, "rope_gather": spec]}
         self.prepass = "rope_gather" in self._kernels  # the pre-pass runs (public: tests and tools ask)
-        self._q_copied = isinstance(spec.pos_encoding, RoPE)  # it writes q too
+        self._q_copied = rotates(spec)  # it writes q too (RoPE over rotated K: the kernel turns q)
         self._dequantises = self.prepass and spec.kv_dtype != spec.dtype  # fp8 K/V into the 16-bit scratch
         self.kernel_spec = self._kernels["prefill_sm90"]
         self._scratch = DeviceBuffer(TORCH_DTYPES[spec.dtype], core.device, False) if self.prepass else None
@@ -256,6 +258,9 @@ class SM90Prefill:
         fields.update(tables)
         fields.update(heads[0], sm_scale=runtime.sm_scale, num_items=plan.info.capacity,
                       window_left=runtime.window_left, soft_cap=runtime.soft_cap)
+        if isinstance(self.kernel_spec.pos_encoding, RoPE):  # the kernel turns q (a cache of rotated K)
+            fields.update(rope_rcp_scale=runtime.rope_rcp_scale, rope_log2_theta=runtime.rope_log2_theta,
+                          **rope_scaling_params(self.kernel_spec, runtime))
         tiles = base if custom else self._tile_lists_at(extras, num_kv_heads, plan.info.capacity)
         fields.update(custom_mask=(self._mask_held.data_ptr() if self._mask_held is not None else base) if custom else 0,
                       mask_offset=addresses["mask_offset"] if custom else 0,
@@ -336,6 +341,7 @@ class SM90Prefill:
             "block_table_stride": tables["block_table_stride"], "batch": batch, "num_qo_heads": num_qo_heads,
             "num_kv_heads": num_kv_heads, "rope_rcp_scale": runtime.rope_rcp_scale,
             "rope_log2_theta": runtime.rope_log2_theta, **extra, **(scales or {}),
+            **(rope_scaling_params(self.spec, runtime) if self._q_copied else {}),
             **({"variant": b""} if self._kernels["rope_gather"].variant is not None else {})})  # run(): launch
 
     def kv_args(self, kv: KVView) -> tuple:

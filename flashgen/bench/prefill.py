@@ -15,10 +15,16 @@ the same run. FlexAttention's compile time is reported separately. Output: JSON,
 ``--kv-dtypes bf16,e4m3,e5m2``: flashgen also over an fp8 cache (the bf16 K/V rounded, scale 1), rows
 ``flashgen-<backend>-e4m3`` timed round-robin with the bf16 ones (the sm90 backend dequantises fp8 K/V in its
 pre-pass, timed with it, then runs the 16-bit kernel; the peers stay bf16).
+``--ropes none,rope,krot,krot-l31``: flashgen with RoPE too (theta 500000): ``rope`` turns q and unrotated K (the
+sm90 backend in its K pre-pass, timed with it; FlashInfer's FA2 in its kernel, ``pos_encoding_mode="ROPE_LLAMA"``,
+row ``flashinfer-rope``), ``krot`` a cache of rotated K (``RoPE(k_rotated=True)``: q alone turns, on sm90 in the
+kernel), ``krot-l31`` the same with Llama-3.1 frequencies; rows ``flashgen-<backend>[-<kv>]-<rope>``.
 
     python3 benchmarks/bench_prefill.py --out benchmarks/results/prefill.json
     python3 benchmarks/bench_prefill.py --head-dims 128 --shapes 4x4096 --masks causal --layouts ragged,paged16 \
         --peers "" --backends portable,sm90 --kv-dtypes bf16,e4m3,e5m2
+    python3 benchmarks/bench_prefill.py --head-dims 128 --shapes 4x4096,1x16384 --masks causal \
+        --layouts ragged,paged16 --peers flashinfer --ropes none,rope,krot,krot-l31
 """
 
 from __future__ import annotations
@@ -36,12 +42,16 @@ from ..api import BatchPrefillWrapper
 from ..api.backends import check_sm90, kernels_for
 from ..jit import ensure_compiled
 from ..kernels import family
-from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError
+from ..spec import (AttentionSpec, Causal, CustomMask, Llama31Scaling, NoMask, Paged, Ragged, RoPE, SlidingWindow,
+                    SpecError)
 from ..testing.masks import doc_mask
 from .timing import commit, matmul_rate, page_cache, pyplot, save_results, timed_interleaved
 
 HQ, HKV, TOKENS, WINDOW, DOCS = 32, 8, 16384, 1024, 8
 KV_DTYPES = {"bf16": "bfloat16", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  # --kv-dtypes
+ROPE_THETA = 500000.0
+ROPES = {"none": None, "rope": RoPE(ROPE_THETA), "krot": RoPE(ROPE_THETA, k_rotated=True),  # --ropes
+         "krot-l31": RoPE(ROPE_THETA, scaling=Llama31Scaling(), k_rotated=True)}
 OPS = {"portable": "prefill", "sm90": "prefill_sm90"}  # the kernel family of each BatchPrefillWrapper backend
 
 
@@ -70,14 +80,14 @@ def visible_pairs(mask: str, seqlen: int) -> float:
     return DOCS * doc * (doc + 1) / 2
 
 
-def spec_for(d: int, layout: str, mask: str, kv: str = "bf16") -> AttentionSpec:
+def spec_for(d: int, layout: str, mask: str, kv: str = "bf16", rope: str = "none") -> AttentionSpec:
     kv_layout = Ragged() if layout == "ragged" else Paged(int(layout[5:]))
     m = {"none": NoMask(), "causal": Causal(), "window": SlidingWindow(WINDOW), "doc": CustomMask()}[mask]
-    return AttentionSpec(d, kv_layout=kv_layout, mask=m, kv_dtype=KV_DTYPES[kv])
+    return AttentionSpec(d, kv_layout=kv_layout, mask=m, kv_dtype=KV_DTYPES[kv], pos_encoding=ROPES[rope])
 
 
-def bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, backend, kv_dtype="bf16"):
-    spec = spec_for(d, layout, mask, kv_dtype)
+def bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, backend, kv_dtype="bf16", rope="none"):
+    spec = spec_for(d, layout, mask, kv_dtype, rope)
     wrapper = BatchPrefillWrapper(spec, backend=backend)
     indptr = np.arange(batch + 1) * seqlen
     custom = None
@@ -92,7 +102,7 @@ def bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, backend, kv_dty
         kv = tuple(x.to(getattr(torch, KV_DTYPES[kv_dtype])) for x in kv)  # values of N(0, 1): scale 1
     wrapper.plan(qo_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV, custom_mask=custom, **table)
     out = torch.empty_like(q)
-    return (lambda: wrapper.run(q, kv, out=out)), {"kv_dtype": kv_dtype}
+    return (lambda: wrapper.run(q, kv, out=out)), {"kv_dtype": kv_dtype, "rope": rope}
 
 
 def bench_sdpa(q, k, v, batch, seqlen, d, causal, backend):
@@ -134,16 +144,18 @@ def bench_flex(q, k, v, batch, seqlen, d, mask):
     return (lambda: _flex(q4, k4, v4, block_mask=block_mask, enable_gqa=True)), {"compile_s": compile_s}
 
 
-def bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, backend="fa2"):
+def bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, backend="fa2", rope=False):
     import flashinfer
 
+    # rope: q and K turned in its kernel (FA2's pos_encoding_mode), as flashgen's "rope" rows
+    turn = {"pos_encoding_mode": "ROPE_LLAMA", "rope_theta": ROPE_THETA} if rope else {}
     ws = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     indptr = torch.arange(batch + 1, dtype=torch.int32) * seqlen
     causal, window = mask in ("causal", "window"), (WINDOW if mask == "window" else -1)
     if layout == "ragged":
         w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
         w.plan(indptr.cuda(), indptr.cuda(), HQ, HKV, d, causal=causal, window_left=window,
-               q_data_type=torch.bfloat16)
+               q_data_type=torch.bfloat16, **turn)
         return lambda: w.run(q, k, v)
     page = int(layout[5:])
     pages = batch * seqlen // page
@@ -154,7 +166,7 @@ def bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, backend="fa2"
     w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
     w.plan(indptr.cuda(), (torch.arange(batch + 1, dtype=torch.int32) * (seqlen // page)).cuda(),
            perm.to(torch.int32).cuda(), torch.full((batch,), page, dtype=torch.int32).cuda(), HQ, HKV, d, page,
-           causal=causal, window_left=window, q_data_type=torch.bfloat16)
+           causal=causal, window_left=window, q_data_type=torch.bfloat16, **turn)
     return lambda: w.run(q, kv)
 
 
@@ -184,6 +196,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtypes", default="bf16",
                         help="flashgen's K/V dtypes, comma-separated: bf16, e4m3, e5m2 (fp8 rows: "
                              "flashgen-<backend>-e4m3)")
+    parser.add_argument("--ropes", default="none",
+                        help="flashgen's RoPE, comma-separated: none, rope (q and K turn), krot (a cache of rotated "
+                             "K: q alone turns), krot-l31 (with Llama-3.1 frequencies); rows "
+                             "flashgen-<backend>[-<kv>]-<rope>, and flashinfer-rope with --peers flashinfer")
     parser.add_argument("--commit", default="", help="the commit measured (the device copy has no .git)")
 
 
@@ -199,8 +215,12 @@ def config(args: argparse.Namespace) -> argparse.Namespace:
     unknown = set(kv_dtypes) - set(KV_DTYPES)
     if unknown:
         raise ValueError(f"--kv-dtypes: unknown {sorted(unknown)}, expected some of {sorted(KV_DTYPES)}")
+    ropes = getattr(args, "ropes", "none").split(",")
+    unknown = set(ropes) - set(ROPES)
+    if unknown:
+        raise ValueError(f"--ropes: unknown {sorted(unknown)}, expected some of {sorted(ROPES)}")
     return argparse.Namespace(
-        reps=args.reps, head_dims=[int(x) for x in args.head_dims.split(",")],
+        reps=args.reps, ropes=ropes, head_dims=[int(x) for x in args.head_dims.split(",")],
         shapes=[tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")],
         layouts=args.layouts.split(","), peers=set(args.peers.split(",")) if args.peers else set(),
         backends=backends, masks=set(args.masks.split(",")) if args.masks else None, kv_dtypes=kv_dtypes)
@@ -229,8 +249,8 @@ def result(rows: list[dict], mm: float, commit_id: str) -> dict:
 def build(cfg: argparse.Namespace, progress_class=None) -> None:
     """Compile (or find in the cache) every flashgen kernel of the grid before anything is timed, in parallel;
     ``progress_class``: flashgen.progress.Progress, one step a kernel (else one line at the end)."""
-    specs = {spec_for(d, layout, mask, kv) for d, _, _, mask in grid(cfg) for layout in cfg.layouts
-             for kv in cfg.kv_dtypes}
+    specs = {spec_for(d, layout, mask, kv, rope) for d, _, _, mask in grid(cfg) for layout in cfg.layouts
+             for kv in cfg.kv_dtypes for rope in _ropes(cfg)}
     jobs = [(kernel_spec, op) for s in specs for b in cfg.backends if runs(s, b)
             for op, kernel_spec in kernels_for(s, b)]
     start = time.perf_counter()
@@ -284,14 +304,15 @@ def measure(cfg: argparse.Namespace, mm: float, progress=None) -> list[dict]:
                 write(f"{peer} {layout} failed: {exc!r}"[:300])
 
         for layout in cfg.layouts:
-            for backend, kv in ((b, kv) for kv in cfg.kv_dtypes for b in cfg.backends):
-                if runs(spec_for(d, layout, mask, kv), backend):
-                    peer = f"flashgen-{backend}" + ("" if kv == "bf16" else f"-{kv}")
+            for backend, kv, rope in ((b, kv, r) for r in _ropes(cfg) for kv in cfg.kv_dtypes for b in cfg.backends):
+                if runs(spec_for(d, layout, mask, kv, rope), backend):
+                    peer = "-".join(["flashgen", backend] + [x for x in (kv, rope) if x not in ("bf16", "none")])
                     attempt(peer, layout, lambda: bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, backend,
-                                                                 kv))
+                                                                 kv, rope))
             if "flashinfer" in cfg.peers and mask != "doc":
-                attempt("flashinfer", layout,
-                        lambda: bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen))
+                for rope in [r for r in _ropes(cfg) if r in ("none", "rope")]:
+                    attempt("flashinfer" + ("-rope" if rope == "rope" else ""), layout,
+                            lambda: bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, rope=rope == "rope"))
             # FA3: ragged, none and causal (the Hopper issue's bar); each further variant is another JIT module
             if "flashinfer-fa3" in cfg.peers and mask in ("none", "causal") and layout == "ragged" and hopper:
                 attempt("flashinfer-fa3", layout,
@@ -318,6 +339,10 @@ def measure(cfg: argparse.Namespace, mm: float, progress=None) -> list[dict]:
         if progress is not None:
             progress.write(f"prefill d={d} {batch}x{seqlen} {mask} done")
     return rows
+
+
+def _ropes(cfg: argparse.Namespace) -> list[str]:
+    return getattr(cfg, "ropes", ["none"])
 
 
 def markdown(result: dict) -> str:

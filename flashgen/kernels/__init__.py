@@ -15,7 +15,7 @@ from .prefill import PrefillFamily
 from .prefill_sm90 import (TILE_HOOK_THREADS, TILE_LIST_THREADS, PrefillSM90Family, sm90_qo_tma, sm90_tile_heads,
                            sm90_tile_lists, sm90_tile_threads)
 from .render import TemplateError, include_dir, render_template, templates_dir
-from .rope_gather import RopeGatherFamily, prepass, prepass_threads, prepass_variant, ragged_twin
+from .rope_gather import RopeGatherFamily, prepass, prepass_threads, prepass_variant, ragged_twin, rotates
 from .variant import VARIANT_FIELD, hook_signature, render_variant, variant_layout
 
 for _family in (DecodeFamily(), PrefillFamily(), PrefillSM90Family(), RopeGatherFamily(), MergeStatesFamily(),
@@ -27,6 +27,6 @@ __all__ = [
     "EntryPoint", "KernelFamily", "LaunchConfig", "family", "launch_config", "ops", "register", "BoundParams",
     "Param", "ParamsLayout", "TemplateError", "include_dir", "render_template", "templates_dir", "sm90_qo_tma",
     "sm90_tile_lists", "sm90_tile_heads", "sm90_tile_threads", "TILE_LIST_THREADS", "TILE_HOOK_THREADS",
-    "ragged_twin", "prepass", "prepass_threads", "prepass_variant", "rows_per_block",
+    "ragged_twin", "prepass", "prepass_threads", "prepass_variant", "rotates", "rows_per_block",
     "APPEND_RUNTIME_FIELDS", "hook_signature", "render_variant", "variant_layout", "VARIANT_FIELD", "dequantises_k",
 ]

@@ -205,6 +205,12 @@ ROPE_SCALING_FIELDS = (("float", "rope_rcp_factor"), ("float", "rope_smooth_a"),
                        ("float", "rope_smooth_c"), ("float", "rope_mscale"))
 
 
+def rope_scaled(spec) -> bool:
+    """Whether ``spec``'s RoPE has a scaling (Llama-3.1, YaRN): its kernels take ``ROPE_SCALING_FIELDS``."""
+    rope = spec.pos_encoding
+    return getattr(rope, "scaling", None) is not None
+
+
 def positions_option(op: str, options: dict) -> bool:
     """The ``positions`` kernel option (bool, default False): explicit key and query positions, read from the
     ``kv_page_pos`` and ``q_pos`` params instead of derived from a key's place in its request's page list and

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from ..spec import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
 from .builtins import builtin_flags
-from .family import (POSITION_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, k_scale_fields, positions_option,
-                     split_kv_struct, variant_fields)
+from .family import (POSITION_FIELDS, ROPE_SCALING_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, k_scale_fields,
+                     positions_option, rope_scaled, split_kv_struct, variant_fields)
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float8_e4m3fn": "__nv_fp8_e4m3",
              "float8_e5m2": "__nv_fp8_e5m2"}
@@ -255,17 +255,15 @@ class PrefillFamily(AttentionFamily):
                             f"got {spec.head_dim}/{spec.head_dim_vo}")
         if fp8 and prefill_tiles(spec.head_dim, spec.head_dim_vo, self.tiles)[2] % 32:
             raise SpecError(f"kernel_options['tiles']: fp8 K/V need KV tiles of 32 or 64 tokens, got {self.tiles!r}")
-        if fp8 and isinstance(spec.pos_encoding, RoPE):
-            raise SpecError("pos_encoding: RoPE with fp8 K/V is not supported by the prefill (it rotates K in shared "
-                            "memory, in K's dtype); store K rotated and use pos_encoding=None, or 16-bit K/V")
+        if fp8 and isinstance(spec.pos_encoding, RoPE) and not spec.pos_encoding.k_rotated:
+            raise SpecError("pos_encoding: RoPE over unrotated fp8 K is not supported by the prefill (it rotates K in "
+                            "shared memory, in K's dtype); store K rotated (append_kv(rope=...)) and use "
+                            "RoPE(k_rotated=True), or 16-bit K/V")
         if not isinstance(spec.kv_layout, (Paged, Ragged)):
             raise SpecError(f"kv_layout: got {spec.kv_layout!r}, prefill supports Paged(...) or Ragged()")
         if not isinstance(spec.mask, (NoMask, Causal, SlidingWindow, CustomMask)):
             raise SpecError(f"mask: got {spec.mask!r}, prefill supports NoMask(), Causal(), SlidingWindow(left) "
                             "or CustomMask()")
-        if isinstance(spec.pos_encoding, RoPE) and spec.pos_encoding.scaling is not None:
-            raise SpecError(f"pos_encoding.scaling: got {spec.pos_encoding.scaling!r}; prefill takes plain RoPE so far "
-                            "(Llama-3.1 / YaRN scaling runs in decode and append_kv)")
         if self.positions and isinstance(spec.mask, CustomMask):
             raise SpecError("mask: CustomMask() takes no explicit positions (kernel_options['positions']): its bits "
                             "are indexed by (query, key) places, not positions")
@@ -295,6 +293,7 @@ class PrefillFamily(AttentionFamily):
             "PAGED": _flag(paged),
             "ROPE": _flag(isinstance(spec.pos_encoding, RoPE)),
             "ROPE_K": _flag(isinstance(spec.pos_encoding, RoPE) and not spec.pos_encoding.k_rotated),
+            "ROPE_SCALING": _flag(rope_scaled(spec)),
             **builtin_flags(spec),  # ALIBI, SOFT_CAP, CAUSAL, WINDOW, CUSTOM_MASK: the built-in hooks
             "POSITIONS": _flag(self.positions),
         }
@@ -306,5 +305,6 @@ class PrefillFamily(AttentionFamily):
         v_scale = (("float", "v_scale"),) if KV_BYTES[spec.kv_dtype] == 1 else ()  # fp8 V's per-tensor scale
         prefill = split_kv_struct("PrefillParams", CPP_TYPES[spec.dtype], CPP_TYPES[spec.kv_dtype],
                                   before_strides=mask, after=v_scale + (POSITION_FIELDS if self.positions else ())
+                                  + (ROPE_SCALING_FIELDS if rope_scaled(spec) else ())
                                   + k_scale_fields(spec) + variant_fields(spec))
         return (EntryPoint("prefill", prefill),)

@@ -6,8 +6,9 @@ head_dim_vo`` in {64, 128, 256}, ``Ragged()`` KV or ``Paged(page_size)`` NHD / H
 a page per box where pages are multiples of 8 that divide the KV tile or are divided by it (8 ... 256 and beyond
 at d <= 128), the K and V producer warps gather other page sizes row by row with cp.async (``sm90_gather``),
 ``NoMask()``, ``Causal()``, ``SlidingWindow()`` or ``CustomMask()`` (planned tile lists: fully masked KV tiles
-are skipped, fully visible ones run without the element mask), no positional encoding or ``ALiBi()`` (RoPE runs
-as the ``rope_gather`` pre-pass and this kernel over its output), soft-cap, any GQA group (packed rows), unsplit
+are skipped, fully visible ones run without the element mask), no positional encoding, ``ALiBi()`` or
+``RoPE(k_rotated=True)`` (the cache holds rotated K: q turns in shared memory, Llama-3.1 / YaRN scaling included;
+RoPE over unrotated K runs as the ``rope_gather`` pre-pass and this kernel over its output), soft-cap, any GQA group (packed rows), unsplit
 plans (``enable_split=False``: every item covers its whole KV). Option ``positions`` (bool, as the portable
 prefill's): keys and queries at explicit true positions (``kv_page_pos``, ``q_pos`` params after the others;
 ``family.positions_option``), not with a custom mask; the uri ends in ``_pos``.
@@ -24,7 +25,8 @@ from __future__ import annotations
 
 from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
 from .builtins import builtin_flags
-from .family import POSITION_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, positions_option, struct, variant_fields
+from .family import (POSITION_FIELDS, ROPE_SCALING_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, positions_option,
+                     rope_scaled, struct, variant_fields)
 from .prefill import CPP_TYPES, KV_BYTES  # fp16 / bf16 (and fp8 K/V), as the portable prefill
 
 SM90_HEAD_DIMS = (64, 128, 256)
@@ -232,8 +234,14 @@ class PrefillSM90Family(AttentionFamily):
         if not isinstance(spec.mask, (NoMask, Causal, SlidingWindow, CustomMask)):
             raise SpecError(f"mask: got {spec.mask!r}, prefill_sm90 supports NoMask(), Causal(), SlidingWindow() or "
                             "CustomMask()")
-        if spec.pos_encoding is not None and not isinstance(spec.pos_encoding, ALiBi):
-            raise SpecError(f"pos_encoding: got {spec.pos_encoding!r}, prefill_sm90 supports None or ALiBi() so far")
+        rope = spec.pos_encoding
+        if isinstance(rope, RoPE) and not rope.k_rotated:
+            raise SpecError(f"pos_encoding: got {rope!r}; prefill_sm90 turns q alone (RoPE(k_rotated=True): the cache "
+                            "holds rotated K); the sm90 backend turns unrotated K in its rope_gather pre-pass "
+                            "(flashgen.api.backends.kernels_for)")
+        if rope is not None and not isinstance(rope, (ALiBi, RoPE)):
+            raise SpecError(f"pos_encoding: got {rope!r}, prefill_sm90 supports None, ALiBi() or "
+                            "RoPE(k_rotated=True)")
         if self.positions and isinstance(spec.mask, CustomMask):
             raise SpecError("mask: CustomMask() takes no explicit positions (kernel_options['positions']): its bits "
                             "are indexed by (query, key) places, not positions")
@@ -263,6 +271,8 @@ class PrefillSM90Family(AttentionFamily):
             "GATHER_BATCH": regs[2],
             "THREADS": THREADS,
             **builtin_flags(spec),  # CAUSAL, WINDOW, CUSTOM_MASK, ALIBI, SOFT_CAP: the built-in hooks
+            "ROPE": "true" if isinstance(spec.pos_encoding, RoPE) else "false",
+            "ROPE_SCALING": "true" if rope_scaled(spec) else "false",
             "PAGED": "true" if paged else "false",
             "PAGE_SIZE": spec.kv_layout.page_size if paged else 0,
             "HND": "true" if paged and spec.kv_layout.order == "HND" else "false",
@@ -312,10 +322,15 @@ class PrefillSM90Family(AttentionFamily):
             ("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"), (i32, "tile_indptr"), (i32, "tiles"),
             *(POSITION_FIELDS if self.positions else ()), *variant_fields(spec),
             *((("float", "v_scale"),) if _kv8(spec) else ()),  # fp8 V's per-tensor scale, applied to the output
+            *(_ROPE_FIELDS + (ROPE_SCALING_FIELDS if rope_scaled(spec) else ())  # q's rotation
+              if isinstance(spec.pos_encoding, RoPE) else ()),
         )
         tiles = (EntryPoint("prefill_sm90_tiles", params),) if sm90_tile_lists(spec, self.positions) else ()
         return (EntryPoint("prefill_sm90", params),) + tiles
 
+
+
+_ROPE_FIELDS = (("float", "rope_rcp_scale"), ("float", "rope_log2_theta"))
 
 
 def _gathered(spec: AttentionSpec) -> bool:
@@ -335,7 +350,8 @@ def _check_fp8(spec: AttentionSpec) -> None:
                         f"Ragged(), got {spec.kv_layout!r}")
     if isinstance(spec.pos_encoding, RoPE):
         raise SpecError(f"kv_dtype: {spec.kv_dtype} K/V on prefill_sm90 take no RoPE (the sm90 backend's rope_gather "
-                        "pre-pass dequantises and rotates them first, outside CUDA graphs)")
+                        "pre-pass dequantises them first, outside CUDA graphs, and the kernel of its ragged twin turns "
+                        "q)")
     if spec.variant is not None:
         raise SpecError(f"kv_dtype: {spec.kv_dtype} K/V on prefill_sm90 take no variant hooks (fp16 or bf16 K/V do)")
 

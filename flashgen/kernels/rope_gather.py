@@ -1,11 +1,12 @@
 """The K pre-pass of the Hopper prefill (op ``rope_gather``): K through a variant's ``k_transform`` and rotated
-(RoPE), V copied, q (RoPE only) through the ``q_transform`` and rotated, from any KV layout into ragged scratch
-tensors (``templates/include/flashgen/sm90/rope_gather.cuh``); fp8 K/V dequantised on the way into 16-bit
-scratch (K as it is, its k_scale left in sm_scale unless a k_transform reads it; V times v_scale).
+(RoPE over unrotated K, Llama-3.1 / YaRN scaling included), V copied, q (when it rotates) through the
+``q_transform`` and rotated, from any KV layout into ragged scratch tensors
+(``templates/include/flashgen/sm90/rope_gather.cuh``); fp8 K/V dequantised on the way into 16-bit scratch (K as
+it is, its k_scale left in sm_scale unless a k_transform reads it; V times v_scale).
 
-The sm90 prefill kernel has no RoPE of its own and runs no k_transform: for such a spec the sm90 backend runs
-this pass, then the kernel of its ``ragged_twin`` (``kv_layout=Ragged()``, no positional encoding, the variant
-without the hooks the pass ran) over the scratch. The pass runs a hook once an element (in the kernel, every q
+The sm90 prefill kernel turns no key and runs no k_transform (it turns q alone, for a cache of rotated K): for
+such a spec the sm90 backend runs this pass, then the kernel of its ``ragged_twin`` (``kv_layout=Ragged()``, no
+RoPE where the pass turned, the variant without the hooks the pass ran) over the scratch. The pass runs a hook once an element (in the kernel, every q
 tile that reads a key would run it again: 16 times a key on average at 4 x 4096 causal) and moves K and V twice
 (read, write), with RoPE q once too: for a 16k-token prefill at 8 kv heads, d=128, ~100 MB, about 30 µs at the
 H200's copy rate against ~3.5 ms of attention; for an append over a long cached KV it is a larger share (the
@@ -18,7 +19,8 @@ from dataclasses import replace
 
 from ..spec import AttentionSpec, NoMask, Paged, Ragged, RoPE, SpecError, Variant
 from ..spec.variant import HOOKS
-from .family import POSITION_FIELDS, EntryPoint, KernelFamily, LaunchConfig, positions_option, struct, variant_fields
+from .family import (POSITION_FIELDS, ROPE_SCALING_FIELDS, EntryPoint, KernelFamily, LaunchConfig, positions_option,
+                     rope_scaled, struct, variant_fields)
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 FP8_TYPES = {"float8_e4m3fn": "__nv_fp8_e4m3", "float8_e5m2": "__nv_fp8_e5m2"}
@@ -57,12 +59,12 @@ class RopeGatherFamily(KernelFamily):
         scale are runtime) and the variant's load hooks it runs (``prepass_variant``)."""
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: got {type(spec).__name__}, expected AttentionSpec")
-        rope = isinstance(spec.pos_encoding, RoPE)
-        return replace(spec, mask=NoMask(), pos_encoding=RoPE() if rope else None, soft_cap=None, sm_scale=None,
-                       variant=prepass_variant(spec.variant, rope))
+        rope = rotates(spec)
+        return replace(spec, mask=NoMask(), pos_encoding=_rope_kind(spec.pos_encoding) if rope else None,
+                       soft_cap=None, sm_scale=None, variant=prepass_variant(spec.variant, rope))
 
     def check(self, spec: AttentionSpec) -> None:
-        if not isinstance(spec.pos_encoding, RoPE) and spec.variant is None and spec.kv_dtype not in FP8_TYPES:
+        if not rotates(spec) and spec.variant is None and spec.kv_dtype not in FP8_TYPES:
             raise SpecError("spec: rope_gather runs RoPE, a variant's k_transform or fp8 K/V's dequantisation, and "
                             "the spec has none")
         if spec.dtype not in CPP_TYPES or spec.kv_dtype not in (spec.dtype, *FP8_TYPES):
@@ -80,7 +82,8 @@ class RopeGatherFamily(KernelFamily):
                 "PAGED": "true" if paged else "false",
                 "PAGE_SIZE": spec.kv_layout.page_size if paged else 1, "BLOCK_THREADS": BLOCK_THREADS, "VEC": VEC,
                 "POSITIONS": "true" if self.positions else "false",
-                "ROPE": "true" if isinstance(spec.pos_encoding, RoPE) else "false"}
+                "ROPE": "true" if rotates(spec) else "false",
+                "ROPE_SCALING": "true" if rotates(spec) and rope_scaled(spec) else "false"}
 
     def launch(self, spec: AttentionSpec) -> LaunchConfig:
         """``BLOCK_THREADS`` threads, a thread ``VEC`` rotation pairs of a row (``prepass_threads``)."""
@@ -100,7 +103,8 @@ class RopeGatherFamily(KernelFamily):
             ("int32_t", "block_table_stride"), ("int32_t", "batch"), ("int32_t", "num_qo_heads"),
             ("int32_t", "num_kv_heads"), ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"),
             *((("float", "k_scale"), ("float", "v_scale")) if fp8 else ()),
-            *((*POSITION_FIELDS, ("int32_t*", "kv_pos_out")) if self.positions else ()), *variant_fields(spec),
+            *((*POSITION_FIELDS, ("int32_t*", "kv_pos_out")) if self.positions else ()),
+            *(ROPE_SCALING_FIELDS if rotates(spec) and rope_scaled(spec) else ()), *variant_fields(spec),
         )
         return (EntryPoint("rope_gather", params),)
 
@@ -109,11 +113,24 @@ def _kv_type(spec: AttentionSpec) -> str:
     return FP8_TYPES.get(spec.kv_dtype) or CPP_TYPES[spec.dtype]
 
 
+def rotates(spec: AttentionSpec) -> bool:
+    """Whether the pass rotates (q and K): RoPE over a cache of unrotated K. Where the cache holds rotated K
+    (``RoPE(k_rotated=True)``) the sm90 kernel turns q itself (``sm90/q_transform.cuh``) and no key turns."""
+    rope = spec.pos_encoding
+    return isinstance(rope, RoPE) and not rope.k_rotated
+
+
+def _rope_kind(rope: RoPE) -> RoPE:
+    """What of ``rope`` changes the pass's code: whether and how (the scaling's kind) it turns; theta, scale and
+    the scaling's numbers are runtime values."""
+    return RoPE(scaling=None if rope.scaling is None else type(rope.scaling)())
+
+
 def prepass(spec: AttentionSpec, graph: bool = False) -> bool:
-    """Whether the sm90 backend runs ``spec`` as this pass and its ``ragged_twin``: RoPE, a k_transform, or fp8
-    K/V outside CUDA-graph mode (the pass is not graph safe yet; in a graph the kernel converts fp8 K/V itself,
-    ``sm90/fp8.cuh``, at 0.83x the bf16 rate)."""
-    return (isinstance(spec.pos_encoding, RoPE) or (spec.variant is not None and spec.variant.k_transform is not None)
+    """Whether the sm90 backend runs ``spec`` as this pass and its ``ragged_twin``: RoPE over unrotated K
+    (``rotates``), a k_transform, or fp8 K/V outside CUDA-graph mode (the pass is not graph safe yet; in a graph
+    the kernel converts fp8 K/V itself, ``sm90/fp8.cuh``, at 0.83x the bf16 rate)."""
+    return (rotates(spec) or (spec.variant is not None and spec.variant.k_transform is not None)
             or (spec.kv_dtype in FP8_TYPES and not graph))
 
 
@@ -131,11 +148,11 @@ def ragged_twin(spec: AttentionSpec) -> AttentionSpec:
     """The sm90 kernel's spec behind a pre-pass spec (``prepass``): the same attention over the ragged 16-bit
     scratch, without RoPE (ALiBi kept) and without the hooks the pass ran (``prepass_variant``), the variant's
     declarations kept (the kernel's params pack the same run() arguments; the variant None where no hook is left)."""
-    variant = spec.variant
+    variant, rope = spec.variant, rotates(spec)
     if variant is not None:
-        q_transform = None if isinstance(spec.pos_encoding, RoPE) else variant.q_transform
+        q_transform = None if rope else variant.q_transform
         left = any(getattr(variant, name) is not None for name in HOOKS if name not in ("q_transform", "k_transform"))
         variant = replace(variant, k_transform=None, q_transform=q_transform) if left or q_transform else None
-    rope = isinstance(spec.pos_encoding, RoPE)  # rotated by the pass; ALiBi stays the kernel's
+    # RoPE over unrotated K: turned by the pass; over rotated K (q alone turns) and ALiBi: the kernel's
     return replace(spec, kv_layout=Ragged(), kv_dtype=spec.dtype, pos_encoding=None if rope else spec.pos_encoding,
                    variant=variant)

@@ -123,12 +123,13 @@ def test_refusals():
         family("decode", {"tiles": "kv32"})
     with pytest.raises(SpecError, match=r"^kv_layout: got Ragged\(\); kernel_options\['append'\] writes into a paged"):
         family("decode", APPEND).check(AttentionSpec(128, kv_layout=Ragged()))
-    with pytest.raises(SpecError, match=r"^pos_encoding.scaling: got Llama31Scaling.*prefill takes plain RoPE"):
-        family("prefill").check(AttentionSpec(128, kv_layout=Paged(16), pos_encoding=L31))
+    scaled = AttentionSpec(128, kv_layout=Paged(16), pos_encoding=L31)
+    family("prefill").check(scaled)  # the prefills take the scalings too
+    assert "ROPE_SCALING = true" in family("prefill").render(scaled)
     rotated = AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE(k_rotated=True))
-    with pytest.raises(SpecError, match=r"^backend: 'sm90' cannot run this spec \(pos_encoding: got RoPE"):
-        backends.select(rotated, "sm90", (9, 0))
-    assert backends.select(rotated, "auto", (9, 0)) == "portable"
+    assert backends.select(rotated, "auto", (9, 0)) == "sm90"  # q turns in the kernel, graphs included
+    assert backends.select(rotated, "auto", (9, 0), graph=True) == "sm90"
+    assert backends.select(rotated.replace(pos_encoding=RoPE()), "auto", (9, 0), graph=True) == "portable"
     assert "ROPE_K = false" in family("prefill").render(rotated)
 
 

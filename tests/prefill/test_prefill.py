@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import ALiBi, AttentionSpec, Causal, CustomMask, Paged, Ragged, RoPE, SlidingWindow
-from flashgen.api.backends import select as _select_backend
-from flashgen.kernels import ragged_twin as attention_spec
+from flashgen import (ALiBi, AttentionSpec, Causal, CustomMask, Llama31Scaling, Paged, Ragged, RoPE, SlidingWindow,
+                      YaRNScaling)
+from flashgen.api.backends import kernels_for, select as _select_backend
 from flashgen.kernels.prefill import prefill_ctas_per_sm, prefill_tile_q, prefill_tiles
 from flashgen.plan import PlanError, csr_to_block_table, plan_prefill
 from flashgen.testing.check import assert_matches_reference, check_attention
@@ -47,6 +47,14 @@ OPTIONS = [
     (AttentionSpec(128, kv_layout=Paged(16), mask=Causal()), {"sm_scale": 0.3}),
     (AttentionSpec(128, kv_layout=Paged(16), mask=SlidingWindow(7)), {"window_left": 40}),
     (AttentionSpec(128, kv_layout=Ragged(), dtype="float16", mask=CustomMask(), pos_encoding=RoPE(), soft_cap=20.0), {}),
+    # Llama-3.1 / YaRN frequencies for q and K, and a cache of rotated K (q alone turns)
+    (AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE(scaling=Llama31Scaling())),
+     {"rope_theta": 500000.0}),
+    (AttentionSpec(128, kv_layout=Ragged(), mask=Causal(),
+                   pos_encoding=RoPE(scaling=YaRNScaling(factor=8.0, original_max_position=64))), {}),
+    (AttentionSpec(128, kv_layout=Paged(5, "HND"), mask=Causal(), pos_encoding=RoPE(k_rotated=True)), {}),
+    (AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE(k_rotated=True, scaling=Llama31Scaling())),
+     {"rope_scale": 2.0}),
 ]
 HEADS = [
     (AttentionSpec(64, kv_layout=Ragged(), mask=Causal()), 7),
@@ -78,8 +86,7 @@ def compiled():
     """Compile every spec of this module in parallel up front (nvcc runs are the slow part)."""
     jobs = [(s, "prefill") for s in ALL_SPECS]
     for s in SM90_SPECS if HOPPER else ():  # RoPE on sm90: the rope_gather pre-pass and the ragged twin's kernel
-        jobs += [(s, "rope_gather"), (attention_spec(s), "prefill_sm90")] if isinstance(s.pos_encoding, RoPE) \
-            else [(s, "prefill_sm90")]
+        jobs += [(spec, op) for op, spec in kernels_for(s, "sm90")]
     with ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(lambda job: flashgen.ensure_compiled(*job), jobs))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SpecError
+from flashgen import AttentionSpec, Causal, CustomMask, Llama31Scaling, NoMask, Paged, Ragged, RoPE, SpecError
 from flashgen.api.backends import select as _select_backend
 from flashgen.plan import PlanError
 from flashgen.testing.check import assert_matches_reference, check_attention
@@ -177,8 +177,10 @@ def test_replanning_heads_and_caches():
 
 
 @hopper
-def test_cuda_graph_replay_after_replanning():
-    spec = ELIGIBLE[2]  # d128 fp16 causal
+@pytest.mark.parametrize("rope", [None, RoPE(k_rotated=True, scaling=Llama31Scaling())], ids=["nopos", "krot"])
+def test_cuda_graph_replay_after_replanning(rope):
+    """With a cache of rotated K the sm90 kernel turns q itself (no pre-pass), so RoPE runs in the graph too."""
+    spec = ELIGIBLE[2].replace(pos_encoding=rope)  # d128 fp16 causal
     max_batch, max_q, max_kv, heads, group = 8, 700, 4000, 2, 4
     wrapper = flashgen.BatchPrefillWrapper(spec, use_cuda_graph=True, max_batch_size=max_batch, max_total_q=max_q)
     assert wrapper.backend == "sm90"

@@ -14,7 +14,8 @@ import torch
 
 import flashgen
 from compile_checks import assert_sound_cubin, build_all, prefetch
-from flashgen import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
+from flashgen import (ALiBi, AttentionSpec, Causal, CustomMask, Llama31Scaling, NoMask, Paged, Ragged, RoPE, SlidingWindow,
+                      SpecError)
 from flashgen.kernels import family
 from flashgen.kernels.prefill import prefill_smem_bytes, prefill_stages
 from flashgen.plan import PlanError
@@ -47,7 +48,8 @@ def test_fp8_specs_are_taken(spec):
 @pytest.mark.parametrize("spec,tiles,message", [
     (AttentionSpec(64, kv_dtype=E4M3, kv_layout=Paged(16)), None, r"^kv_dtype: fp8 K/V need head dims in \(128, 256\)"),
     (AttentionSpec(192, head_dim_vo=128, kv_dtype=E4M3, kv_layout=Ragged()), None, r"^kv_dtype: fp8 K/V need head dims"),
-    (AttentionSpec(128, kv_dtype=E4M3, kv_layout=Paged(16), pos_encoding=RoPE()), None, r"^pos_encoding: RoPE with fp8"),
+    (AttentionSpec(128, kv_dtype=E4M3, kv_layout=Paged(16), pos_encoding=RoPE()), None,
+     r"^pos_encoding: RoPE over unrotated fp8 K"),
     (AttentionSpec(128, kv_dtype="float16", kv_layout=Paged(16)), None, r"^kv_dtype: got float16, prefill takes"),
     (AttentionSpec(128, kv_dtype=E5M2, kv_layout=Ragged()), "warps=4,rows=32,kv=48",
      r"^kernel_options\['tiles'\]: fp8 K/V need KV tiles of 32 or 64"),
@@ -263,6 +265,11 @@ def test_fp8_layouts_and_masks(kv_dtype, dtype, layout, mask):
      {"soft_cap": 5.0}, None),
     (AttentionSpec(128, kv_dtype=E5M2, kv_layout=Paged(16), mask=Causal()), {"sm_scale": 0.3}, None),
     (AttentionSpec(128, kv_dtype=E4M3, kv_layout=Ragged(), mask=Causal()), {}, {"tiles": "kv32"}),
+    # a cache of rotated fp8 K (q alone turns, in load_q_fp8), plain and Llama-3.1-scaled
+    (AttentionSpec(128, kv_dtype=E4M3, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE(k_rotated=True)), {},
+     None),
+    (AttentionSpec(256, dtype="float16", kv_dtype=E5M2, kv_layout=Ragged(), mask=Causal(),
+                   pos_encoding=RoPE(k_rotated=True, scaling=Llama31Scaling())), {"rope_theta": 500000.0}, None),
 ])
 def test_fp8_head_dims_and_options(spec, runtime, options):
     run_fp8(spec, QO, KV, kernel_options=options, **runtime)

@@ -12,7 +12,8 @@ import pytest
 
 import flashgen
 from compile_checks import assert_sound_cubin, build_all, prefetch
-from flashgen import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
+from flashgen import (ALiBi, AttentionSpec, Causal, CustomMask, Llama31Scaling, NoMask, Paged, Ragged, RoPE, SlidingWindow,
+                      SpecError)
 from flashgen.kernels import family
 from flashgen.kernels.prefill_sm90 import (SMEM_LIMIT, THREADS, sm90_kv8_ahead, sm90_kv8_stages, sm90_o_staged,
                                            sm90_registers, sm90_smem_bytes)
@@ -93,8 +94,16 @@ def test_fp8_runs_through_the_pre_pass_outside_graphs():
     plain = AttentionSpec(128, kv_dtype=E5M2, kv_layout=Paged(16), mask=Causal())
     assert kernels_for(plain, "sm90", graph=True) == (("prefill_sm90", plain),)
     check_sm90(plain, graph=True)
-    with pytest.raises(SpecError, match=r"^pos_encoding: RoPE on the sm90 backend is not CUDA-graph safe"):
+    with pytest.raises(SpecError, match=r"^pos_encoding: RoPE over unrotated K on the sm90 backend turns K in a "
+                       "pre-pass that is not CUDA-graph safe"):
         check_sm90(plain.replace(pos_encoding=RoPE()), graph=True)
+    # a cache of rotated fp8 K: the pass dequantises, the twin's kernel turns q; in a graph fp8 conversion in the
+    # kernel takes no RoPE (auto picks the portable prefill)
+    rotated = plain.replace(pos_encoding=RoPE(k_rotated=True))
+    (_, pre), (_, kernel) = kernels_for(rotated, "sm90")
+    assert family("rope_gather").project(pre).pos_encoding is None and kernel.pos_encoding == rotated.pos_encoding
+    with pytest.raises(SpecError, match=r"^kv_dtype: float8_e5m2 K/V on prefill_sm90 take no RoPE"):
+        check_sm90(rotated, graph=True)
     with pytest.raises(SpecError, match=r"^kv_dtype: float8_e5m2 K/V on prefill_sm90 take no variant hooks"):
         check_sm90(plain.replace(variant=DOCUMENT), graph=True)
 
@@ -185,6 +194,10 @@ def test_sm90_fp8_layouts_and_masks(kv_dtype, dtype, layout, mask, graph):
     (AttentionSpec(128, kv_dtype=E4M3, kv_layout=Paged(16), mask=Causal(), pos_encoding=ALiBi(), soft_cap=30.0),
      {"soft_cap": 5.0}),
     (AttentionSpec(128, kv_dtype=E5M2, kv_layout=Ragged(), mask=Causal()), {"sm_scale": 0.3}),
+    # a cache of rotated fp8 K: the pre-pass dequantises, the kernel of the ragged twin turns q
+    (AttentionSpec(128, kv_dtype=E4M3, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE(k_rotated=True)), {}),
+    (AttentionSpec(128, dtype="float16", kv_dtype=E5M2, kv_layout=Ragged(), mask=Causal(),
+                   pos_encoding=RoPE(k_rotated=True, scaling=Llama31Scaling())), {"rope_theta": 500000.0}),
 ])
 def test_sm90_fp8_head_dims_and_logits(spec, runtime):
     run_sm90_fp8(spec, **runtime)

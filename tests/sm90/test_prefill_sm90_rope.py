@@ -1,12 +1,15 @@
-"""GPU tests of RoPE on the Hopper prefill (the rope_gather pre-pass rotates q and K and copies V into ragged
-scratch, then the sm90 kernel of the spec's ragged twin runs) against the fp64 reference: fresh random inputs,
-NaN-poisoned outputs, ragged and paged KV (NaN in every slot no request owns), append (qo < kv) and qo = kv."""
+"""GPU tests of RoPE on the Hopper prefill against the fp64 reference: over unrotated K the rope_gather pre-pass
+rotates q and K and copies V into ragged scratch, then the sm90 kernel of the spec's ragged twin runs; over a cache
+of rotated K (``RoPE(k_rotated=True)``) the kernel turns q in shared memory and nothing else runs. Plain, Llama-3.1
+and YaRN frequencies; fresh random inputs, NaN-poisoned outputs, ragged and paged KV (NaN in every slot no request
+owns), TMA and gathered pages, append (qo < kv) and qo = kv."""
 
 from __future__ import annotations
 
 import pytest
 
-from flashgen import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, SlidingWindow
+from flashgen import AttentionSpec, Causal, Llama31Scaling, NoMask, Paged, Ragged, RoPE, SlidingWindow, YaRNScaling
+from flashgen.api.backends import kernels_for
 
 pytestmark = [pytest.mark.cuda, pytest.mark.hopper]
 
@@ -37,3 +40,29 @@ def test_head_dims_and_groups(d):
 def test_runtime_theta_scale_and_block_table():
     spec = AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE(theta=500000.0))
     check(spec, form="block_table", device_ids=True, rope_theta=10000.0, rope_scale=4.0)
+
+
+# YaRN with a short original context, so that its ramp crosses the frequencies these positions turn through
+SCALINGS = [None, Llama31Scaling(), YaRNScaling(factor=8.0, original_max_position=256)]
+
+
+@pytest.mark.parametrize("scaling", SCALINGS, ids=lambda s: type(s).__name__)
+@pytest.mark.parametrize("layout", [Ragged(), Paged(16), Paged(5), Paged(64, "HND")], ids=str)
+def test_rotated_k_turns_q_in_the_kernel(layout, scaling):
+    spec = AttentionSpec(128, kv_layout=layout, mask=Causal(), pos_encoding=RoPE(500000.0, scaling=scaling,
+                                                                                  k_rotated=True))
+    assert kernels_for(spec, "sm90") == (("prefill_sm90", spec),)  # no pre-pass
+    check(spec, seed=3)
+
+
+@pytest.mark.parametrize("d", [64, 256])
+def test_rotated_k_head_dims_and_groups(d):
+    spec = AttentionSpec(d, dtype="float16", kv_layout=Paged(32), mask=SlidingWindow(100),
+                         pos_encoding=RoPE(k_rotated=True, scaling=Llama31Scaling()))
+    check(spec, group=7, seed=d, rope_theta=10000.0, rope_scale=2.0)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS[1:], ids=lambda s: type(s).__name__)
+@pytest.mark.parametrize("layout", [Ragged(), Paged(16)], ids=str)
+def test_scaled_rope_in_the_pre_pass(layout, scaling):
+    check(AttentionSpec(128, kv_layout=layout, mask=Causal(), pos_encoding=RoPE(scaling=scaling)), seed=5)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.spec import ALiBi, AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, Tensor, Variant
+from flashgen.spec import (ALiBi, AttentionSpec, Causal, Llama31Scaling, NoMask, Paged, Ragged, RoPE, Tensor, Variant,
+                           YaRNScaling)
 from flashgen.testing import request_kv, runtime_params
 from flashgen.testing.check import nan_out
 from flashgen.testing.layouts import random_batch
@@ -163,7 +164,15 @@ PREFILL_CASES = [("ragged", "qk_gain", {}, None), ("paged", "qk_gain_cuda", {"po
                  # fp8 K/V: the pre-pass dequantises, the hook sees k * k_scale, then RoPE
                  ("sm90", "qk_gain", {}, "float8_e4m3fn"), ("sm90", "pos_gain", {"pos_encoding": RoPE()}, "float8_e5m2"),
                  # ALiBi stays the kernel's (the pass rotates only RoPE)
-                 ("sm90", "k_gain", {"pos_encoding": ALiBi()}, None)]
+                 ("sm90", "k_gain", {"pos_encoding": ALiBi()}, None),
+                 # a cache of rotated K: q turns after its hook in the kernel (sm90: in shared memory, no pre-pass
+                 # without a k_transform; with one the pass runs it and turns nothing); fp8 through load_q_fp8
+                 ("sm90", "qk_gain_cuda", {"pos_encoding": RoPE(k_rotated=True)}, None),
+                 ("sm90", "pos_gain", {"pos_encoding": RoPE(k_rotated=True, scaling=Llama31Scaling())}, None),
+                 ("sm90", "qk_gain", {"pos_encoding": RoPE(k_rotated=True)}, "float8_e4m3fn"),
+                 ("paged", "pos_gain", {"pos_encoding": RoPE(k_rotated=True)}, "float8_e4m3fn"),
+                 ("ragged", "qk_gain", {"pos_encoding": RoPE(k_rotated=True, scaling=YaRNScaling())}, "float8_e5m2"),
+                 ("paged", "qk_gain_cuda", {"pos_encoding": RoPE(scaling=Llama31Scaling())}, None)]
 
 
 @pytest.mark.parametrize("family,name,extra,kv_dtype", PREFILL_CASES)
@@ -215,14 +224,16 @@ def test_sm90_k_transform(layout, d, name):
     _check(name, spec, args, q, kv, table, qo_lens, out, lse)
 
 
+@pytest.mark.parametrize("rope", [None, RoPE(k_rotated=True)], ids=["nopos", "krot"])
 @pytest.mark.parametrize("layout", ["ragged", "paged16"])
-def test_sm90_k_transform_at_explicit_positions(layout):
+def test_sm90_k_transform_at_explicit_positions(layout, rope):
     """kv_idx is the key's true position (kv_page_pos + its offset in the page; Ragged: one a key), q's its
-    q_pos: shifted positions that a kernel reading places instead would get wrong."""
+    q_pos: shifted positions that a kernel reading places instead would get wrong (with a cache of rotated K, q
+    turns in the kernel by its q_pos too)."""
     if not HOPPER:
         pytest.skip("the sm90 backend needs a compute-capability 9.0 GPU")
-    spec = AttentionSpec(D, kv_layout=SM90_LAYOUTS[layout], mask=NoMask(), variant=POS_GAIN)
-    g = _generator("sm90_k_pos", layout)
+    spec = AttentionSpec(D, kv_layout=SM90_LAYOUTS[layout], mask=NoMask(), variant=POS_GAIN, pos_encoding=rope)
+    g = _generator("sm90_k_pos", layout, repr(rope))
     qo_lens, kv_lens = [3, 150], [300, 700]
     q, kv, table = random_batch(spec, qo_lens, kv_lens, HEADS, GROUP, generator=g)
     args = _args("pos_gain", g)

@@ -220,7 +220,8 @@ def test_the_sm90_backend_runs_load_transforms_in_its_pre_pass():
 
 def test_load_transforms_enter_the_key_and_order_before_rope():
     """A transform's text changes the kernel key; kernels without one keep theirs; the hook's call precedes the
-    RoPE rotation in the q and K loads of decode and the portable prefill."""
+    RoPE rotation in the q and K loads of decode and the portable prefill (fp8 K/V's q load too), and in the
+    Hopper prefill's q pass."""
     base = AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE())
     k_only = Variant(k_transform="return value * 2.0f;")
     k_other = Variant(k_transform="return value * 3.0f;")
@@ -232,8 +233,12 @@ def test_load_transforms_enter_the_key_and_order_before_rope():
     kernel = (include_dir() / "flashgen/decode/kernel.cuh").read_text()
     assert kernel.index("lo = k_in(lo") < kernel.index("rope_rotate_by<C::ROPE_SCALING>(lo.x, hi.x")
     prefill = (include_dir() / "flashgen/prefill/tiles.cuh").read_text()
-    assert prefill.index("map_chunk<DTypeKV>(x") < prefill.index("rope_chunk_pair<DTypeKV>(x, y")
-    assert prefill.index("map_chunk<typename C::DTypeQ>(a") < prefill.index("rope_chunk_pair<typename C::DTypeQ>(a")
+    assert prefill.index("map_chunk<DTypeKV>(x") < prefill.index("rope_chunk_pair<DTypeKV, C::ROPE_SCALING>(x, y")
+    assert prefill.index("map_chunk<typename C::DTypeQ>(a") < prefill.index(
+        "rope_chunk_pair<typename C::DTypeQ, C::ROPE_SCALING>(a")
+    assert prefill.index("map_chunk<DTypeQ>(x[h][0]") < prefill.index("rope_chunk_pair<DTypeQ, C::ROPE_SCALING>(x[0][0]")
+    sm90 = (include_dir() / "flashgen/sm90/q_transform.cuh").read_text()  # a cache of rotated K: q turns there
+    assert sm90.index("lo[e] = flashgen::variant::q_value<V>") < sm90.index("rope_pair(lo[e], hi[e], cs[e], sn[e])")
 
 
 def test_fp8_k_transforms_take_k_scale_out_of_sm_scale():

@@ -8,6 +8,8 @@
 //   YaRN's attention factor multiplies the rotated pair (cos and sin) by `rope_mscale` (1 otherwise).
 #pragma once
 #include <cmath>
+#include <cstdint>
+#include <flashgen/common/mma.cuh>  // pack2, unpack2
 
 namespace flashgen {
 
@@ -19,6 +21,15 @@ __device__ __forceinline__ float rope_scaled_freq(float inv_freq, int i, float r
                                                   float smooth_b, float smooth_c) {
   const float s = fminf(fmaxf(inv_freq * smooth_a + float(i) * smooth_c + smooth_b, 0.f), 1.f);
   return (1.f - s) * inv_freq * rcp_factor + s * inv_freq;
+}
+
+// the angle per unit of position of the pair (x[i], x[i + dim/2]): f_i / scale, with the params' scaling where
+// SCALED (rope_cos_sin_by's angle is pos times this; its attention factor is the caller's)
+template <bool SCALED, class Params>
+__device__ __forceinline__ float rope_angle_rate(int i, int dim, const Params& p) {
+  float f = rope_inv_freq(i, dim, p.rope_log2_theta);
+  if constexpr (SCALED) f = rope_scaled_freq(f, i, p.rope_rcp_factor, p.rope_smooth_a, p.rope_smooth_b, p.rope_smooth_c);
+  return p.rope_rcp_scale * f;
 }
 
 // (lo, hi) turned by the angle whose cosine and sine are c and s
@@ -75,6 +86,22 @@ __device__ __forceinline__ void rope_rotate_by(float& lo, float& hi, float pos, 
   float c, s;
   rope_cos_sin_by<SCALED>(c, s, pos, i, dim, p);
   rope_pair(lo, hi, c, s);
+}
+
+// 8 + 8 elements in 16-bit storage (T), the halves of RoPE pairs i0 .. i0 + 7 and their partners i + dim/2, turned
+// in place by rope_rotate_by's angle at `pos`
+template <typename T, bool SCALED, class Params>
+__device__ __forceinline__ void rope_chunk_pair(uint4& a, uint4& b, float pos, int i0, int dim, const Params& p) {
+  uint32_t* aw = reinterpret_cast<uint32_t*>(&a);
+  uint32_t* bw = reinterpret_cast<uint32_t*>(&b);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 x = unpack2<T>(aw[i]), y = unpack2<T>(bw[i]);
+    rope_rotate_by<SCALED>(x.x, y.x, pos, i0 + 2 * i, dim, p);
+    rope_rotate_by<SCALED>(x.y, y.y, pos, i0 + 2 * i + 1, dim, p);
+    aw[i] = pack2<T>(x.x, x.y);
+    bw[i] = pack2<T>(y.x, y.y);
+  }
 }
 
 }  // namespace flashgen

@@ -22,7 +22,7 @@
 //
 // This header is the kernel's entry: the bounds of the work item, the pipelined main loop, the epilogue.
 // Config (rendered by codegen): DTypeQ, DTypeKV, DTypeMMA, DTypeO, HEAD_DIM, HEAD_DIM_VO, PAGE_SIZE, NUM_WARPS, MMA_Q,
-// TILE_KV, STAGES, SMEM_BYTES, Q_IN_REGS, LATE_COPIES, PAGED, ROPE, ROPE_K, ALIBI, SOFT_CAP, CAUSAL, WINDOW, CUSTOM_MASK,
+// TILE_KV, STAGES, SMEM_BYTES, Q_IN_REGS, LATE_COPIES, PAGED, ROPE, ROPE_K, ROPE_SCALING, ALIBI, SOFT_CAP, CAUSAL, WINDOW, CUSTOM_MASK,
 // POSITIONS.
 //
 // fp8 K/V (e4m3, e5m2) stay fp8 in shared memory and are converted in registers after ldmatrix (prefill/fp8.cuh)

@@ -43,7 +43,7 @@ struct Layout {
   static_assert(FP8 || std::is_same_v<DTypeKV, DTypeQ>, "16-bit K/V must have q's dtype");
   static_assert(sizeof(DTypeMMA) == 2 && (FP8 || std::is_same_v<DTypeMMA, DTypeQ>),
                 "a 16-bit mma type, q's unless K/V are fp8");
-  static_assert(!FP8 || !C::ROPE, "RoPE rotates K in shared memory, in 16-bit tiles only");
+  static_assert(!FP8 || !C::ROPE_K, "RoPE rotates K in shared memory, in 16-bit tiles only");
 };
 
 // element index of (row, 16-byte chunk) in a swizzled tile whose rows have `chunks` chunks of 8 elements
@@ -55,21 +55,6 @@ __device__ __forceinline__ int kv_index(int row, int chunk, int chunks) {
   return row * chunks * E + swizzle(row, chunk) * E;
 }
 
-// 8 + 8 elements (the two halves of RoPE pairs i and i + dim/2) rotated by `pos`, in place, in 16-bit storage
-template <typename T>
-__device__ __forceinline__ void rope_chunk_pair(uint4& a, uint4& b, float pos, int i0, int dim, float rcp_scale,
-                                                float log2_theta) {
-  uint32_t* aw = reinterpret_cast<uint32_t*>(&a);
-  uint32_t* bw = reinterpret_cast<uint32_t*>(&b);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 x = unpack2<T>(aw[i]), y = unpack2<T>(bw[i]);
-    rope_rotate(x.x, y.x, pos, i0 + 2 * i, dim, rcp_scale, log2_theta);
-    rope_rotate(x.y, y.y, pos, i0 + 2 * i + 1, dim, rcp_scale, log2_theta);
-    aw[i] = pack2<T>(x.x, x.y);
-    bw[i] = pack2<T>(y.x, y.y);
-  }
-}
 
 // 8 elements in 16-bit storage (columns d0 .. d0 + 7) through f(value, column), in place: a variant's load
 // transform
@@ -101,9 +86,10 @@ __device__ __forceinline__ auto q_map(const Params& p, int batch, int q_pos, int
 // fp8 K/V: the Q tile in the mma's type (fp16), each 16-column k-step's columns in the order of the fp8 K
 // fragments (decode/tiles.cuh: fp8_k_slot). Column pair i (columns 2i, 2i + 1) of k-step j goes to pair i / 2 +
 // 4 (i % 2): chunk 2j of the tile holds pairs 0, 2, 4, 6 of the k-step and chunk 2j + 1 pairs 1, 3, 5, 7, two
-// 16-byte stores a k-step. The variant's q_transform first; then a bf16 q is multiplied by sm_scale (the kernel then
-// scales its scores by 1) and held to fp16's finite range; an fp16 q is moved as it is. Rows past the request's end
-// are zeros.
+// 16-byte stores a k-step. The variant's q_transform first, then RoPE (C::ROPE: the cache holds rotated K, q alone
+// turns; a job then takes k-step j and its partner D/2 on); then a bf16 q is multiplied by sm_scale (the kernel
+// then scales its scores by 1) and held to fp16's finite range; an fp16 q is moved as it is. Rows past the
+// request's end are zeros.
 template <class C, class Params>
 __device__ __forceinline__ void load_q_fp8(const Params& p, typename C::DTypeMMA* q_smem, int token0, int row0,
                                            int rows_total, int kv_head, int q_base, int batch) {
@@ -111,35 +97,56 @@ __device__ __forceinline__ void load_q_fp8(const Params& p, typename C::DTypeMMA
   using DTypeQ = typename C::DTypeQ;
   using DTypeMMA = typename C::DTypeMMA;
   constexpr bool PRESCALE = !std::is_same_v<DTypeMMA, DTypeQ>;
-  constexpr int STEPS = C::HEAD_DIM / 16;
+  constexpr int STEPS = C::HEAD_DIM / 16, PARTS = C::ROPE ? 2 : 1, JOBS = STEPS / PARTS;
   const float scale = p.sm_scale;
-  for (int job = threadIdx.x; job < L::TILE_Q * STEPS; job += L::THREADS) {
-    const int r = job / STEPS, j = job % STEPS, prow = row0 + r;
-    uint4 a = make_uint4(0, 0, 0, 0), b = a;
+  for (int job = threadIdx.x; job < L::TILE_Q * JOBS; job += L::THREADS) {
+    const int r = job / JOBS, j = job % JOBS, prow = row0 + r;
+    uint4 x[PARTS][2];  // k-steps j (and j + JOBS), their two 8-column chunks
+#pragma unroll
+    for (int h = 0; h < PARTS; ++h) x[h][0] = x[h][1] = make_uint4(0, 0, 0, 0);
     if (prow < rows_total) {
       const int token = prow / p.group_size, head = kv_head * p.group_size + prow % p.group_size;
       const DTypeQ* src = p.q + (int64_t(token0 + token) * p.num_qo_heads + head) * C::HEAD_DIM + 16 * j;
-      a = *reinterpret_cast<const uint4*>(src);
-      b = *reinterpret_cast<const uint4*>(src + 8);
+#pragma unroll
+      for (int h = 0; h < PARTS; ++h) {
+        x[h][0] = *reinterpret_cast<const uint4*>(src + 16 * JOBS * h);
+        x[h][1] = *reinterpret_cast<const uint4*>(src + 16 * JOBS * h + 8);
+      }
+      const int q_pos = query_position<C>(p, token0, token, q_base);
       if constexpr (C::Variant::Q_TRANSFORM) {
-        const auto f = q_map<C>(p, batch, query_position<C>(p, token0, token, q_base), head);
-        map_chunk<DTypeQ>(a, 16 * j, f);
-        map_chunk<DTypeQ>(b, 16 * j + 8, f);
+        const auto f = q_map<C>(p, batch, q_pos, head);
+#pragma unroll
+        for (int h = 0; h < PARTS; ++h) {
+          map_chunk<DTypeQ>(x[h][0], 16 * (j + JOBS * h), f);
+          map_chunk<DTypeQ>(x[h][1], 16 * (j + JOBS * h) + 8, f);
+        }
+      }
+      if constexpr (C::ROPE) {
+        rope_chunk_pair<DTypeQ, C::ROPE_SCALING>(x[0][0], x[1][0], float(q_pos), 16 * j, C::HEAD_DIM, p);
+        rope_chunk_pair<DTypeQ, C::ROPE_SCALING>(x[0][1], x[1][1], float(q_pos), 16 * j + 8, C::HEAD_DIM, p);
       }
       if constexpr (PRESCALE) {
-        uint32_t* w[2] = {reinterpret_cast<uint32_t*>(&a), reinterpret_cast<uint32_t*>(&b)};
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < PARTS; ++h)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 x = unpack2<DTypeQ>(w[h][i]);
-            w[h][i] = pack2<DTypeMMA>(fminf(fmaxf(x.x * scale, -65504.f), 65504.f),
-                                      fminf(fmaxf(x.y * scale, -65504.f), 65504.f));
+          for (int c = 0; c < 2; ++c) {
+            uint32_t* w = reinterpret_cast<uint32_t*>(&x[h][c]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float2 v = unpack2<DTypeQ>(w[i]);
+              w[i] = pack2<DTypeMMA>(fminf(fmaxf(v.x * scale, -65504.f), 65504.f),
+                                     fminf(fmaxf(v.y * scale, -65504.f), 65504.f));
+            }
           }
       }
     }
-    *reinterpret_cast<uint4*>(q_smem + tile_index(r, 2 * j, L::Q_CHUNKS)) = make_uint4(a.x, a.z, b.x, b.z);
-    *reinterpret_cast<uint4*>(q_smem + tile_index(r, 2 * j + 1, L::Q_CHUNKS)) = make_uint4(a.y, a.w, b.y, b.w);
+#pragma unroll
+    for (int h = 0; h < PARTS; ++h) {
+      const uint4 a = x[h][0], b = x[h][1];
+      const int step = j + JOBS * h;
+      *reinterpret_cast<uint4*>(q_smem + tile_index(r, 2 * step, L::Q_CHUNKS)) = make_uint4(a.x, a.z, b.x, b.z);
+      *reinterpret_cast<uint4*>(q_smem + tile_index(r, 2 * step + 1, L::Q_CHUNKS)) = make_uint4(a.y, a.w, b.y, b.w);
+    }
   }
 }
 
@@ -198,11 +205,10 @@ __device__ __forceinline__ void load_q_16bit(const Params& p, typename C::DTypeQ
         map_chunk<typename C::DTypeQ>(b, C::HEAD_DIM / 2 + c * 8, f);
       }
       if constexpr (C::ROPE && C::POSITIONS)  // the token's true position
-        rope_chunk_pair<typename C::DTypeQ>(a, b, float(p.q_pos[token0 + token]), c * 8, C::HEAD_DIM,
-                                            p.rope_rcp_scale, p.rope_log2_theta);
+        rope_chunk_pair<typename C::DTypeQ, C::ROPE_SCALING>(a, b, float(p.q_pos[token0 + token]), c * 8,
+                                                             C::HEAD_DIM, p);
       else if constexpr (C::ROPE)
-        rope_chunk_pair<typename C::DTypeQ>(a, b, float(q_base + token), c * 8, C::HEAD_DIM, p.rope_rcp_scale,
-                                            p.rope_log2_theta);
+        rope_chunk_pair<typename C::DTypeQ, C::ROPE_SCALING>(a, b, float(q_base + token), c * 8, C::HEAD_DIM, p);
     }
     *reinterpret_cast<uint4*>(q_smem + tile_index(r, c, L::Q_CHUNKS)) = a;
     *reinterpret_cast<uint4*>(q_smem + tile_index(r, c + HALF, L::Q_CHUNKS)) = b;
@@ -416,7 +422,7 @@ struct KVPipeline {
       if constexpr (C::ROPE_K) {
         float pos = float(t0 + r);  // POSITIONS: the key's true position (rows past kv_hi: the last key's)
         if constexpr (C::POSITIONS) pos = float(key_position<C::PAGE_SIZE>(page_pos, min(t0 + r, src.kv_hi - 1)));
-        rope_chunk_pair<DTypeKV>(x, y, pos, c * 8, L::D, p.rope_rcp_scale, p.rope_log2_theta);
+        rope_chunk_pair<DTypeKV, C::ROPE_SCALING>(x, y, pos, c * 8, L::D, p);
       }
       *a = x;
       *b = y;

@@ -34,8 +34,9 @@
 // fully masked tiles are never loaded, the bits are read only for BITS tiles, CAUSAL ones are masked by the
 // query positions. ALiBi and soft-cap transform the logits before the mask (logits.cuh).
 //
-// A variant's q_transform runs over each item's Q tile in shared memory before its first wgmma (q_transform.cuh); a
-// k_transform is refused (it needs a conversion stage between TMA and wgmma).
+// A variant's q_transform, and RoPE over a cache of rotated K (q alone turns: C::ROPE), run over each item's Q tile
+// in shared memory before its first wgmma (q_transform.cuh); a k_transform and K's rotation run in the rope_gather
+// pre-pass (they would need a conversion stage between TMA and wgmma).
 //
 // Files by role: sm90/tile_scheduler.cuh (the work list), layout.cuh (shared memory, mbarriers), producer.cuh
 // (K, V and Q loads), q_transform.cuh, mainloop.cuh (the consumers' GEMMs and pipeline), softmax.cuh, epilogue.cuh,
@@ -97,7 +98,7 @@ __device__ __forceinline__ void run(const Params& p) {
       // a variant's hooks' batch: the item's request, published beside its slot
       const int request = C::Variant::ANY ? reinterpret_cast<const int*>(smem + L::REQUEST_OFFSET)[k % WORK_SLOTS] : 0;
       mbarrier_arrive(bars.work_empty(k % WORK_SLOTS));
-      if constexpr (C::Variant::Q_TRANSFORM) transform_q<C>(p, w, smem + k % C::Q_BUFFERS * L::Q_BYTES, wg - 1, request);
+      if constexpr (C::Variant::Q_TRANSFORM || C::ROPE) transform_q<C>(p, w, smem + k % C::Q_BUFFERS * L::Q_BYTES, wg - 1, request);
       consume<C>(p, w, smem, base, bars, wg - 1, it, k, pd, o, pa, request);
       it += w.num_tiles;
     }

@@ -1,7 +1,8 @@
-// The K pre-pass of the Hopper prefill (RoPE specs, and variants with a k_transform): from any KV layout into
+// The K pre-pass of the Hopper prefill (RoPE over unrotated K, variants with a k_transform, fp8 K/V): from any KV layout into
 // ragged scratch tensors, which the sm90 kernel then reads as a ragged batch with neither: each request's K through
 // the variant's k_transform (C::Variant::K_TRANSFORM, each element as it is read: common/variant.cuh k_value) and,
-// with C::ROPE, rotated by its key position; V copied; with C::ROPE also q, through the q_transform and rotated by
+// with C::ROPE, rotated by its key position (C::ROPE_SCALING: Llama-3.1 / YaRN frequencies, common/rope.cuh); V
+// copied; with C::ROPE also q, through the q_transform and rotated by
 // its query position (without RoPE the caller passes total_q = 0: q is not copied and the kernel runs its own
 // q_transform). So a hook runs once an element, not once for every q tile that reads the key. One thread a chunk
 // of VEC rotation pairs (x[i], x[i + D/2]), i = i0 .. i0 + VEC - 1, of one row and head: a 16-byte load and store
@@ -79,7 +80,7 @@ __device__ __forceinline__ void rope_gather(const Params& p) {
         lo.v[e] = flashgen::variant::q_value<H>(p, lo.v[e], b, pos, head, i0 + e);
         hi.v[e] = flashgen::variant::q_value<H>(p, hi.v[e], b, pos, head, i0 + e + HALF);
       }
-      if constexpr (C::ROPE) rope_rotate(lo.v[e], hi.v[e], float(pos), i0 + e, C::HEAD_DIM, p.rope_rcp_scale, p.rope_log2_theta);
+      if constexpr (C::ROPE) rope_rotate_by<C::ROPE_SCALING>(lo.v[e], hi.v[e], float(pos), i0 + e, C::HEAD_DIM, p);
     }
     lo.store(p.q_out + row * C::HEAD_DIM + i0);
     hi.store(p.q_out + row * C::HEAD_DIM + HALF + i0);
@@ -123,7 +124,7 @@ __device__ __forceinline__ void rope_gather(const Params& p) {
       lo.v[e] = flashgen::variant::k_value<H>(p, lo.v[e], b, k_pos, head, i0 + e);
       hi.v[e] = flashgen::variant::k_value<H>(p, hi.v[e], b, k_pos, head, i0 + e + HALF);
     }
-    if constexpr (C::ROPE) rope_rotate(lo.v[e], hi.v[e], float(k_pos), i0 + e, C::HEAD_DIM, p.rope_rcp_scale, p.rope_log2_theta);
+    if constexpr (C::ROPE) rope_rotate_by<C::ROPE_SCALING>(lo.v[e], hi.v[e], float(k_pos), i0 + e, C::HEAD_DIM, p);
     lo.v[e] = held(lo.v[e]), hi.v[e] = held(hi.v[e]);
     if constexpr (FP8) v_lo.v[e] = held(v_lo.v[e] * p.v_scale), v_hi.v[e] = held(v_hi.v[e] * p.v_scale);
   }
