@@ -225,15 +225,18 @@ def test_plain_decode_with_scaled_rope_and_rotated_caches(spec):
                     qo_indptr=list(range(len(kv_lens) + 1)), **table)
 
 
-def test_prefill_over_a_rotated_cache_turns_q_only():
-    """RoPE(k_rotated=True) in the portable prefill (auto picks it on Hopper: the sm90 pre-pass would turn K)."""
+@pytest.mark.parametrize("backend", ["portable", "auto"])
+def test_prefill_over_a_rotated_cache_turns_q_only(backend):
+    """RoPE(k_rotated=True) in the prefill: the portable kernel turns q as it loads it; on Hopper auto picks the sm90
+    kernel, which turns q in shared memory (no pre-pass)."""
     spec = AttentionSpec(128, kv_layout=Paged(16), mask=flashgen.Causal(), pos_encoding=RoPE(500000.0, k_rotated=True))
     gen = torch.Generator().manual_seed(3)
     qo_lens, kv_lens = [5, 1, 300], [40, 17, 1000]
     q, kv, table = random_batch(spec, qo_lens, kv_lens, HEADS, 4, generator=gen)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
-    wrapper = flashgen.BatchPrefillWrapper(spec)
-    assert wrapper.backend == "portable"
+    wrapper = flashgen.BatchPrefillWrapper(spec, backend=backend)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert wrapper.backend == ("sm90" if backend == "auto" and hopper else "portable")
     wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=HEADS * 4, num_kv_heads=HEADS, **table)
     kv_gpu = tuple(x.cuda() for x in kv)
     check_attention(lambda out: wrapper.run(q.cuda(), kv_gpu, out=out, return_lse=True), spec, q, kv,

@@ -13,6 +13,18 @@
 
 namespace flashgen {
 
+// sine and cosine of an angle x = pos * f: x reduced to [-pi, pi] by 2 pi round(x / 2 pi) in two FMAs (2 pi as an
+// fp32 head and tail, the product exact inside each FMA), then the MUFU approximations (absolute error ~4e-7 on that
+// range). x itself carries |x| 2^-24 of rounding, more than that at any position past ~10, so this is as accurate
+// as sincosf here at ~10 instructions against its ~40 (its reduction and polynomials): the rotation's cost in
+// every kernel that turns q or K (the portable prefill turns each K tile for every q tile reading it).
+__device__ __forceinline__ void rope_sincos(float x, float* s, float* c) {
+  const float k = rintf(x * 0.159154943091895336f);  // 1 / 2 pi
+  float r = fmaf(-k, 6.28318548202514648f, x);       // 2 pi rounded to fp32 (its head) ...
+  r = fmaf(-k, -1.74845553e-07f, r);                 // ... and what that rounding left out (its tail)
+  __sincosf(r, s, c);
+}
+
 __device__ __forceinline__ float rope_inv_freq(int i, int dim, float rope_log2_theta) {
   return exp2f(-2.f * float(i) / float(dim) * rope_log2_theta);
 }
@@ -43,7 +55,7 @@ __device__ __forceinline__ void rope_pair(float& lo, float& hi, float c, float s
 __device__ __forceinline__ void rope_cos_sin(float& c, float& s, float pos, int i, int dim, float rope_rcp_scale,
                                              float rope_log2_theta) {
   const float inv_freq = rope_inv_freq(i, dim, rope_log2_theta);
-  sincosf(pos * rope_rcp_scale * inv_freq, &s, &c);
+  rope_sincos(pos * rope_rcp_scale * inv_freq, &s, &c);
 }
 
 // the same with the params' scaling (rope_rcp_factor, rope_smooth_a/b/c), times the attention factor (rope_mscale)
@@ -51,7 +63,7 @@ template <class Params>
 __device__ __forceinline__ void rope_cos_sin_scaled(float& c, float& s, float pos, int i, int dim, const Params& p) {
   const float f = rope_scaled_freq(rope_inv_freq(i, dim, p.rope_log2_theta), i, p.rope_rcp_factor, p.rope_smooth_a,
                                    p.rope_smooth_b, p.rope_smooth_c);
-  sincosf(pos * p.rope_rcp_scale * f, &s, &c);
+  rope_sincos(pos * p.rope_rcp_scale * f, &s, &c);
   c *= p.rope_mscale;
   s *= p.rope_mscale;
 }

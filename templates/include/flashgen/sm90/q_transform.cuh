@@ -7,7 +7,8 @@
 // (as the portable prefill and the rope_gather pre-pass round). A thread takes a 16-byte chunk of a row; with RoPE
 // the chunk c and its partner D/2 on, of RPT consecutive rows: its 8 pairs' angle rates computed once, their
 // cosines and sines once a query position (a GQA group's rows share their token's), so that at a group of 4 a
-// thread evaluates 8 sincosf an item rather than 32 (that cost, before the item's first GEMM, took 8 % at 4 x 4096). The writes are generic-proxy stores that wgmma (the async proxy) then reads:
+// thread evaluates 8 sines and cosines an item rather than 32 (that cost, before the item's first GEMM, took 8 % at
+// 4 x 4096). The writes are generic-proxy stores that wgmma (the async proxy) then reads:
 // each thread fences them (fence.proxy.async) and the warpgroup meets at its own named barrier before any of it
 // issues the GEMM. Rows past the request are left as they are (masked, never written). The Q buffer is not read by
 // the other warpgroup's GEMMs (each reads its own 64 rows) and is not reloaded before both released it (q_empty), so
@@ -79,7 +80,7 @@ __device__ __forceinline__ void transform_q(const Params& p, const Work& w, uint
         turned = qo_idx;
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          sincosf(float(qo_idx) * rate[e], &sn[e], &cs[e]);
+          rope_sincos(float(qo_idx) * rate[e], &sn[e], &cs[e]);
           if constexpr (C::ROPE_SCALING) cs[e] *= p.rope_mscale, sn[e] *= p.rope_mscale;
         }
       }
