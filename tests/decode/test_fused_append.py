@@ -133,6 +133,32 @@ def test_refusals():
     assert "ROPE_K = false" in family("prefill").render(rotated)
 
 
+@pytest.mark.parametrize("backend,k_rotated", [("portable", False), ("portable", True), ("sm90", False),
+                                               ("sm90", True)])
+def test_prefill_plans_pack_the_scaling_where_q_or_k_turns(monkeypatch, backend, k_rotated):
+    """The scaling's terms at the plan's theta go to the kernel that turns: the portable kernel; on sm90 its K
+    pre-pass over unrotated K (the kernel then has no RoPE), or the kernel itself over rotated K."""
+    with stubbed_cuda():
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+        monkeypatch.setattr("flashgen.api.sm90.kv_tensor_map", lambda *args: bytes(128))  # the driver's
+        rope = RoPE(500000.0, scaling=YaRNScaling(factor=8.0), k_rotated=k_rotated)
+        spec = AttentionSpec(128, kv_layout=Paged(16), mask=flashgen.Causal(), pos_encoding=rope)
+        wrapper = flashgen.BatchPrefillWrapper(spec, num_sms=132, backend=backend)
+        wrapper.plan(qo_indptr=[0, 3, 5], num_qo_heads=8, num_kv_heads=2, kv_indptr=[0, 2, 3], kv_indices=[4, 1, 0],
+                     kv_last_page_len=[5, 16], rope_theta=10000.0, rope_scale=2.0)
+        impl = wrapper._impl
+        pre_pass = backend == "sm90" and not k_rotated
+        assert getattr(impl, "prepass", False) == pre_pass
+        values = (impl._rope_params if pre_pass else impl._params).values()
+        names = ("rope_rcp_factor", "rope_smooth_a", "rope_smooth_b", "rope_smooth_c", "rope_mscale")
+        for name, term in zip(names, rope.rope_terms(128, 10000.0)):
+            assert values[name] == pytest.approx(term, rel=1e-6), name
+        assert values["rope_log2_theta"] == pytest.approx(math.log2(10000.0))
+        assert values["rope_rcp_scale"] == pytest.approx(0.5)
+        if pre_pass:
+            assert "rope_mscale" not in impl._params.values()  # the kernel of the ragged twin turns nothing
+
+
 # ---------------------------------------------------------------------------------------------- the kernels' form
 
 

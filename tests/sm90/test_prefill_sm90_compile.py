@@ -7,7 +7,8 @@ import pytest
 
 from compile_checks import WORKERS, build_all, prefetch
 from flashgen import jit
-from flashgen.spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
+from flashgen.spec import (ALiBi, AttentionSpec, Causal, CustomMask, Llama31Scaling, NoMask, Paged, Ragged, RoPE,
+                           SlidingWindow, SpecError, YaRNScaling)
 
 SM90_SPECS = [
     AttentionSpec(d, dtype=dtype, kv_layout=Ragged(), mask=mask)
@@ -27,6 +28,10 @@ SM90_SPECS = [
                              (256, "bfloat16", Ragged()), (256, "float16", Paged(32, "HND")))
 ] + [
     AttentionSpec(128, kv_layout=Paged(16), mask=CustomMask(), pos_encoding=ALiBi(), soft_cap=30.0),
+] + [  # a cache of rotated K: q turns in shared memory (sm90/q_transform.cuh), plain, Llama-3.1 and YaRN
+    AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), pos_encoding=RoPE(k_rotated=True)),
+    AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE(scaling=Llama31Scaling(), k_rotated=True)),
+    # (head_dim 256 spills ~120 bytes in the q pass, where the previous item's O is still live: not listed)
 ]
 GATHER_SPECS = [  # page sizes no TMA box takes: rows gathered by the K and V producer warps (40 registers)
     AttentionSpec(128, kv_layout=Paged(1)),
@@ -37,9 +42,12 @@ GATHER_SPECS = [  # page sizes no TMA box takes: rows gathered by the K and V pr
     AttentionSpec(256, dtype="float16", kv_layout=Paged(96, "HND")),
     AttentionSpec(128, kv_layout=Paged(5), mask=CustomMask()),
     AttentionSpec(128, kv_layout=Paged(12), mask=SlidingWindow(100), pos_encoding=ALiBi(), soft_cap=20.0),
+    AttentionSpec(64, kv_layout=Paged(5), mask=Causal(), pos_encoding=RoPE(scaling=YaRNScaling(), k_rotated=True)),
 ]
 ROPE_SPECS = [
     AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE()),
+    AttentionSpec(128, kv_layout=Paged(16), pos_encoding=RoPE(scaling=Llama31Scaling())),
+    AttentionSpec(128, kv_layout=Ragged(), pos_encoding=RoPE(scaling=YaRNScaling())),
     AttentionSpec(128, kv_layout=Paged(64, "HND"), pos_encoding=RoPE()),
     AttentionSpec(64, dtype="float16", kv_layout=Ragged(), pos_encoding=RoPE()),
     AttentionSpec(256, kv_layout=Paged(1), pos_encoding=RoPE()),
@@ -169,7 +177,7 @@ def test_rope_gather_compiles_without_spills(shared_cache, spec):
     entry = jit.ensure_compiled(spec, "rope_gather", "sm_90a")
     report = (entry.path / "ptxas.log").read_text()
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
-    assert spills and not any(spills), f"{entry.uri} spills registers: {report}"  # (sincosf keeps a small stack)
+    assert spills and not any(spills), f"{entry.uri} spills registers: {report}"
 
 
 def test_rope_specs_run_on_sm90_through_the_pre_pass():
@@ -186,3 +194,51 @@ def test_rope_specs_run_on_sm90_through_the_pre_pass():
     check_sm90_backend(AttentionSpec(128, kv_layout=Paged(5), pos_encoding=RoPE()))  # any page size: the pass gathers
     with pytest.raises(SpecError, match="head_dim"):
         check_sm90_backend(AttentionSpec(192, head_dim_vo=128, kv_layout=Ragged(), pos_encoding=RoPE()))
+
+
+def test_rotated_k_turns_q_in_the_kernel_without_the_pre_pass():
+    """RoPE(k_rotated=True): the kernel itself turns q (its ROPE flags and rope params), no pre-pass, graphs too;
+    with fp8 K/V or a k_transform the pass runs what it must and turns nothing, the kernel of the twin turns q."""
+    from flashgen.api.backends import check_sm90, kernels_for
+    from flashgen.kernels import family
+    from flashgen.variants.examples import QK_GAIN
+
+    for scaling, names in ((None, []), (Llama31Scaling(), ["rope_rcp_factor", "rope_smooth_a", "rope_smooth_b",
+                                                             "rope_smooth_c", "rope_mscale"])):
+        spec = AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE(scaling=scaling, k_rotated=True))
+        for graph in (False, True):
+            check_sm90(spec, graph)
+            assert kernels_for(spec, "sm90", graph) == (("prefill_sm90", spec),)
+        source = jit.render(spec, "prefill_sm90")
+        assert "ROPE = true" in source and f"ROPE_SCALING = {'true' if scaling else 'false'}" in source
+        fields = family("prefill_sm90").entry_points(spec)[0].params.names()
+        assert list(fields[-2 - len(names):]) == ["rope_rcp_scale", "rope_log2_theta", *names]
+    plain = family("prefill_sm90").entry_points(AttentionSpec(128, kv_layout=Ragged()))[0].params.names()
+    assert "rope_rcp_scale" not in plain and "ROPE = false" in jit.render(AttentionSpec(128, kv_layout=Ragged()),
+                                                                          "prefill_sm90")
+    rotated = AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=RoPE(k_rotated=True))
+    for extra in ({"kv_dtype": "float8_e4m3fn"}, {"variant": QK_GAIN}):
+        (pre_op, pre), (op, kernel) = kernels_for(rotated.replace(**extra), "sm90")
+        assert (pre_op, op) == ("rope_gather", "prefill_sm90") and kernel.pos_encoding == rotated.pos_encoding
+        projected = family("rope_gather").project(pre)
+        assert projected.pos_encoding is None and "ROPE = false" in jit.render(pre, "rope_gather")
+        if "variant" in extra:  # the pass runs the k_transform; the kernel the q_transform, before it turns q
+            assert projected.variant.q_transform is None and kernel.variant.q_transform is not None
+    with pytest.raises(SpecError, match="RoPE over unrotated K on the sm90 backend"):
+        check_sm90(rotated.replace(pos_encoding=RoPE()), graph=True)
+    with pytest.raises(SpecError, match="turns q alone"):
+        jit.render(rotated.replace(pos_encoding=RoPE()), "prefill_sm90")
+
+
+def test_the_pre_pass_key_holds_the_scaling_kind_not_its_numbers():
+    from flashgen.kernels import family
+
+    fam = family("rope_gather")
+
+    def key(rope):
+        return fam.uri(fam.project(AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), pos_encoding=rope)))
+
+    assert key(RoPE(10000.0, scaling=Llama31Scaling(factor=8.0))) == key(RoPE(5e5, 2.0, Llama31Scaling(factor=32.0)))
+    assert len({key(RoPE()), key(RoPE(scaling=Llama31Scaling())), key(RoPE(scaling=YaRNScaling()))}) == 3
+    source = jit.render(AttentionSpec(128, kv_layout=Ragged(), pos_encoding=RoPE(scaling=YaRNScaling())), "rope_gather")
+    assert "ROPE_SCALING = true" in source and "float rope_mscale;" in source
