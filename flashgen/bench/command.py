@@ -92,13 +92,13 @@ def _output_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with --plot or --out, found before minutes of measuring rather than after: --plot needs
     matplotlib and an existing folder, --out a folder or nothing."""
     if args.plot:
+        folder = Path(args.plot).resolve().parent
+        if not folder.is_dir():
+            return f"--plot {args.plot}: folder {folder} does not exist"
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             return "--plot: matplotlib is not installed (pip install 'flashgen[plot]')"
-        folder = Path(args.plot).resolve().parent
-        if not folder.is_dir():
-            return f"--plot {args.plot}: folder {folder} does not exist"
     if Path(args.out).exists() and not Path(args.out).is_dir():
         return f"--out {args.out}: exists and is not a folder"
     return None
