@@ -229,9 +229,9 @@ def test_load_transforms_enter_the_key_and_order_before_rope():
         uris = {family(op).uri(family(op).project(base.replace(variant=v))) for v in (None, QK, k_only, k_other)}
         assert len(uris) == 4
     decode = (include_dir() / "flashgen/decode/tiles.cuh").read_text()
-    assert decode.index("q_value<") < decode.index("rope_rotate_by<C::ROPE_SCALING>(lo[i]")
+    assert decode.index("q_value<") < decode.index("rope_rotate_by<C::ROPE_SCALING, true>(lo[i]")
     kernel = (include_dir() / "flashgen/decode/kernel.cuh").read_text()
-    assert kernel.index("lo = k_in(lo") < kernel.index("rope_rotate_by<C::ROPE_SCALING>(lo.x, hi.x")
+    assert kernel.index("lo = k_in(lo") < kernel.index("rope_rotate_by<C::ROPE_SCALING, true>(lo.x, hi.x")
     prefill = (include_dir() / "flashgen/prefill/tiles.cuh").read_text()
     assert prefill.index("map_chunk<DTypeKV>(x") < prefill.index("rope_chunk_pair<DTypeKV, C::ROPE_SCALING>(x, y")
     assert prefill.index("map_chunk<typename C::DTypeQ>(a") < prefill.index(

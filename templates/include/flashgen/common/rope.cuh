@@ -25,6 +25,14 @@ __device__ __forceinline__ void rope_sincos(float x, float* s, float* c) {
   __sincosf(r, s, c);
 }
 
+// LIBM: libm's sincosf instead. Decode keeps it: at head_dim 256 with fp8 K turned as it is read and the fused
+// append, the reduced form's temporaries spill (8 bytes at 255 registers, sm_90a); decode reads at the copy rate.
+template <bool LIBM>
+__device__ __forceinline__ void rope_sincos_by(float x, float* s, float* c) {
+  if constexpr (LIBM) sincosf(x, s, c);
+  else rope_sincos(x, s, c);
+}
+
 __device__ __forceinline__ float rope_inv_freq(int i, int dim, float rope_log2_theta) {
   return exp2f(-2.f * float(i) / float(dim) * rope_log2_theta);
 }
@@ -52,28 +60,29 @@ __device__ __forceinline__ void rope_pair(float& lo, float& hi, float c, float s
 }
 
 // the cosine and sine of the angle pos * theta^(-2i/dim) of the pair (x[i], x[i + dim/2])
+template <bool LIBM = false>
 __device__ __forceinline__ void rope_cos_sin(float& c, float& s, float pos, int i, int dim, float rope_rcp_scale,
                                              float rope_log2_theta) {
   const float inv_freq = rope_inv_freq(i, dim, rope_log2_theta);
-  rope_sincos(pos * rope_rcp_scale * inv_freq, &s, &c);
+  rope_sincos_by<LIBM>(pos * rope_rcp_scale * inv_freq, &s, &c);
 }
 
 // the same with the params' scaling (rope_rcp_factor, rope_smooth_a/b/c), times the attention factor (rope_mscale)
-template <class Params>
+template <bool LIBM = false, class Params>
 __device__ __forceinline__ void rope_cos_sin_scaled(float& c, float& s, float pos, int i, int dim, const Params& p) {
   const float f = rope_scaled_freq(rope_inv_freq(i, dim, p.rope_log2_theta), i, p.rope_rcp_factor, p.rope_smooth_a,
                                    p.rope_smooth_b, p.rope_smooth_c);
-  rope_sincos(pos * p.rope_rcp_scale * f, &s, &c);
+  rope_sincos_by<LIBM>(pos * p.rope_rcp_scale * f, &s, &c);
   c *= p.rope_mscale;
   s *= p.rope_mscale;
 }
 
 // an attention kernel's cosine and sine: scaled where its spec's RoPE has a scaling (SCALED), plain otherwise;
-// one angle can turn two rows at the same position (the fused append's new key beside q)
-template <bool SCALED, class Params>
+// one angle can turn two rows at the same position (the fused append's new key beside q); LIBM: rope_sincos_by
+template <bool SCALED, bool LIBM = false, class Params>
 __device__ __forceinline__ void rope_cos_sin_by(float& c, float& s, float pos, int i, int dim, const Params& p) {
-  if constexpr (SCALED) rope_cos_sin_scaled(c, s, pos, i, dim, p);
-  else rope_cos_sin(c, s, pos, i, dim, p.rope_rcp_scale, p.rope_log2_theta);
+  if constexpr (SCALED) rope_cos_sin_scaled<LIBM>(c, s, pos, i, dim, p);
+  else rope_cos_sin<LIBM>(c, s, pos, i, dim, p.rope_rcp_scale, p.rope_log2_theta);
 }
 
 // rotates the pair (x[i], x[i + dim/2]) by pos * theta^(-2i/dim)
@@ -93,10 +102,10 @@ __device__ __forceinline__ void rope_rotate_scaled(float& lo, float& hi, float p
 }
 
 // an attention kernel's rotation (rope_cos_sin_by's angle)
-template <bool SCALED, class Params>
+template <bool SCALED, bool LIBM = false, class Params>
 __device__ __forceinline__ void rope_rotate_by(float& lo, float& hi, float pos, int i, int dim, const Params& p) {
   float c, s;
-  rope_cos_sin_by<SCALED>(c, s, pos, i, dim, p);
+  rope_cos_sin_by<SCALED, LIBM>(c, s, pos, i, dim, p);
   rope_pair(lo, hi, c, s);
 }
 

@@ -295,8 +295,8 @@ __device__ __forceinline__ void run(const Params& p) {
             float2 x = unpack2<DTypeMMA>(lo[b]), y = unpack2<DTypeMMA>(hi[b]);
             const int d = 16 * j + 4 * t4 + 2 * b;
             if constexpr (V::K_TRANSFORM) x = k_in(x, key[nt], d), y = k_in(y, key[nt], d + D / 2);
-            rope_rotate_by<C::ROPE_SCALING>(x.x, y.x, pos[nt], d, D, p);
-            rope_rotate_by<C::ROPE_SCALING>(x.y, y.y, pos[nt], d + 1, D, p);
+            rope_rotate_by<C::ROPE_SCALING, true>(x.x, y.x, pos[nt], d, D, p);
+            rope_rotate_by<C::ROPE_SCALING, true>(x.y, y.y, pos[nt], d + 1, D, p);
             lo[b] = pack2<DTypeMMA>(x.x, x.y);
             hi[b] = pack2<DTypeMMA>(y.x, y.y);
           }
@@ -346,8 +346,8 @@ __device__ __forceinline__ void run(const Params& p) {
           const float pos = r < 2 ? pos_lo : pos_hi;
           const int d = 16 * j + 2 * t4 + 8 * (r % 2);
           if constexpr (V::K_TRANSFORM) lo = k_in(lo, key[r / 2], d), hi = k_in(hi, key[r / 2], d + D / 2);
-          rope_rotate_by<C::ROPE_SCALING>(lo.x, hi.x, pos, d, D, p);
-          rope_rotate_by<C::ROPE_SCALING>(lo.y, hi.y, pos, d + 1, D, p);
+          rope_rotate_by<C::ROPE_SCALING, true>(lo.x, hi.x, pos, d, D, p);
+          rope_rotate_by<C::ROPE_SCALING, true>(lo.y, hi.y, pos, d + 1, D, p);
           ka[r] = pack2<DTypeMMA>(lo.x, lo.y);
           kb[r] = pack2<DTypeMMA>(hi.x, hi.y);
         }

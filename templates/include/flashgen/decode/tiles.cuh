@@ -150,13 +150,13 @@ __device__ __forceinline__ void stage_q(const Params& p, typename C::DTypeMMA* q
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           float cs, sn;
-          rope_cos_sin_by<C::ROPE_SCALING>(cs, sn, float(q_pos), c * 8 + i, D, p);
+          rope_cos_sin_by<C::ROPE_SCALING, true>(cs, sn, float(q_pos), c * 8 + i, D, p);
           rope_pair(lo[i], hi[i], cs, sn);
           if (r == 0) row_cos[i] = cs, row_sin[i] = sn;
         }
       } else if constexpr (C::ROPE) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) rope_rotate_by<C::ROPE_SCALING>(lo[i], hi[i], float(q_pos), c * 8 + i, D, p);
+        for (int i = 0; i < 8; ++i) rope_rotate_by<C::ROPE_SCALING, true>(lo[i], hi[i], float(q_pos), c * 8 + i, D, p);
       }
       if constexpr (PRESCALE) {
 #pragma unroll
