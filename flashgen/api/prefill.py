@@ -50,8 +50,9 @@ class BatchPrefillWrapper:
 
     ``backend``: ``"auto"`` (default) runs the Hopper kernel (``"sm90"``) on a compute-capability 9.0 GPU
     when it supports the spec (``backends.check_sm90``; so far ragged KV or paged, NoMask / Causal /
-    SlidingWindow / CustomMask, fp16 / bf16, head_dim == head_dim_vo in 64 / 128 / 256, RoPE outside CUDA
-    graphs), else the ``"portable"`` kernel; naming one forces it (an ``"sm90"`` it cannot honour raises).
+    SlidingWindow / CustomMask, fp16 / bf16 or fp8 K/V, head_dim == head_dim_vo in 64 / 128 / 256, RoPE over
+    a cache of rotated K (``k_rotated=True``) anywhere, over unrotated K outside CUDA graphs), else the
+    ``"portable"`` kernel; naming one forces it (an ``"sm90"`` it cannot honour raises).
     ``wrapper.backend`` says which runs. ``kernel_options``: the portable kernel's options, e.g.
     ``{"tiles": "kv32"}`` (its tile preset; part of the kernel's uri), or ``{"positions": True}``: keys and
     queries at explicit true positions (either backend; every plan() then takes ``kv_page_pos`` and ``q_pos``,
