@@ -66,3 +66,13 @@ def test_rotated_k_head_dims_and_groups(d):
 @pytest.mark.parametrize("layout", [Ragged(), Paged(16)], ids=str)
 def test_scaled_rope_in_the_pre_pass(layout, scaling):
     check(AttentionSpec(128, kv_layout=layout, mask=Causal(), pos_encoding=RoPE(scaling=scaling)), seed=5)
+
+
+@pytest.mark.parametrize("layout", [Ragged(), Paged(16)], ids=str)
+def test_rotated_k_queries_before_position_zero(layout):
+    """More queries than keys: the first queries sit at negative positions (kv_len - qo_len + i) and q turns by
+    them too; without a mask each of them sees every key, so a row left unturned would show."""
+    from test_prefill_sm90_paged import check_ragged, run_and_check  # tests/ is on sys.path
+
+    spec = AttentionSpec(128, kv_layout=layout, pos_encoding=RoPE(k_rotated=True))
+    (check_ragged if isinstance(layout, Ragged) else run_and_check)(spec, [50, 3, 20, 1], [10, 1, 20, 0], seed=11)

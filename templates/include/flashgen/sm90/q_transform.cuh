@@ -70,7 +70,7 @@ __device__ __forceinline__ void transform_q(const Params& p, const Work& w, uint
     float rate[8], cs[8], sn[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) rate[e] = rope_angle_rate<C::ROPE_SCALING>(c * 8 + e, L::D, p);
-    int turned = -1;  // the query position cs / sn hold
+    int turned = INT32_MIN;  // the query position cs / sn hold (none yet: positions lie in [-2^30, 2^30))
 #pragma unroll 1
     for (int r = r0; r < r0 + RPT && w.row0 + r < w.rows_total; ++r) {
       int token, head;
