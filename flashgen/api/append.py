@@ -12,7 +12,7 @@ import numbers
 
 import torch
 
-from ..kernels import rows_per_block
+from ..kernels import ROPE_SCALING_FIELDS, rows_per_block
 from ..spec import AppendSpec, Paged, RoPE
 from ..spec.parts import NO_SCALING, ROPE_SCALINGS
 from .checks import check_shape, check_tensor
@@ -229,8 +229,9 @@ def _rope(rope, scaling, cos_sin_cache, dim: int, device: torch.device) -> tuple
 
 
 def rope_scaling_fields(terms: tuple[float, float, float, float, float]) -> dict:
-    """The params fields of a scaling's ``rope_terms`` (common/rope.cuh: ``rope_rotate_scaled``)."""
-    return dict(zip(("rope_rcp_factor", "rope_smooth_a", "rope_smooth_b", "rope_smooth_c", "rope_mscale"), terms))
+    """The params fields (``ROPE_SCALING_FIELDS``) of a scaling's ``rope_terms`` (common/rope.cuh:
+    ``rope_rotate_scaled``)."""
+    return dict(zip((name for _, name in ROPE_SCALING_FIELDS), terms))
 
 
 def _scales(k_scale, v_scale, cache_dtype: torch.dtype, heads: int, device: torch.device) -> tuple[str, dict]:

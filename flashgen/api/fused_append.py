@@ -10,8 +10,8 @@ from functools import lru_cache
 import torch
 
 from ..spec import AttentionSpec, RoPE
+from .append import rope_scaling_fields
 
-_SCALING_NAMES = ("rope_rcp_factor", "rope_smooth_a", "rope_smooth_b", "rope_smooth_c", "rope_mscale")
 
 
 def wants_append(options: dict | None) -> bool:
@@ -21,7 +21,7 @@ def wants_append(options: dict | None) -> bool:
 
 @lru_cache(maxsize=64)
 def _scaling_fields(rope: RoPE, theta: float, head_dim: int) -> dict:
-    return dict(zip(_SCALING_NAMES, rope.rope_terms(head_dim, theta)))
+    return rope_scaling_fields(rope.rope_terms(head_dim, theta))
 
 
 def rope_scaling_params(spec: AttentionSpec, runtime) -> dict:

@@ -8,7 +8,8 @@ Every family is registered here, by op name, and nowhere else: ``decode``, ``pre
 
 from .append import AppendFamily, rows_per_block
 from .decode import APPEND_RUNTIME_FIELDS, DecodeFamily
-from .family import EntryPoint, KernelFamily, LaunchConfig, dequantises_k, family, launch_config, ops, register
+from .family import (ROPE_SCALING_FIELDS, EntryPoint, KernelFamily, LaunchConfig, dequantises_k, family, launch_config,
+                     ops, register)
 from .merge import MergeStatesFamily
 from .params import BoundParams, Param, ParamsLayout
 from .prefill import PrefillFamily
@@ -28,5 +29,5 @@ __all__ = [
     "Param", "ParamsLayout", "TemplateError", "include_dir", "render_template", "templates_dir", "sm90_qo_tma",
     "sm90_tile_lists", "sm90_tile_heads", "sm90_tile_threads", "TILE_LIST_THREADS", "TILE_HOOK_THREADS",
     "ragged_twin", "prepass", "prepass_threads", "prepass_variant", "rotates", "rows_per_block",
-    "APPEND_RUNTIME_FIELDS", "hook_signature", "render_variant", "variant_layout", "VARIANT_FIELD", "dequantises_k",
+    "APPEND_RUNTIME_FIELDS", "ROPE_SCALING_FIELDS", "hook_signature", "render_variant", "variant_layout", "VARIANT_FIELD", "dequantises_k",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..spec import AttentionSpec, Causal, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
 from .builtins import builtin_flags
 from .family import (POSITION_FIELDS, ROPE_SCALING_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, k_scale_fields,
-                     positions_option, split_kv_struct, variant_fields)
+                     positions_option, rope_scaled, split_kv_struct, variant_fields)
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float8_e4m3fn": "__nv_fp8_e4m3",
              "float8_e5m2": "__nv_fp8_e5m2"}
@@ -69,7 +69,7 @@ def _bool_option(options: dict, name: str) -> bool:
 def rope_parts(spec: AttentionSpec) -> tuple[bool, bool, bool]:
     """(q turns, K turns as it is read, the frequencies are scaled) for ``spec``'s positional encoding."""
     rope = spec.pos_encoding if isinstance(spec.pos_encoding, RoPE) else None
-    return rope is not None, rope is not None and not rope.k_rotated, rope is not None and rope.scaling is not None
+    return rope is not None, rope is not None and not rope.k_rotated, rope_scaled(spec)
 
 
 class DecodeFamily(AttentionFamily):
@@ -161,7 +161,7 @@ class DecodeFamily(AttentionFamily):
     def entry_points(self, spec: AttentionSpec) -> tuple[EntryPoint, ...]:
         q = CPP_TYPES[spec.dtype]
         after = (("float", "v_scale"),) + (POSITION_FIELDS if self.positions else ())
-        after += ROPE_SCALING_FIELDS if rope_parts(spec)[2] else ()
+        after += ROPE_SCALING_FIELDS if rope_scaled(spec) else ()
         after += tuple((ctype.replace("DTypeQ", q), name) for ctype, name in APPEND_FIELDS) if self.append else ()
         after += k_scale_fields(spec) + variant_fields(spec)
         decode = split_kv_struct("DecodeParams", q, CPP_TYPES[spec.kv_dtype], after=after)
