@@ -29,5 +29,6 @@ __all__ = [
     "Param", "ParamsLayout", "TemplateError", "include_dir", "render_template", "templates_dir", "sm90_qo_tma",
     "sm90_tile_lists", "sm90_tile_heads", "sm90_tile_threads", "TILE_LIST_THREADS", "TILE_HOOK_THREADS",
     "ragged_twin", "prepass", "prepass_threads", "prepass_variant", "rotates", "rows_per_block",
-    "APPEND_RUNTIME_FIELDS", "ROPE_SCALING_FIELDS", "hook_signature", "render_variant", "variant_layout", "VARIANT_FIELD", "dequantises_k",
+    "APPEND_RUNTIME_FIELDS", "ROPE_SCALING_FIELDS", "hook_signature", "render_variant", "variant_layout",
+    "VARIANT_FIELD", "dequantises_k",
 ]

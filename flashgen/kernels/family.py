@@ -199,6 +199,8 @@ _I32 = "const int32_t*"
 # kv_page_pos, parallel to kv_indices (the true position of each page-table entry's first token; a token for
 # Ragged()), and q_pos, one a query token (its true position)
 POSITION_FIELDS = ((_I32, "kv_page_pos"), (_I32, "q_pos"))
+# RoPE's runtime values (spec/parts.py RoPE theta, scale; common/rope.cuh)
+ROPE_FIELDS = (("float", "rope_rcp_scale"), ("float", "rope_log2_theta"))
 # a RoPE scaling's params (Llama-3.1, YaRN: spec/parts.py rope_terms; common/rope.cuh rope_rotate_scaled), after
 # every field of a kernel without one
 ROPE_SCALING_FIELDS = (("float", "rope_rcp_factor"), ("float", "rope_smooth_a"), ("float", "rope_smooth_b"),
@@ -236,6 +238,6 @@ def split_kv_struct(name: str, q: str, kv: str, *, before_strides: tuple = (), a
         ("int64_t", "stride_page"), ("int64_t", "stride_token"), ("int64_t", "stride_head"),
         ("int32_t", "block_table_stride"), ("int32_t", "num_qo_heads"), ("int32_t", "group_size"),
         ("int32_t", "window_left"),
-        ("float", "sm_scale"), ("float", "soft_cap"), ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"),
+        ("float", "sm_scale"), ("float", "soft_cap"), *ROPE_FIELDS,
         *after,
     )

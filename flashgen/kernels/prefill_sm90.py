@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from ..spec import ALiBi, AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, RoPE, SlidingWindow, SpecError
 from .builtins import builtin_flags
-from .family import (POSITION_FIELDS, ROPE_SCALING_FIELDS, AttentionFamily, EntryPoint, LaunchConfig, positions_option,
-                     rope_scaled, struct, variant_fields)
+from .family import (POSITION_FIELDS, ROPE_FIELDS, ROPE_SCALING_FIELDS, AttentionFamily, EntryPoint, LaunchConfig,
+                     positions_option, rope_scaled, struct, variant_fields)
 from .prefill import CPP_TYPES, KV_BYTES  # fp16 / bf16 (and fp8 K/V), as the portable prefill
 
 SM90_HEAD_DIMS = (64, 128, 256)
@@ -322,15 +322,12 @@ class PrefillSM90Family(AttentionFamily):
             ("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"), (i32, "tile_indptr"), (i32, "tiles"),
             *(POSITION_FIELDS if self.positions else ()), *variant_fields(spec),
             *((("float", "v_scale"),) if _kv8(spec) else ()),  # fp8 V's per-tensor scale, applied to the output
-            *(_ROPE_FIELDS + (ROPE_SCALING_FIELDS if rope_scaled(spec) else ())  # q's rotation
+            *(ROPE_FIELDS + (ROPE_SCALING_FIELDS if rope_scaled(spec) else ())  # q's rotation
               if isinstance(spec.pos_encoding, RoPE) else ()),
         )
         tiles = (EntryPoint("prefill_sm90_tiles", params),) if sm90_tile_lists(spec, self.positions) else ()
         return (EntryPoint("prefill_sm90", params),) + tiles
 
-
-
-_ROPE_FIELDS = (("float", "rope_rcp_scale"), ("float", "rope_log2_theta"))
 
 
 def _gathered(spec: AttentionSpec) -> bool:

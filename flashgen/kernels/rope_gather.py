@@ -19,8 +19,8 @@ from dataclasses import replace
 
 from ..spec import AttentionSpec, NoMask, Paged, Ragged, RoPE, SpecError, Variant
 from ..spec.variant import HOOKS
-from .family import (POSITION_FIELDS, ROPE_SCALING_FIELDS, EntryPoint, KernelFamily, LaunchConfig, positions_option,
-                     rope_scaled, struct, variant_fields)
+from .family import (POSITION_FIELDS, ROPE_FIELDS, ROPE_SCALING_FIELDS, EntryPoint, KernelFamily, LaunchConfig,
+                     positions_option, rope_scaled, struct, variant_fields)
 
 CPP_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 FP8_TYPES = {"float8_e4m3fn": "__nv_fp8_e4m3", "float8_e5m2": "__nv_fp8_e5m2"}
@@ -101,7 +101,7 @@ class RopeGatherFamily(KernelFamily):
             ("int64_t", "stride_page"), ("int64_t", "stride_token"), ("int64_t", "stride_head"),
             ("int64_t", "total_q"), ("int64_t", "total_kv_out"),
             ("int32_t", "block_table_stride"), ("int32_t", "batch"), ("int32_t", "num_qo_heads"),
-            ("int32_t", "num_kv_heads"), ("float", "rope_rcp_scale"), ("float", "rope_log2_theta"),
+            ("int32_t", "num_kv_heads"), *ROPE_FIELDS,
             *((("float", "k_scale"), ("float", "v_scale")) if fp8 else ()),
             *((*POSITION_FIELDS, ("int32_t*", "kv_pos_out")) if self.positions else ()),
             *(ROPE_SCALING_FIELDS if rotates(spec) and rope_scaled(spec) else ()), *variant_fields(spec),
