@@ -250,7 +250,7 @@ def build(cfg: argparse.Namespace, progress_class=None) -> None:
     """Compile (or find in the cache) every flashgen kernel of the grid before anything is timed, in parallel;
     ``progress_class``: flashgen.progress.Progress, one step a kernel (else one line at the end)."""
     specs = {spec_for(d, layout, mask, kv, rope) for d, _, _, mask in grid(cfg) for layout in cfg.layouts
-             for kv in cfg.kv_dtypes for rope in _ropes(cfg)}
+             for kv in cfg.kv_dtypes for rope in cfg.ropes}
     jobs = [(kernel_spec, op) for s in specs for b in cfg.backends if runs(s, b)
             for op, kernel_spec in kernels_for(s, b)]
     start = time.perf_counter()
@@ -304,13 +304,13 @@ def measure(cfg: argparse.Namespace, mm: float, progress=None) -> list[dict]:
                 write(f"{peer} {layout} failed: {exc!r}"[:300])
 
         for layout in cfg.layouts:
-            for backend, kv, rope in ((b, kv, r) for r in _ropes(cfg) for kv in cfg.kv_dtypes for b in cfg.backends):
+            for backend, kv, rope in ((b, kv, r) for r in cfg.ropes for kv in cfg.kv_dtypes for b in cfg.backends):
                 if runs(spec_for(d, layout, mask, kv, rope), backend):
                     peer = "-".join(["flashgen", backend] + [x for x in (kv, rope) if x not in ("bf16", "none")])
                     attempt(peer, layout, lambda: bench_flashgen(q, k, v, batch, seqlen, d, layout, mask, gen, backend,
                                                                  kv, rope))
             if "flashinfer" in cfg.peers and mask != "doc":
-                for rope in [r for r in _ropes(cfg) if r in ("none", "rope")]:
+                for rope in [r for r in cfg.ropes if r in ("none", "rope")]:
                     attempt("flashinfer" + ("-rope" if rope == "rope" else ""), layout,
                             lambda: bench_flashinfer(q, k, v, batch, seqlen, d, layout, mask, gen, rope=rope == "rope"))
             # FA3: ragged, none and causal (the Hopper issue's bar); each further variant is another JIT module
@@ -339,10 +339,6 @@ def measure(cfg: argparse.Namespace, mm: float, progress=None) -> list[dict]:
         if progress is not None:
             progress.write(f"prefill d={d} {batch}x{seqlen} {mask} done")
     return rows
-
-
-def _ropes(cfg: argparse.Namespace) -> list[str]:
-    return getattr(cfg, "ropes", ["none"])
 
 
 def markdown(result: dict) -> str:
