@@ -116,7 +116,9 @@ class FlashgenCache(Cache):
         if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1):
             raise ValueError(f"num_pages: got {num_pages!r}, expected None or an int >= 1")
         super().__init__(layers=[FlashgenLayer(self, i) for i in range(num_layers)])
-        self.num_layers, self.page_size, self.max_cache_len, self.num_pages = num_layers, page_size, max_cache_len, num_pages
+        # transformers' Cache has a read-only ``max_cache_len`` (deprecated since 5.16, the layers' maximum: none here)
+        self.num_layers, self.page_size, self.num_pages = num_layers, page_size, num_pages
+        self._tokens_a_sequence = max_cache_len
         self.reset()
 
     def reset(self) -> None:
@@ -209,7 +211,7 @@ class FlashgenCache(Cache):
         from ..kvcache import PagedKVCache
 
         kv_heads, dim = key.shape[1], key.shape[3]
-        pages = self.num_pages or batch * -(-self.max_cache_len // self.page_size)
+        pages = self.num_pages or batch * -(-self._tokens_a_sequence // self.page_size)
         self.store = PagedKVCache(pages, self.page_size, self.num_layers * kv_heads, dim, dtype=key.dtype,
                                   device=key.device, kv_form="pair", prefix_cache=False)
         for b in range(batch):

@@ -9,6 +9,9 @@ function with ``AttentionMaskInterface``, both under the name ``"flashgen"``::
     cache = fg_hf.FlashgenCache(model.config, page_size=16, max_cache_len=4096)
     out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=32)
 
+(transformers 5.24 and later name the argument ``cache``; earlier 5.x releases ``past_key_values``: ``CACHE_ARG``
+holds the installed release's name, ``**{fg_hf.CACHE_ARG: cache}``.)
+
 With a ``FlashgenCache`` (``cache.py``), K and V live in a flashgen ``PagedKVCache`` (every layer's KV heads
 side by side in one pool, so one page table serves all layers): each forward plans once (at its first layer)
 and every layer writes its new K/V with ``append_kv`` and attends through the planned ``BatchDecodeWrapper``
@@ -24,17 +27,23 @@ dropout) raises ``ValueError`` naming it. The attention weights are not returned
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 from transformers import AttentionInterface, modeling_utils
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+from transformers.models.llama import modeling_llama as _llama
 
 from ..spec import AttentionSpec, Causal, Ragged
 from .hf_cache import FlashgenCache, active_cache, valid_tokens
 
 NAME = "flashgen"
 
-__all__ = ["NAME", "FlashgenCache", "flashgen_attention_forward", "padding_mask", "register_attention"]
+# the keyword a model's forward() and generate() take a Cache by: "cache" since transformers 5.24
+CACHE_ARG = "cache" if "cache" in inspect.signature(_llama.LlamaModel.forward).parameters else "past_key_values"
+
+__all__ = ["CACHE_ARG", "NAME", "FlashgenCache", "flashgen_attention_forward", "padding_mask", "register_attention"]
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,

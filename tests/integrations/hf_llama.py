@@ -45,13 +45,14 @@ def prompts(device, pad_side="left", seed=1):
 def step_logits(model, cache, ids, mask, tokens):
     """Prefill ``ids`` then one decode step per column of ``tokens [batch, steps]``; yields (logits, valid rows
     mask) of the prefill ``[batch, len, vocab]`` then of each step ``[batch, 1, vocab]``."""
+    from flashgen.integrations.transformers import CACHE_ARG
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **{CACHE_ARG: cache}, use_cache=True)
     yield out.logits, mask.bool()
     for t in range(tokens.shape[1]):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         positions = mask.sum(-1, keepdim=True) - 1
-        out = model(input_ids=tokens[:, t: t + 1], attention_mask=mask, position_ids=positions, cache=cache,
+        out = model(input_ids=tokens[:, t: t + 1], attention_mask=mask, position_ids=positions, **{CACHE_ARG: cache},
                     use_cache=True)
         yield out.logits, torch.ones_like(mask[:, -1:], dtype=torch.bool)
 

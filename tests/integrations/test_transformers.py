@@ -109,12 +109,12 @@ def test_dense_path_matches_sdpa(reference_kernels):
 
 
 def test_generate_runs_through_the_paged_cache(reference_kernels):
-    from flashgen.integrations.transformers import FlashgenCache
+    from flashgen.integrations.transformers import CACHE_ARG, FlashgenCache
 
     ours, _ = models("cpu")
     ids, mask = prompts("cpu", "left")
     cache = FlashgenCache(ours.config, page_size=16)
-    out = ours.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    out = ours.generate(ids, attention_mask=mask, **{CACHE_ARG: cache}, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert out.shape == (4, ids.shape[1] + 5)
     assert [cache.store.seq_len(b) for b in range(4)] == [n + 4 for n in (5, 17, 1, 11)]  # the last token is not fed
 

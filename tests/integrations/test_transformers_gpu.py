@@ -47,14 +47,14 @@ def test_dense_cache_path_matches_sdpa():
 
 @pytest.mark.parametrize("with_cache", [True, False])
 def test_generate_end_to_end(with_cache):
-    from flashgen.integrations.transformers import FlashgenCache
+    from flashgen.integrations.transformers import CACHE_ARG, FlashgenCache
 
     ours, theirs = models("cuda")
     ids, mask = prompts("cuda", "left")
-    kwargs = {"cache": FlashgenCache(ours.config, page_size=16)} if with_cache else {}
+    kwargs = {CACHE_ARG: FlashgenCache(ours.config, page_size=16)} if with_cache else {}
     out = ours.generate(ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False, pad_token_id=0, **kwargs)
     assert out.shape == (4, ids.shape[1] + STEPS)
     assert torch.equal(out[:, : ids.shape[1]], ids)
     sampled = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=20, pad_token_id=0,
-                            **({"cache": FlashgenCache(ours.config)} if with_cache else {}))
+                            **({CACHE_ARG: FlashgenCache(ours.config)} if with_cache else {}))
     assert sampled.shape == (4, ids.shape[1] + 8)
