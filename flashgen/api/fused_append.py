@@ -1,36 +1,16 @@
-"""Fused append + decode (``BatchDecodeWrapper(..., kernel_options={"append": True})``) and the RoPE scaling params
-of the attention kernels: the checks of ``run()``'s ``k_new`` / ``v_new`` (O(1): attributes only, no sync) and the
-params fields filled at ``plan()``.
+"""Fused append + decode (``BatchDecodeWrapper(..., kernel_options={"append": True})``): the checks of ``run()``'s
+``k_new`` / ``v_new`` (O(1): attributes only, no sync) and the params fields filled at ``plan()``.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
-from ..spec import AttentionSpec, RoPE
-from .append import rope_scaling_fields
-
-
+from ..spec import AttentionSpec
 
 def wants_append(options: dict | None) -> bool:
     """Whether kernel ``options`` turn fused append on (the family checks the value)."""
     return bool(options) and options.get("append", False) is True
-
-
-@lru_cache(maxsize=64)
-def _scaling_fields(rope: RoPE, theta: float, head_dim: int) -> dict:
-    return rope_scaling_fields(rope.rope_terms(head_dim, theta))
-
-
-def rope_scaling_params(spec: AttentionSpec, runtime) -> dict:
-    """The params fields of the spec's RoPE scaling (``family.ROPE_SCALING_FIELDS``) at the plan's theta, or {}
-    without a scaling (the kernel then has no such fields)."""
-    rope = spec.pos_encoding
-    if not isinstance(rope, RoPE) or rope.scaling is None:
-        return {}
-    return _scaling_fields(rope, 2.0 ** runtime.rope_log2_theta, spec.head_dim)
 
 
 def append_fields(k_scale: float, v_scale: float) -> dict:

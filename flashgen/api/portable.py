@@ -15,11 +15,10 @@ from ..plan.mask_tiles import split_plan_mask_tiles
 from ..spec import CustomMask, NoMask
 from .custom_mask import custom_mask_bits, device_mask, mask_extras
 from .device import current_stream
-from .fused_append import rope_scaling_params
 from .kv_inputs import KVView, PageTable, device_page_ids
 from .staging import DeviceBuffer
 from .variant_args import variant_args
-from .wrapper import Runtime, WrapperCore
+from .wrapper import Runtime, WrapperCore, rope_scaling_params
 
 # the params written at run(): the tensors and the cache's strides (the KV memo's arguments)
 RUNTIME_FIELDS = ("q", "k", "v", "o", "lse", "stride_page", "stride_token", "stride_head")

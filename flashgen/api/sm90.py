@@ -33,13 +33,12 @@ from .backends import kernels_for
 from .custom_mask import custom_mask_bits, device_mask, mask_extras
 from .device import current_stream
 from .fastdiv import fast_div
-from .fused_append import rope_scaling_params
 from .kv_inputs import TORCH_DTYPES, KVView, PageTable
 from .positions import wants_positions
 from .portable import HOST_ARRAYS_HINT, host_ids_reserve, page_fields, table_extras
 from .staging import DeviceBuffer
 from .variant_args import variant_args, variant_offset, variant_size
-from .wrapper import Runtime, WrapperCore
+from .wrapper import Runtime, WrapperCore, rope_scaling_params
 
 _TMA_DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", torch.float16: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16",
                torch.float8_e4m3fn: "CU_TENSOR_MAP_DATA_TYPE_UINT8", torch.float8_e5m2: "CU_TENSOR_MAP_DATA_TYPE_UINT8"}

@@ -29,6 +29,7 @@ import torch
 
 from ..plan import Plan, PlanError
 from ..spec import AttentionSpec, Paged, RoPE, SlidingWindow
+from .append import rope_scaling_fields
 from .checks import check_count, check_tensor
 from .kv_inputs import TORCH_DTYPES, KVView, PageTable
 from .page_ids import PageIds
@@ -92,6 +93,20 @@ def runtime_values(spec: AttentionSpec, sm_scale=None, rope_theta=None, rope_sca
         cap = positive("soft_cap", spec.soft_cap if soft_cap is None else soft_cap,
                         " (the logits are capped at +-soft_cap; the spec's cap is structural: 0 cannot turn it off)")
     return Runtime(window, scale_qk, cap, 1.0 / scale, math.log2(theta))
+
+
+def rope_scaling_params(spec: AttentionSpec, runtime: Runtime) -> dict:
+    """The params fields of the spec's RoPE scaling (``family.ROPE_SCALING_FIELDS``) at the plan's theta, or {}
+    without a scaling (the kernel then has no such fields): what the prefills fill at ``plan()``."""
+    rope = spec.pos_encoding
+    if not isinstance(rope, RoPE) or rope.scaling is None:
+        return {}
+    return _scaling_fields(rope, 2.0 ** runtime.rope_log2_theta, spec.head_dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _scaling_fields(rope: RoPE, theta: float, head_dim: int) -> dict:
+    return rope_scaling_fields(rope.rope_terms(head_dim, theta))
 
 
 def positive(name: str, value, note: str = "") -> float:
