@@ -18,8 +18,12 @@ fi
 COMMIT=${COMMIT:-unknown}
 for step in "${@:-tests}"; do
   case "$step" in
-    tests)
-      python3 -m pytest -m cuda tests -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
+    tests)  # TEST_JOBS pytest-xdist workers (default 8; 0: one process): the suite is bound by its compiles
+      jobs=${TEST_JOBS:-8}
+      workers=()
+      if [ "$jobs" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then workers=(-n "$jobs"); fi
+      python3 -m pytest -m cuda tests -q -p no:cacheprovider --durations=20 "${workers[@]}" 2>&1 | tee "$OUT/gpu-tests.log" \
+        | grep -v Warning | tail -40 ;;
     sanitize)  # memcheck, racecheck and synccheck over every kernel family's tests (tests/sanitize.sh)
       OUT=$OUT bash tests/sanitize.sh 2>&1 | tail -20 ;;
     fuzz)  # the differential fuzz: 20,000 seeded cases against the fp64 reference, graph replays with fresh ids
