@@ -107,9 +107,16 @@ def specs_from_config(config: dict, page_sizes: tuple[int, ...] = (16,),
     """(model facts, [(op, spec), ...]) for a Hugging Face ``config.json`` dict: paged decode and prefill
     (portable and sm90) at each page size, ragged causal prefill, and the merges. ``dtype`` overrides the
     config's ``torch_dtype`` (a float32 checkpoint served in bfloat16). ``PlanError`` names the field flashgen
-    cannot serve."""
+    cannot serve.
+
+    A multimodal config's attention is its ``text_config``'s. Which masks the layers take (``_layer_masks``):
+    ``layer_types`` where the config lists them (full and sliding attention; layers that are not softmax
+    attention, such as linear attention, are left to their own kernels), else Gemma's alternation, else a
+    window on every layer where ``sliding_window`` is set. gpt-oss's learned per-head sinks are the shipped
+    ``flashgen.variants.examples.SINK`` variant (``run(..., sinks=)``), so a server builds its specs with it."""
     from .kernels import family
 
+    config = _text_config(config)
     if "kv_lora_rank" in config:
         raise PlanError("config.json: kv_lora_rank: multi-head latent attention (DeepSeek-V2/V3 MLA) has no "
                         "flashgen kernel; plan its decoder without it")
@@ -142,8 +149,8 @@ def specs_from_config(config: dict, page_sizes: tuple[int, ...] = (16,),
     for size in page_sizes:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise PlanError(f"--page-size: got {size!r}, expected an int >= 1")
-    # Gemma-2 alternates windowed and global layers: both masks; Mistral windows every layer
-    masks = [SlidingWindow(window)] if window and not soft_cap else [Causal()] + ([SlidingWindow(window)] if window else [])
+    masks, layers = _layer_masks(config, window)
+    variant = _sink_variant(config)
     try:
         AttentionSpec(head_dim, dtype=dtype, soft_cap=soft_cap)
     except SpecError as exc:
@@ -152,7 +159,7 @@ def specs_from_config(config: dict, page_sizes: tuple[int, ...] = (16,),
     builds: list[tuple[str, object]] = []
 
     def spec(layout, mask):
-        return AttentionSpec(head_dim, dtype=dtype, kv_layout=layout, mask=mask, soft_cap=soft_cap)
+        return AttentionSpec(head_dim, dtype=dtype, kv_layout=layout, mask=mask, soft_cap=soft_cap, variant=variant)
 
     for mask in masks:
         decode_mask = NoMask() if isinstance(mask, Causal) else mask
@@ -167,13 +174,67 @@ def specs_from_config(config: dict, page_sizes: tuple[int, ...] = (16,),
             raise PlanError(f"config.json: flashgen's {op} kernel cannot serve this model: {exc}") from exc
     facts = {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
              "dtype": dtype, "sliding_window": window, "attn_logit_softcapping": soft_cap,
+             "layers": layers, "attention_sinks": True if variant is not None else None,
              "rope_theta": config.get("rope_theta"), "rope_scaling": config.get("rope_scaling")}
     return facts, builds
+
+
+_LAYER_MASKS = {"full_attention": "causal", "sliding_attention": "window"}
+# layer kinds that are not softmax attention over a KV cache: other kernels serve them
+_OTHER_LAYERS = ("linear_attention", "mamba", "conv", "recurrent", "moe")
+
+
+def _text_config(config: dict) -> dict:
+    """A multimodal config's language model (``text_config``), with the top level's dtype where it has none."""
+    text = config.get("text_config")
+    if "num_attention_heads" in config or not isinstance(text, dict):
+        return config
+    dtype = {k: config[k] for k in ("torch_dtype", "dtype") if k in config and k not in text}
+    return {**dtype, **text}
+
+
+def _layer_masks(config: dict, window: int | None) -> tuple[list, str]:
+    """The masks the model's attention layers take, and how the config said so (for the plan's [config])."""
+    types = config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            raise PlanError(f"config.json: layer_types: got {types!r}, expected a list of layer kinds")
+        kinds = {t: types.count(t) for t in dict.fromkeys(types)}
+        unknown = [t for t in kinds if t not in _LAYER_MASKS and t not in _OTHER_LAYERS]
+        if unknown:
+            raise PlanError(f"config.json: layer_types: {unknown[0]!r} layers have no flashgen mask (it plans "
+                            f"{', '.join(sorted(_LAYER_MASKS))}; {', '.join(_OTHER_LAYERS)} layers are left to "
+                            "their own kernels)")
+        if "sliding_attention" in kinds and window is None:
+            raise PlanError("config.json: sliding_window: layer_types names sliding_attention layers, but no "
+                            "window is set")
+        masks = ([Causal()] if "full_attention" in kinds else []) + \
+            ([SlidingWindow(window)] if "sliding_attention" in kinds else [])
+        if not masks:
+            raise PlanError(f"config.json: layer_types: no softmax attention layer among {sorted(kinds)}")
+        return masks, ", ".join(f"{n} {t}" for t, n in kinds.items())
+    if window is None:
+        return [Causal()], "full attention on every layer"
+    if config.get("sliding_window_pattern") or config.get("attn_logit_softcapping") is not None:
+        # Gemma-2 (soft-capped) and Gemma-3 (sliding_window_pattern) alternate windowed and global layers
+        return [Causal(), SlidingWindow(window)], "windowed and global layers alternate"
+    return [SlidingWindow(window)], "a window on every layer"
+
+
+def _sink_variant(config: dict):
+    """gpt-oss's attention: a learned logit per q head in each softmax's denominator (the SINK example)."""
+    if config.get("model_type") != "gpt_oss":
+        return None
+    from .variants.examples import SINK
+
+    return SINK
 
 
 def _toml_value(value: object) -> str:
     if isinstance(value, dict):
         return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None) + " }"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, bool):
@@ -201,4 +262,5 @@ def _describe(op: str, spec: object) -> str:
         return f"merge of partial states ({spec.dtype}): split-KV and cascade levels"
     layout = f"page size {spec.kv_layout.page_size}" if isinstance(spec.kv_layout, Paged) else "ragged K/V"
     what = {"decode": "decode", "prefill": "prefill, portable (mma.sync)", "prefill_sm90": "prefill, Hopper (wgmma)"}
-    return f"{what.get(op, op)}, {layout}, {type(spec.mask).__name__}" + (f", soft-cap" if spec.soft_cap else "")
+    hooks = " + attention sinks" if spec.variant is not None and spec.variant.sink is not None else ""
+    return f"{what.get(op, op)}, {layout}, {type(spec.mask).__name__}" + (", soft-cap" if spec.soft_cap else "") + hooks

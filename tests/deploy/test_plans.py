@@ -14,8 +14,9 @@ import pytest
 
 from compile_checks import seed_planner
 from flashgen import cli
-from flashgen.deploy import PlanError, read_plan, specs_from_config
-from flashgen.spec import MergeSpec, Paged, SlidingWindow
+from flashgen.deploy import PlanError, plan_toml, read_plan, specs_from_config
+from flashgen.spec import Causal, MergeSpec, NoMask, Paged, SlidingWindow
+from flashgen.variants.examples import SINK
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = Path(__file__).parent / "configs"
@@ -71,6 +72,49 @@ def test_qwen_gqa7_leaves_its_disabled_window_out():
     facts, builds = specs_from_config(_config("Qwen2.5-7B"))
     assert facts["num_attention_heads"] // facts["num_key_value_heads"] == 7 and facts["sliding_window"] is None
     assert not any(isinstance(s.mask, SlidingWindow) for op, s in builds if op != "merge_states")
+
+
+def test_gpt_oss_plans_both_layer_kinds_with_its_sinks(tmp_path):
+    facts, builds = specs_from_config(_config("gpt-oss-20b"))
+    assert facts["layers"] == "12 sliding_attention, 12 full_attention" and facts["attention_sinks"] is True
+    attention = [(op, s) for op, s in builds if op != "merge_states"]
+    assert {(op, s.mask) for op, s in attention if op == "decode"} == {("decode", NoMask()),
+                                                                        ("decode", SlidingWindow(128))}
+    assert {s.mask for op, s in attention if op == "prefill_sm90"} == {Causal(), SlidingWindow(128)}
+    assert all(s.variant == SINK and s.head_dim == 64 for _, s in attention)
+    path = tmp_path / "gpt-oss.toml"
+    path.write_text(plan_toml("openai/gpt-oss-20b", facts, builds))
+    assert read_plan(path) == ("openai/gpt-oss-20b", builds)  # the sinks' declarations read back
+
+
+def test_a_multimodal_config_plans_its_text_model():
+    facts, builds = specs_from_config(_config("gemma-3-4b-it"))
+    assert (facts["head_dim"], facts["num_key_value_heads"], facts["dtype"]) == (256, 4, "bfloat16")
+    assert facts["layers"] == "windowed and global layers alternate"
+    assert {s.mask for op, s in builds if op == "prefill"} == {Causal(), SlidingWindow(1024)}
+
+
+def test_layer_types_decide_the_masks():
+    llama = _config("Meta-Llama-3-8B")
+    types = ["linear_attention"] * 3 + ["full_attention"]
+    facts, builds = specs_from_config({**llama, "layer_types": types * 8})
+    assert facts["layers"] == "24 linear_attention, 8 full_attention"
+    assert {s.mask for op, s in builds if op == "prefill"} == {Causal()}
+    # a window in the config that no layer uses is left out
+    _, builds = specs_from_config({**llama, "sliding_window": 4096, "layer_types": ["full_attention"] * 32})
+    assert not any(isinstance(s.mask, SlidingWindow) for op, s in builds if op != "merge_states")
+
+
+@pytest.mark.parametrize("types, window, match", [
+    (["chunked_attention", "full_attention"], None, "layer_types: 'chunked_attention' layers have no flashgen mask"),
+    (["sliding_attention", "full_attention"], None, "sliding_window: layer_types names sliding_attention"),
+    (["linear_attention", "mamba"], None, "layer_types: no softmax attention layer"),
+    ("full_attention", None, "layer_types: got 'full_attention', expected a list"),
+])
+def test_layer_types_flashgen_cannot_plan_name_themselves(types, window, match):
+    config = {**_config("Meta-Llama-3-8B"), "layer_types": types, "sliding_window": window}
+    with pytest.raises(PlanError, match=match):
+        specs_from_config(config)
 
 
 @pytest.mark.parametrize("name, change, match", [
