@@ -17,7 +17,7 @@ import torch
 
 import flashgen
 from flashgen.api.backends import kernels_for
-from flashgen.spec import AttentionSpec, Causal, NoMask, Paged, Ragged
+from flashgen.spec import AttentionSpec, Causal, NoMask, Paged, Ragged, SlidingWindow
 from flashgen.testing import request_kv, runtime_params
 from flashgen.testing.check import nan_out
 from flashgen.testing.layouts import random_batch
@@ -131,6 +131,29 @@ def test_prefill(name, spelling, family):
     wrapper.plan(qo_indptr=qo_indptr, num_qo_heads=HEADS * GROUP, num_kv_heads=HEADS, **_cuda_table(table))
     out, lse = wrapper.run(q.cuda(), _to_cuda(kv), out=nan_out(spec, q), return_lse=True, **_gpu(args))
     _check(name, spec, args, q, kv, table, qo_lens, out, lse)
+
+
+@pytest.mark.parametrize("family", ["decode", "ragged", "paged", "sm90"])
+def test_sinks_with_a_sliding_window(family):
+    """gpt-oss's attention as `flashgen plan-from-config` plans it: the learned per-head sinks on windowed layers,
+    head_dim 64, in every family."""
+    if family == "sm90" and not HOPPER:
+        pytest.skip("the sm90 backend needs a compute-capability 9.0 GPU")
+    op, layout = FAMILIES[family] if family != "decode" else ("decode", Paged(16))
+    spec = AttentionSpec(64, kv_layout=layout, mask=SlidingWindow(100), variant=EXAMPLES["sink"][0])
+    g = _generator("sinks-window", family)
+    qo_lens, kv_lens = ([1, 1, 1], [700, 1, 300]) if op == "decode" else ([1, 130, 40], [5, 900, 40])
+    q, kv, table = random_batch(spec, qo_lens, kv_lens, HEADS, GROUP, generator=g)
+    args = example_args("sink", heads=HEADS * GROUP, max_kv=max(kv_lens), batch=len(kv_lens), generator=g)
+    if op == "decode":
+        wrapper = flashgen.BatchDecodeWrapper(spec)
+        wrapper.plan(num_qo_heads=HEADS * GROUP, num_kv_heads=HEADS, **_cuda_table(table))
+    else:
+        wrapper = flashgen.BatchPrefillWrapper(spec, backend="sm90" if family == "sm90" else "portable")
+        wrapper.plan(qo_indptr=[0] + torch.tensor(qo_lens).cumsum(0).tolist(), num_qo_heads=HEADS * GROUP,
+                     num_kv_heads=HEADS, **_cuda_table(table))
+    out, lse = wrapper.run(q.cuda(), _to_cuda(kv), out=nan_out(spec, q), return_lse=True, **_gpu(args))
+    _check("sink", spec, args, q, kv, table, qo_lens, out, lse)
 
 
 def test_decode_cuda_graph_replays_the_variant_tensors_in_place():
