@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .spec import AttentionSpec, Causal, MergeSpec, NoMask, Paged, Ragged, SlidingWindow, SpecError
+from .spec import AppendSpec, AttentionSpec, Causal, MergeSpec, NoMask, Paged, Ragged, SlidingWindow, SpecError
 from .spec import spec_from_dict, spec_to_dict
 
 
@@ -105,7 +105,10 @@ def _field(config: dict, name: str, kind: type, default=None):
 def specs_from_config(config: dict, page_sizes: tuple[int, ...] = (16,),
                       dtype: str | None = None) -> tuple[dict, list[tuple[str, object]]]:
     """(model facts, [(op, spec), ...]) for a Hugging Face ``config.json`` dict: paged decode and prefill
-    (portable and sm90) at each page size, ragged causal prefill, and the merges. ``dtype`` overrides the
+    (portable and sm90) at each page size, ragged causal prefill, the merges, and the cache write at each page size
+    in the forms flashgen's callers use: an int64 ``slot_mapping`` as given (vLLM's and SGLang's adapters,
+    ``PagedKVCache.append``) and an int32 one with RoPE on K (``PagedKVCache.allocate`` then ``write(...,
+    rope=)``, the serving loop). ``dtype`` overrides the
     config's ``torch_dtype`` (a float32 checkpoint served in bfloat16). ``PlanError`` names the field flashgen
     cannot serve.
 
@@ -167,6 +170,11 @@ def specs_from_config(config: dict, page_sizes: tuple[int, ...] = (16,),
         for op in ("prefill", "prefill_sm90"):
             builds += [(op, spec(Ragged(), mask))] + [(op, spec(Paged(size), mask)) for size in page_sizes]
     builds += [("merge_states", MergeSpec(dtype)), ("merge_states", MergeSpec("float32"))]
+    for size in page_sizes:  # the cache write (append_kv) in the two forms flashgen's own callers use
+        builds += [("append", AppendSpec(head_dim, dtype, dtype, Paged(size), page_table="slot_mapping",
+                                         index_dtype="int64")),
+                   ("append", AppendSpec(head_dim, dtype, dtype, Paged(size), rope="rope", page_table="slot_mapping",
+                                         index_dtype="int32"))]
     for op, s in builds:
         try:
             family(op).check(family(op).project(s))
@@ -260,6 +268,11 @@ def plan_toml(model: str, facts: dict, builds: list[tuple[str, object]], note: s
 def _describe(op: str, spec: object) -> str:
     if isinstance(spec, MergeSpec):
         return f"merge of partial states ({spec.dtype}): split-KV and cascade levels"
+    if isinstance(spec, AppendSpec):
+        rope = ", K rotated on the way (RoPE)" if spec.rope == "rope" else (
+            f", rope {spec.rope}" if spec.rope != "none" else "")
+        return (f"cache write (append_kv), page size {spec.kv_layout.page_size}, {spec.page_table} "
+                f"{spec.index_dtype}{rope}")
     layout = f"page size {spec.kv_layout.page_size}" if isinstance(spec.kv_layout, Paged) else "ragged K/V"
     what = {"decode": "decode", "prefill": "prefill, portable (mma.sync)", "prefill_sm90": "prefill, Hopper (wgmma)"}
     hooks = " + attention sinks" if spec.variant is not None and spec.variant.sink is not None else ""

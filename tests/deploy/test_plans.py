@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from unittest import mock
+
 import pytest
 
 from compile_checks import seed_planner
@@ -21,6 +23,7 @@ from flashgen.variants.examples import SINK
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = Path(__file__).parent / "configs"
 PLANS = sorted((REPO / "plans").glob("*.toml"))
+ATTENTION = ("decode", "prefill", "prefill_sm90")
 
 
 def _config(name: str) -> dict:
@@ -31,7 +34,7 @@ def _config(name: str) -> dict:
 def test_every_plan_parses_and_validates(path):
     model, builds = read_plan(path)
     assert model and builds
-    assert {"decode", "prefill", "prefill_sm90", "merge_states"} <= {op for op, _ in builds}
+    assert {"decode", "prefill", "prefill_sm90", "merge_states", "append"} <= {op for op, _ in builds}
 
 
 def test_the_older_json_list_still_reads(tmp_path):
@@ -59,9 +62,40 @@ def test_llama3_8b_config():
     assert {s.kv_layout.page_size for op, s in builds if op == "decode"} == {1, 16}
 
 
+def test_the_cache_write_in_the_forms_flashgen_calls_it():
+    _, builds = specs_from_config(_config("Meta-Llama-3-8B"), (1, 16))
+    writes = {(s.kv_layout.page_size, s.page_table, s.index_dtype, s.rope) for op, s in builds if op == "append"}
+    assert writes == {(size, "slot_mapping", index, rope) for size in (1, 16)
+                      for index, rope in (("int64", "none"), ("int32", "rope"))}
+    assert all(s.head_dim == 128 and s.dtype == s.kv_dtype == "bfloat16" for op, s in builds if op == "append")
+    # the same specs append_kv builds for those calls (its kernel lookup stubbed: no GPU)
+    import torch
+
+    from flashgen import RoPE
+    from flashgen.api import append as append_api
+    from stub_cuda import on_device
+
+    made = []
+
+    def kernel(spec, device):
+        made.append(spec)
+        raise LookupError
+
+    k, v = (on_device(torch.zeros(3, 8, 128, dtype=torch.bfloat16)) for _ in range(2))
+    cache = on_device(torch.zeros(4, 2, 16, 8, 128, dtype=torch.bfloat16))
+    calls = [{"slot_mapping": on_device(torch.arange(3))},  # the adapters, PagedKVCache.append
+             {"slot_mapping": on_device(torch.arange(3, dtype=torch.int32)),  # PagedKVCache.write(rope=)
+              "positions": on_device(torch.arange(3, dtype=torch.int32)), "rope": RoPE(500000.0)}]
+    with mock.patch.object(append_api, "_kernel", kernel):
+        for call in calls:
+            with pytest.raises(LookupError):
+                append_api.append_kv(k, v, cache, **call)
+    assert set(made) == {s for op, s in builds if op == "append" and s.kv_layout.page_size == 16}
+
+
 def test_mistral_windows_every_layer_and_gemma2_both():
     _, mistral = specs_from_config(_config("Mistral-7B-v0.1"))
-    assert all(isinstance(s.mask, SlidingWindow) for op, s in mistral if op != "merge_states")
+    assert all(isinstance(s.mask, SlidingWindow) for op, s in mistral if op in ATTENTION)
     facts, gemma = specs_from_config(_config("gemma-2-9b"), dtype="bfloat16")
     assert facts["head_dim"] == 256 and facts["attn_logit_softcapping"] == 50.0
     kinds = {type(s.mask).__name__ for op, s in gemma if op == "prefill"}
@@ -71,13 +105,13 @@ def test_mistral_windows_every_layer_and_gemma2_both():
 def test_qwen_gqa7_leaves_its_disabled_window_out():
     facts, builds = specs_from_config(_config("Qwen2.5-7B"))
     assert facts["num_attention_heads"] // facts["num_key_value_heads"] == 7 and facts["sliding_window"] is None
-    assert not any(isinstance(s.mask, SlidingWindow) for op, s in builds if op != "merge_states")
+    assert not any(isinstance(s.mask, SlidingWindow) for op, s in builds if op in ATTENTION)
 
 
 def test_gpt_oss_plans_both_layer_kinds_with_its_sinks(tmp_path):
     facts, builds = specs_from_config(_config("gpt-oss-20b"))
     assert facts["layers"] == "12 sliding_attention, 12 full_attention" and facts["attention_sinks"] is True
-    attention = [(op, s) for op, s in builds if op != "merge_states"]
+    attention = [(op, s) for op, s in builds if op in ATTENTION]
     assert {(op, s.mask) for op, s in attention if op == "decode"} == {("decode", NoMask()),
                                                                         ("decode", SlidingWindow(128))}
     assert {s.mask for op, s in attention if op == "prefill_sm90"} == {Causal(), SlidingWindow(128)}
@@ -102,7 +136,7 @@ def test_layer_types_decide_the_masks():
     assert {s.mask for op, s in builds if op == "prefill"} == {Causal()}
     # a window in the config that no layer uses is left out
     _, builds = specs_from_config({**llama, "sliding_window": 4096, "layer_types": ["full_attention"] * 32})
-    assert not any(isinstance(s.mask, SlidingWindow) for op, s in builds if op != "merge_states")
+    assert not any(isinstance(s.mask, SlidingWindow) for op, s in builds if op in ATTENTION)
 
 
 @pytest.mark.parametrize("types, window, match", [
@@ -135,7 +169,7 @@ def test_plan_from_config_command_writes_a_plan_that_reads_back(tmp_path, capsys
     out = tmp_path / "qwen.toml"
     assert cli.main(["plan-from-config", str(CONFIGS / "Qwen2.5-7B.json"), "--page-size", "32", "--out", str(out)]) == 0
     model, builds = read_plan(out)
-    assert model == "Qwen/Qwen2.5-7B" and (out.read_text().count("[[kernel]]") == len(builds) == 7)
+    assert model == "Qwen/Qwen2.5-7B" and (out.read_text().count("[[kernel]]") == len(builds) == 9)
     assert {s.kv_layout for op, s in builds if op == "decode"} == {Paged(32)}
     assert cli.main(["plan-from-config", str(CONFIGS / "Phi-3-mini-4k.json")]) == 2
     assert "head_dim 96" in capsys.readouterr().err
