@@ -17,6 +17,7 @@ against its family when the plan is read, so a plan that cannot be built fails b
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 from .spec import AppendSpec, AttentionSpec, Causal, MergeSpec, NoMask, Paged, Ragged, SlidingWindow, SpecError
@@ -187,7 +188,7 @@ def specs_from_config(config: dict, page_sizes: tuple[int, ...] = (16,),
     return facts, builds
 
 
-_LAYER_MASKS = {"full_attention": "causal", "sliding_attention": "window"}
+_ATTENTION_LAYERS = ("full_attention", "sliding_attention")  # Causal() and SlidingWindow(sliding_window)
 # layer kinds that are not softmax attention over a KV cache: other kernels serve them
 _OTHER_LAYERS = ("linear_attention", "mamba", "conv", "recurrent", "moe")
 
@@ -207,11 +208,11 @@ def _layer_masks(config: dict, window: int | None) -> tuple[list, str]:
     if types is not None:
         if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
             raise PlanError(f"config.json: layer_types: got {types!r}, expected a list of layer kinds")
-        kinds = {t: types.count(t) for t in dict.fromkeys(types)}
-        unknown = [t for t in kinds if t not in _LAYER_MASKS and t not in _OTHER_LAYERS]
+        kinds = Counter(types)  # in first-seen order
+        unknown = [t for t in kinds if t not in _ATTENTION_LAYERS and t not in _OTHER_LAYERS]
         if unknown:
             raise PlanError(f"config.json: layer_types: {unknown[0]!r} layers have no flashgen mask (it plans "
-                            f"{', '.join(sorted(_LAYER_MASKS))}; {', '.join(_OTHER_LAYERS)} layers are left to "
+                            f"{', '.join(_ATTENTION_LAYERS)}; {', '.join(_OTHER_LAYERS)} layers are left to "
                             "their own kernels)")
         if "sliding_attention" in kinds and window is None:
             raise PlanError("config.json: sliding_window: layer_types names sliding_attention layers, but no "
@@ -269,8 +270,7 @@ def _describe(op: str, spec: object) -> str:
     if isinstance(spec, MergeSpec):
         return f"merge of partial states ({spec.dtype}): split-KV and cascade levels"
     if isinstance(spec, AppendSpec):
-        rope = ", K rotated on the way (RoPE)" if spec.rope == "rope" else (
-            f", rope {spec.rope}" if spec.rope != "none" else "")
+        rope = {"none": "", "rope": ", K rotated on the way (RoPE)"}.get(spec.rope, f", rope {spec.rope}")
         return (f"cache write (append_kv), page size {spec.kv_layout.page_size}, {spec.page_table} "
                 f"{spec.index_dtype}{rope}")
     layout = f"page size {spec.kv_layout.page_size}" if isinstance(spec.kv_layout, Paged) else "ragged K/V"

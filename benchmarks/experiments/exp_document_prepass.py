@@ -20,14 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
+from bench_variants import D, HKV, HQ, example_inputs, flashgen_call, visible_pairs  # noqa: E402
 from flashgen import BatchPrefillWrapper  # noqa: E402
 from flashgen.spec import AttentionSpec, Causal, CustomMask, Ragged  # noqa: E402
 from flashgen.testing.reference import pack_custom_mask  # noqa: E402
-from flashgen.variants.examples import DOCUMENT_TILED  # noqa: E402
-
-HQ, HKV, D = 32, 8, 128
 
 
 def document_masks(batch: int, seqlen: int, doc_len: int) -> list[torch.Tensor]:
@@ -39,12 +37,8 @@ def document_masks(batch: int, seqlen: int, doc_len: int) -> list[torch.Tensor]:
 def contenders(batch: int, seqlen: int, doc_len: int, q, k, v) -> dict:
     indptr = np.arange(batch + 1) * seqlen
     out = torch.empty_like(q)
-    calls = {}
-    variant = BatchPrefillWrapper(AttentionSpec(D, kv_layout=Ragged(), mask=Causal(), variant=DOCUMENT_TILED),
-                                  backend="sm90")
-    variant.plan(qo_indptr=indptr, kv_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV)
-    doc_ids = (torch.arange(seqlen) // doc_len).int().cuda()
-    calls["document_tiled (variant)"] = lambda: variant.run(q, (k, v), out=out, doc_ids=doc_ids)
+    inputs = example_inputs("document_tiled", batch, seqlen, doc_len, 0)
+    calls = {"document_tiled (variant)": flashgen_call("document_tiled", "sm90", q, k, v, batch, seqlen, inputs)}
     custom = BatchPrefillWrapper(AttentionSpec(D, kv_layout=Ragged(), mask=CustomMask()), backend="sm90")
     custom.plan(qo_indptr=indptr, kv_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV,
                 custom_mask=pack_custom_mask(document_masks(batch, seqlen, doc_len)))
@@ -91,8 +85,7 @@ def main() -> None:
     print(f"{'shape':9} {'contender':26} {'call us':>9} {'TFLOP/s':>8}  kernels (median device us)")
     for shape in args.shapes.split(","):
         batch, seqlen = (int(x) for x in shape.split("x"))
-        docs, last = divmod(seqlen, args.doc_len)
-        pairs = batch * (docs * args.doc_len * args.doc_len / 2 + last * last / 2)
+        pairs = batch * visible_pairs("document_tiled", seqlen, args.doc_len, 0)
         q = torch.randn(batch * seqlen, HQ, D, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(batch * seqlen, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         for name, fn in contenders(batch, seqlen, args.doc_len, q, k, v).items():

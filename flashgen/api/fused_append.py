@@ -8,6 +8,7 @@ import torch
 
 from ..spec import AttentionSpec
 
+
 def wants_append(options: dict | None) -> bool:
     """Whether kernel ``options`` turn fused append on (the family checks the value)."""
     return bool(options) and options.get("append", False) is True

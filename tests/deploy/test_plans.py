@@ -9,16 +9,18 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-
 from unittest import mock
 
 import pytest
+import torch
 
 from compile_checks import seed_planner
-from flashgen import cli
+from flashgen import RoPE, cli
+from flashgen.api import append as append_api
 from flashgen.deploy import PlanError, plan_toml, read_plan, specs_from_config
 from flashgen.spec import Causal, MergeSpec, NoMask, Paged, SlidingWindow
 from flashgen.variants.examples import SINK
+from stub_cuda import on_device
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = Path(__file__).parent / "configs"
@@ -69,12 +71,6 @@ def test_the_cache_write_in_the_forms_flashgen_calls_it():
                       for index, rope in (("int64", "none"), ("int32", "rope"))}
     assert all(s.head_dim == 128 and s.dtype == s.kv_dtype == "bfloat16" for op, s in builds if op == "append")
     # the same specs append_kv builds for those calls (its kernel lookup stubbed: no GPU)
-    import torch
-
-    from flashgen import RoPE
-    from flashgen.api import append as append_api
-    from stub_cuda import on_device
-
     made = []
 
     def kernel(spec, device):
