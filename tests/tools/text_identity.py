@@ -104,7 +104,11 @@ def text_sections(cubin: str) -> dict[str, bytes]:
     return out
 
 
-def sass_diff(old: str, new: str) -> int:
+def sass_diff(old: str, new: str) -> int | str:
+    """The count of SASS lines that differ, or "?" where no cuobjdump is found (CUOBJDUMP names one)."""
+    if CUOBJDUMP is None or not Path(CUOBJDUMP).is_file():
+        return "?"
+
     def sass(path):
         text = subprocess.run([CUOBJDUMP, "-sass", path], capture_output=True, text=True).stdout
         return [re.sub(r"/\*[0-9a-f]{4,}\*/", "", line).strip() for line in text.splitlines()]

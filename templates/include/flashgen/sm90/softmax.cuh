@@ -131,12 +131,8 @@ __device__ __forceinline__ void hooks_by_pair(float (&s)[C::TILE_KV / 2], const 
   constexpr float HIDDEN = V::SOFTMAX ? -INFINITY : 0.f;
   constexpr bool BY_BRANCH = C::POSITIONS || (V::MASK && !V::MASK_TILE);
   const int q4 = threadIdx.x % 4;
-  if (C::TILE_LIST && !V::SCORE && V::SOFTMAX && cls == flashgen::variant::TILE_FULL) {
-    if constexpr (RAW)
-#pragma unroll
-      for (int i = 0; i < C::TILE_KV / 2; ++i) s[i] *= lg.mul;
-    return;
-  }
+  // a tile full by its list: nothing to evaluate; a raw S keeps its scale for the exponent (softmax: full_raw)
+  if (C::TILE_LIST && !V::SCORE && V::SOFTMAX && cls == flashgen::variant::TILE_FULL) return;
   const bool use_mask = cls != flashgen::variant::TILE_FULL;
   float row_dist[2];
   row_distances<V>(row_dist, rs, t0);
@@ -267,8 +263,12 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
     o_scale[0] = o_scale[1] = 1.f;
     return;
   }
-  // the exponent's scale: S -> base-2 logit without a transform, natural log -> base 2 after the hooks
-  const float mul = HOOKED ? LOG2E : RAW ? lg.mul : 1.f;
+  // the exponent's scale: S -> base-2 logit without a transform, natural log -> base 2 after the hooks; a tile
+  // its list calls full, without a score hook, skipped the hooks (hooks_by_pair) and keeps a raw S, whose scale
+  // folds into the exponent as without a variant (a multiply a logit less; sm_scale > 0, so its max is the max
+  // logit's)
+  const bool full_raw = C::TILE_LIST && !V::SCORE && RAW && cls == flashgen::variant::TILE_FULL;
+  const float mul = HOOKED ? (full_raw ? lg.mul * LOG2E : LOG2E) : RAW ? lg.mul : 1.f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = -INFINITY;
