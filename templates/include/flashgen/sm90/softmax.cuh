@@ -35,6 +35,15 @@ constexpr bool pair_hooked() {
   return V::SCORE || V::MASK || !V::SOFTMAX;
 }
 
+// Whether a tile its list calls full (a variant's mask, no score hook, no logits transform) keeps a raw S, its
+// scale folded into the exponent as without a variant (softmax), where the hooks' natural-log units would take a
+// multiply a logit: under a tile predicate up to head_dim 128. Not for lists the mask hook wrote (48 bytes spilled
+// at head_dim 128, sm_90a, nvcc 13.0) nor at head_dim 256 (prefix-LM's spills 28 -> 48 bytes).
+template <class C>
+constexpr bool fold_full_scale() {
+  return C::TILE_LIST && C::Variant::MASK_TILE && C::HEAD_DIM <= 128;
+}
+
 // The logits transform's runtime values (see logits.cuh for the order of the steps), folded so that a logit
 // takes one multiply, the ALiBi FMA and the cap: with soft-cap, y = S * sm_scale / cap + slope / cap * (key - q)
 // and the base-2 logit is cap * log2(e) * tanh(y); without it, S * sm_scale * log2(e) + slope * log2(e) * (key - q).
@@ -131,8 +140,14 @@ __device__ __forceinline__ void hooks_by_pair(float (&s)[C::TILE_KV / 2], const 
   constexpr float HIDDEN = V::SOFTMAX ? -INFINITY : 0.f;
   constexpr bool BY_BRANCH = C::POSITIONS || (V::MASK && !V::MASK_TILE);
   const int q4 = threadIdx.x % 4;
-  // a tile full by its list: nothing to evaluate; a raw S keeps its scale for the exponent (softmax: full_raw)
-  if (C::TILE_LIST && !V::SCORE && V::SOFTMAX && cls == flashgen::variant::TILE_FULL) return;
+  // a tile full by its list: nothing to evaluate; a raw S keeps its scale for the exponent (fold_full_scale),
+  // else takes it here
+  if (C::TILE_LIST && !V::SCORE && V::SOFTMAX && cls == flashgen::variant::TILE_FULL) {
+    if constexpr (RAW && !fold_full_scale<C>())
+#pragma unroll
+      for (int i = 0; i < C::TILE_KV / 2; ++i) s[i] *= lg.mul;
+    return;
+  }
   const bool use_mask = cls != flashgen::variant::TILE_FULL;
   float row_dist[2];
   row_distances<V>(row_dist, rs, t0);
@@ -264,10 +279,10 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
     return;
   }
   // the exponent's scale: S -> base-2 logit without a transform, natural log -> base 2 after the hooks; a tile
-  // its list calls full, without a score hook, skipped the hooks (hooks_by_pair) and keeps a raw S, whose scale
-  // folds into the exponent as without a variant (a multiply a logit less; sm_scale > 0, so its max is the max
-  // logit's)
-  const bool full_raw = C::TILE_LIST && !V::SCORE && RAW && cls == flashgen::variant::TILE_FULL;
+  // its predicate's list calls full, without a score hook, skipped the hooks (hooks_by_pair) and keeps a raw S,
+  // whose scale folds into the exponent as without a variant (a multiply a logit less; sm_scale > 0, so its max is
+  // the max logit's)
+  const bool full_raw = fold_full_scale<C>() && !V::SCORE && RAW && cls == flashgen::variant::TILE_FULL;
   const float mul = HOOKED ? (full_raw ? lg.mul * LOG2E : LOG2E) : RAW ? lg.mul : 1.f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
