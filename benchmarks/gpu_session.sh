@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 GPU machine that runs the steps named, writing logs and results under $OUT:
-#   bash benchmarks/gpu_session.sh [tests|sanitize|fuzz|decode|prefill|bench|sm90|profile-sm90|foundation|host ...]
+#   bash benchmarks/gpu_session.sh [tests|sanitize|fuzz|decode|prefill|bench|sm90|variants|profile-sm90|foundation|host ...]
 #   (default: tests)
 # Carry .whl (FlashInfer and its small deps, see the device README) to measure FlashInfer as a peer, and
 # .whl/plot (matplotlib, tqdm and their deps, numpy left out) for the plots and progress bars.
@@ -45,6 +45,9 @@ for step in "${@:-tests}"; do
       ncu --set full --clock-control none -k regex:'prefill_sm90|Prefill' -c 2 -o "$OUT/sm90" \
         python3 benchmarks/experiments/profile_prefill_sm90.py --batch 4 --seqlen 4096 --mask causal > "$OUT/ncu.log" 2>&1
       ncu --import "$OUT/sm90.ncu-rep" --page details --csv > "$OUT/sm90-ncu.csv" 2>&1; tail -3 "$OUT/ncu.log" ;;
+    variants)  # every shipped variant on the Hopper prefill against FlexAttention (docs/performance.md, Variants)
+      python3 benchmarks/bench_variants.py --shapes 4x4096,1x16384 --reps 10 --backends sm90 \
+        --out "$OUT/variants.json" 2>&1 | grep -v -i warn | tee "$OUT/variants.log" | tail -20 ;;
     host)  # plan() and run() host time beside FlashInfer's, pinned to one core (PIN, default 3)
       python3 benchmarks/bench_host.py --out "$OUT/host.json" --pin "${PIN:-3}" --commit "$COMMIT" 2>&1 \
         | tee "$OUT/host.log" | tail -14 ;;
