@@ -222,19 +222,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=30, help="timed calls a row (median)")
     parser.add_argument("--no-flex", action="store_true", help="flashgen rows only")
     parser.add_argument("--out", default="benchmarks/results/variants.json", help="JSON output (.md beside it)")
+    parser.add_argument("--commit", default="unknown", help="the measured tree's commit, recorded in the results")
     args = parser.parse_args(argv)
     unknown = set(args.examples.split(",")) - set(EXAMPLE_NAMES)
     if unknown:
         parser.error(f"--examples: unknown {sorted(unknown)}, expected some of {', '.join(EXAMPLE_NAMES)}")
     rows = measure(args)
-    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": args.commit,
+              "command": "benchmarks/bench_variants.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "torch": torch.__version__,
               "shape": {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": D, "dtype": "bfloat16"},
               "doc_len": args.doc_len, "prefix": args.prefix, "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     table = markdown(rows)
-    out.with_suffix(".md").write_text(table)
+    header = (f"# Variants against FlexAttention, {result['device']}, {result['date']}, commit {args.commit}\n"
+              f"`{result['command']}`; bf16, {HQ} q / {HKV} kv heads, d{D}, ragged; {args.doc_len}-token documents, "
+              f"{args.prefix}-token prefix; TFLOP/s over the visible pairs; "
+              + ("no FlexAttention" if args.no_flex else f"FlexAttention (torch {torch.__version__}) in the same process")
+              + ".\n\n")
+    out.with_suffix(".md").write_text(header + table)
     print(table)
 
 

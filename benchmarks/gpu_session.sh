@@ -46,7 +46,7 @@ for step in "${@:-tests}"; do
         python3 benchmarks/experiments/profile_prefill_sm90.py --batch 4 --seqlen 4096 --mask causal > "$OUT/ncu.log" 2>&1
       ncu --import "$OUT/sm90.ncu-rep" --page details --csv > "$OUT/sm90-ncu.csv" 2>&1; tail -3 "$OUT/ncu.log" ;;
     variants)  # every shipped variant on the Hopper prefill against FlexAttention (docs/performance.md, Variants)
-      python3 benchmarks/bench_variants.py --shapes 4x4096,1x16384 --reps 10 --backends sm90 \
+      python3 benchmarks/bench_variants.py --shapes 4x4096,1x16384 --reps 10 --backends sm90 --commit "$COMMIT" \
         --out "$OUT/variants.json" 2>&1 | grep -v -i warn | tee "$OUT/variants.log" | tail -20 ;;
     host)  # plan() and run() host time beside FlashInfer's, pinned to one core (PIN, default 3)
       python3 benchmarks/bench_host.py --out "$OUT/host.json" --pin "${PIN:-3}" --commit "$COMMIT" 2>&1 \
