@@ -35,13 +35,15 @@ constexpr bool pair_hooked() {
   return V::SCORE || V::MASK || !V::SOFTMAX;
 }
 
-// Whether a tile its list calls full (a variant's mask, no score hook, no logits transform) keeps a raw S, its
-// scale folded into the exponent as without a variant (softmax), where the hooks' natural-log units would take a
-// multiply a logit: under a tile predicate up to head_dim 128. Not for lists the mask hook wrote (48 bytes spilled
-// at head_dim 128, sm_90a, nvcc 13.0) nor at head_dim 256 (prefix-LM's spills 28 -> 48 bytes).
+// Whether a tile its list calls full keeps a raw S, its scale folded into the exponent as without a variant
+// (softmax), where the hooks' natural-log units would take a multiply a logit (hooks_by_pair skips such a tile):
+// a tile predicate's lists, no score hook, softmax, no logits transform, up to head_dim 128. Not for lists the mask
+// hook wrote (48 bytes spilled at head_dim 128, sm_90a, nvcc 13.0) nor at head_dim 256 (prefix-LM's spills 28 -> 48
+// bytes).
 template <class C>
 constexpr bool fold_full_scale() {
-  return C::TILE_LIST && C::Variant::MASK_TILE && C::HEAD_DIM <= 128;
+  using V = typename C::Variant;
+  return C::TILE_LIST && V::MASK_TILE && !V::SCORE && V::SOFTMAX && !C::ALIBI && !C::SOFT_CAP && C::HEAD_DIM <= 128;
 }
 
 // The logits transform's runtime values (see logits.cuh for the order of the steps), folded so that a logit
@@ -282,7 +284,7 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
   // its predicate's list calls full, without a score hook, skipped the hooks (hooks_by_pair) and keeps a raw S,
   // whose scale folds into the exponent as without a variant (a multiply a logit less; sm_scale > 0, so its max is
   // the max logit's)
-  const bool full_raw = fold_full_scale<C>() && !V::SCORE && RAW && cls == flashgen::variant::TILE_FULL;
+  const bool full_raw = fold_full_scale<C>() && cls == flashgen::variant::TILE_FULL;
   const float mul = HOOKED ? (full_raw ? lg.mul * LOG2E : LOG2E) : RAW ? lg.mul : 1.f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
