@@ -7,11 +7,11 @@ bf16, fp8 K/V (dequantised by the rope_gather pre-pass, or in CUDA-graph mode by
 pages), head_dim == head_dim_vo in 64 / 128 / 256); it plans every request unsplit (one item per (request,
 128-row q tile), its whole KV). A custom mask becomes a tile list per item (``plan.mask_tiles``): a host mask
 is classified on the host (fully masked tiles skipped, fully visible ones unmasked); a device mask is read
-in place with every tile treated as partial (no sync, no skipping). A variant's mask (``kernels.sm90_tile_lists``: by its
-``mask_tile`` predicate, or by the mask hook over each tile's pairs) becomes tile lists on the device: ``run()``
-launches the kernel's pre-pass
-(``prefill_sm90_tiles``) ahead of it on the same stream, into a buffer sized at ``plan()``
-(``plan.mask_tiles.tile_list_indptr``), so no host sync and CUDA-graph capture keep working.
+in place with every tile treated as partial (no sync, no skipping). A variant's mask (``kernels.sm90_tile_lists``)
+becomes tile lists on the device, in a buffer sized at ``plan()`` (``plan.mask_tiles.tile_list_indptr``): by its
+``mask_tile`` predicate in the kernel itself (its producer warp 3), or by the mask hook over each tile's pairs in the
+kernel's pre-pass (``prefill_sm90_tiles``), which ``run()`` launches ahead of it on the same stream; no host sync
+either way, and CUDA-graph capture keeps working.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ..kernels import (TILE_LIST_THREADS, prepass_threads, rotates, sm90_qo_tma, sm90_tile_heads, sm90_tile_lists,
-                       sm90_tile_threads)
+from ..kernels import (TILE_HOOK_THREADS, prepass_threads, rotates, sm90_qo_tma, sm90_tile_heads, sm90_tile_lists,
+                       sm90_tile_prepass)
 from ..plan import plan_prefill
 from ..plan.mask_tiles import plan_mask_tiles, tile_list_indptr
 from ..spec import AttentionSpec, CustomMask, Paged, RoPE
@@ -158,12 +158,13 @@ class SM90Prefill:
         self._empty: dict[tuple, torch.Tensor] = {}  # one-row stand-ins for an empty K / V (a map needs an address)
         self.variant = None  # the variant's run() keywords (variant_args), once the kernel is loaded
         self.params_buffer = None
-        # a variant's mask: the pre-pass that writes the items' tile lists, and their buffer; a warp (tile
-        # predicate) or a CTA (mask hook) a work item: each kv head's, or kv head 0's alone where one list serves
-        # every kv head (sm90_tile_heads)
+        # a variant's mask: the items' tile lists, their buffer, and for a mask hook without a tile predicate the
+        # pre-pass that writes them (a CTA a work item: each kv head's, or kv head 0's alone where one list serves
+        # every kv head, sm90_tile_heads); a predicate's lists are written in the kernel (sm90_tile_prepass)
         self.tile_lists = sm90_tile_lists(self.kernel_spec, self.positions)
+        self._tile_prepass = sm90_tile_prepass(self.kernel_spec, self.positions)
         self._tile_heads = self.tile_lists and sm90_tile_heads(self.kernel_spec)
-        self._tiles_block = (sm90_tile_threads(self.kernel_spec), 1, 1)
+        self._tiles_block = (TILE_HOOK_THREADS, 1, 1)
         self._tile_buffer = DeviceBuffer(torch.int32, core.device, core.fixed) if self.tile_lists else None
         self._tiles_fn = None
 
@@ -185,7 +186,7 @@ class SM90Prefill:
             self._rope_layout = rope.params["rope_gather"]
         self._kernel = build(self.kernel_spec, "prefill_sm90", device=index, options=self._options)
         self._fn = self._kernel["prefill_sm90"]
-        if self.tile_lists:
+        if self._tile_prepass:
             self._tiles_fn = self._kernel["prefill_sm90_tiles"]
         cfg = self._launch = self._kernel.launch_config
         self.gather, self._o_staged, self._tile_kv = cfg.gather, cfg.o_staged, cfg.tile_kv
@@ -276,14 +277,11 @@ class SM90Prefill:
 
     def _tile_lists_at(self, extras: dict, num_kv_heads: int, capacity: int) -> int:
         """The address of the tile-list buffer of a variant's mask (0 without lists), sized for this plan's items;
-        the pre-pass grid, a warp (``TILE_LIST_THREADS`` a CTA) or a CTA (the mask hook's) a work item, of kv head 0
-        only where its list serves every kv head."""
+        with the mask hook's pre-pass its grid, a CTA a work item, of kv head 0 only where its list serves every
+        kv head."""
         if not self.tile_lists:
             return 0
-        items = capacity * (num_kv_heads if self._tile_heads else 1)
-        if self._tiles_block[0] == TILE_LIST_THREADS:
-            items = -(-items * 32 // TILE_LIST_THREADS)
-        self._tiles_grid = (max(1, items), 1, 1)
+        self._tiles_grid = (max(1, capacity * (num_kv_heads if self._tile_heads else 1)), 1, 1)
         return self._tile_buffer.address_of(num_kv_heads * int(extras["tile_indptr"][-1]), "tile lists",
                                             TILE_LISTS_HINT)
 

@@ -12,10 +12,11 @@ RoPE over unrotated K runs as the ``rope_gather`` pre-pass and this kernel over 
 plans (``enable_split=False``: every item covers its whole KV). Option ``positions`` (bool, as the portable
 prefill's): keys and queries at explicit true positions (``kv_page_pos``, ``q_pos`` params after the others;
 ``family.positions_option``), not with a custom mask; the uri ends in ``_pos``.
-A variant with a ``mask`` hook (without positions or a custom mask: ``sm90_tile_lists``) adds a second entry
-point, ``prefill_sm90_tiles``: a pre-pass over the same params that writes each work item's tile list, by the
-``mask_tile`` predicate where there is one, else by the mask hook itself over each tile's pairs (``Variant(...,
-classify_tiles=False)`` turns that off), so the prefill skips empty tiles and runs full ones without the mask hook.
+A variant with a ``mask`` hook (without positions or a custom mask: ``sm90_tile_lists``) takes each work item's KV
+tiles from a list, so the prefill skips empty tiles and runs full ones without the mask hook: by the ``mask_tile``
+predicate, written in the kernel by its producer warp 3 ahead of the scheduler, else by the mask hook itself over
+each tile's pairs in a pre-pass over the same params, a second entry point ``prefill_sm90_tiles``
+(``sm90_tile_prepass``; ``Variant(..., classify_tiles=False)`` turns the lists off).
 The kernel is ``templates/include/flashgen/sm90/kernel.cuh`` (its parts by role beside it); the runner
 ``flashgen.api.sm90``. Its two consumer warpgroups always take turns issuing their GEMMs (the ping-pong;
 ``PINGPONG`` stays a template constant, always true).
@@ -40,8 +41,7 @@ GATHER_PRODUCER_REGS, GATHER_CONSUMER_REGS = 56, 224
 THREADS = 384
 O_WARP_ROWS = 16  # packed rows of a consumer warp: one TMA store box of O
 SMEM_LIMIT = 227 * 1024
-TILE_LIST_THREADS = 128  # the tile-list pre-pass by a predicate: a warp a work item (tile_lists.cuh: TILE_LIST_WARPS)
-TILE_HOOK_THREADS = 256  # by the mask hook: a CTA a work item, its warps sharing the tiles (TILE_HOOK_WARPS)
+TILE_HOOK_THREADS = 256  # the tile-list pre-pass by the mask hook: a CTA a work item (tile_lists.cuh TILE_HOOK_WARPS)
 
 
 def sm90_registers(head_dim: int, gathered: bool, fp8: bool = False) -> tuple[int, int, int]:
@@ -159,12 +159,12 @@ def sm90_tile_heads(spec: AttentionSpec) -> bool:
     return variant.mask_tile is not None or variant.uses("mask", "qo_head") or variant.uses("mask", "kv_head")
 
 
-def sm90_tile_threads(spec: AttentionSpec) -> int:
-    """The block of the tile-list pre-pass of ``spec`` (``sm90_tile_lists``): with a tile predicate a warp a work
-    item (a lane a tile), ``TILE_LIST_THREADS``; by the mask hook a CTA a work item, ``TILE_HOOK_THREADS``: an item
-    of the 1x16384 causal document benchmark has up to 128 tiles of 32 x 128 pairs, 16 a warp of 8."""
-    variant = spec.variant
-    return TILE_HOOK_THREADS if variant is not None and variant.mask_tile is None else TILE_LIST_THREADS
+def sm90_tile_prepass(spec: AttentionSpec, positions: bool = False) -> bool:
+    """Whether the tile lists of ``spec`` (``sm90_tile_lists``) come from a pre-pass kernel, ``prefill_sm90_tiles``
+    (a CTA of ``TILE_HOOK_THREADS`` a work item): for a mask hook without a tile predicate, classified by the hook
+    over each tile's pairs. A predicate's lists are written in the prefill itself, by its producer warp 3 a few
+    items ahead of the scheduler (``sm90/tile_lists.cuh`` ``produce_lists``): no second launch."""
+    return sm90_tile_lists(spec, positions) and spec.variant.mask_tile is None
 
 
 def sm90_uniform_wg(head_dim: int) -> bool:
@@ -282,7 +282,8 @@ class PrefillSM90Family(AttentionFamily):
             "PINGPONG": "true",
             "POSITIONS": "true" if self.positions else "false",
             "TILE_LIST": "true" if sm90_tile_lists(spec, self.positions) else "false",
-            "TILE_LIST_THREADS": sm90_tile_threads(spec),
+            "TILE_PREPASS": "true" if sm90_tile_prepass(spec, self.positions) else "false",
+            "TILE_LIST_THREADS": TILE_HOOK_THREADS,
             "TILE_HEADS": "true" if sm90_tile_lists(spec, self.positions) and sm90_tile_heads(spec) else "false",
         }
 
@@ -325,7 +326,7 @@ class PrefillSM90Family(AttentionFamily):
             *(ROPE_FIELDS + (ROPE_SCALING_FIELDS if rope_scaled(spec) else ())  # q's rotation
               if isinstance(spec.pos_encoding, RoPE) else ()),
         )
-        tiles = (EntryPoint("prefill_sm90_tiles", params),) if sm90_tile_lists(spec, self.positions) else ()
+        tiles = (EntryPoint("prefill_sm90_tiles", params),) if sm90_tile_prepass(spec, self.positions) else ()
         return (EntryPoint("prefill_sm90", params),) + tiles
 
 

@@ -1,7 +1,8 @@
-"""A variant's tile predicate on the Hopper prefill (CPU and compile-only): the kernel gets a tile-list pre-pass
-exactly where ``sm90_tile_lists`` says, plan() sizes the lists' buffer from the plan's items and run() launches
-the pre-pass ahead of the prefill with the same params; the shipped predicates agree with their masks; the
-pre-pass compiles for sm_90a without spills. The GPU checks are in test_variants_sm90_tiles.py."""
+"""A variant's mask on the Hopper prefill (CPU and compile-only): the kernel takes tile lists exactly where
+``sm90_tile_lists`` says, written by its own list warp under a tile predicate and by a pre-pass entry where the mask
+hook classifies (``sm90_tile_prepass``); plan() sizes the lists' buffer from the plan's items and run() launches
+the pre-pass, where there is one, ahead of the prefill with the same params; the shipped predicates agree with
+their masks; both compile for sm_90a without spills. The GPU checks are in test_variants_sm90_tiles.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 import flashgen
 from flashgen.api import sm90
 from compile_checks import build_all, prefetch
-from flashgen.kernels import TILE_HOOK_THREADS, family, sm90_tile_heads, sm90_tile_lists, sm90_tile_threads
+from flashgen.kernels import TILE_HOOK_THREADS, family, sm90_tile_heads, sm90_tile_lists, sm90_tile_prepass
 from flashgen.plan import PlanError
 from flashgen.plan.mask_tiles import tile_list_indptr
 from flashgen.spec import (AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError,
@@ -55,14 +56,18 @@ def test_the_prefix_lm_tile_predicate_agrees_with_its_mask():
     (AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=EXAMPLES["alibi"][0]), None, False),
     (AttentionSpec(128, kv_layout=Ragged(), mask=Causal()), None, False),
 ])
-def test_the_pre_pass_is_rendered_exactly_where_tile_lists_apply(spec, options, lists):
+def test_the_lists_and_their_pre_pass_are_rendered_exactly_where_they_apply(spec, options, lists):
+    """Lists where sm90_tile_lists says; the pre-pass entry only for a mask hook without a predicate (a predicate's
+    lists are the kernel's list warp's)."""
     fam = family("prefill_sm90", options)
     source = fam.render(spec)
     assert sm90_tile_lists(spec, bool(options)) is lists
+    prepass = lists and spec.variant.mask_tile is None
+    assert sm90_tile_prepass(spec, bool(options)) is prepass
     assert f"static constexpr bool TILE_LIST = {'true' if lists else 'false'};" in source
-    assert ("prefill_sm90_tiles" in source) is lists
+    assert ("prefill_sm90_tiles" in source) is prepass
     names = [e.name for e in fam.entry_points(fam.project(spec))]
-    assert names == (["prefill_sm90", "prefill_sm90_tiles"] if lists else ["prefill_sm90"])
+    assert names == (["prefill_sm90", "prefill_sm90_tiles"] if prepass else ["prefill_sm90"])
 
 
 def test_tile_list_indptr_gives_each_item_its_range_and_a_count():
@@ -104,6 +109,8 @@ def _plan(w, qo_lens, kv_lens):
 
 @pytest.mark.parametrize("variant", [DOC, EXAMPLES["document"][0]], ids=["predicate", "hook"])
 def test_plan_sizes_the_lists_and_run_launches_the_pre_pass_first(hopper, variant):
+    """Both kinds of lists get their buffer at plan(); the mask hook's pre-pass runs first, with the prefill's
+    params, a CTA an item; a predicate's lists need no launch of their own."""
     spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=variant)
     w = _wrapper(spec)
     total_q, total_kv = _plan(w, [1, 300, 40], [5, 1000, 40])
@@ -117,42 +124,43 @@ def test_plan_sizes_the_lists_and_run_launches_the_pre_pass_first(hopper, varian
     assert fields["tile_indptr"] != 0 and fields["custom_mask"] == 0
     calls = []
     impl._load()  # the fake kernels, replaced by recorders
-    impl._fn, impl._tiles_fn = _Recorder("prefill", calls), _Recorder("tiles", calls)
+    prepass = variant.mask_tile is None
+    assert (impl._tiles_fn is not None) is prepass
+    impl._fn = _Recorder("prefill", calls)
+    if prepass:
+        impl._tiles_fn = _Recorder("tiles", calls)
     no_map = lambda *args: bytes(128)  # noqa: E731 - tensor maps need the driver
     with mock.patch.object(sm90, "kv_tensor_map", no_map), mock.patch.object(sm90, "qo_tensor_map", no_map):
         w.run(on_device(torch.zeros(total_q, 8, 128, dtype=torch.bfloat16)),
               (on_device(torch.zeros(total_kv, 2, 128, dtype=torch.bfloat16)),) * 2, doc_ids=torch.zeros(1040).int())
+    if not prepass:
+        assert [c[0] for c in calls] == ["prefill"]
+        return
     assert [c[0] for c in calls] == ["tiles", "prefill"]
     assert calls[0][3] == calls[1][3]  # one params struct
-    assert calls[0][2] == (sm90_tile_threads(spec), 1, 1)
-    if variant.mask_tile is None:  # a CTA an item, its list written for every kv head
-        assert calls[0][1] == (plan.info.capacity, 1, 1)
-    else:
-        assert calls[0][1][0] * calls[0][2][0] // 32 >= plan.info.capacity * HEADS["num_kv_heads"]
+    assert calls[0][2] == (TILE_HOOK_THREADS, 1, 1)
+    assert calls[0][1] == (plan.info.capacity, 1, 1)  # a CTA an item, its list written for every kv head
 
 
 @pytest.mark.parametrize("variant,per_head", [(EXAMPLES["document"][0], False), (EXAMPLES["document"][1], False),
                                                (HEAD_MASK, True), (DOC, True)])
 def test_a_mask_hook_alone_gets_lists_one_cta_an_item_unless_it_names_a_head(hopper, variant, per_head):
-    """By the mask hook a CTA of TILE_HOOK_THREADS a work item (kv head 0's alone unless the hook names a head);
-    by a tile predicate a warp a work item, four a CTA."""
+    """By the mask hook a pre-pass CTA of TILE_HOOK_THREADS a work item (kv head 0's alone unless the hook names a
+    head); by a tile predicate (given the heads) the kernel's list warp, each kv head's list."""
     spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=variant)
     assert sm90_tile_heads(spec) is per_head
     source = family("prefill_sm90").render(spec)
-    assert f"plan_tiles<PrefillSM90Config, {'true' if per_head else 'false'}>(p)" in source
-    block = sm90.TILE_LIST_THREADS if variant.mask_tile is not None else TILE_HOOK_THREADS
-    assert sm90_tile_threads(spec) == block and f"__launch_bounds__({block}) prefill_sm90_tiles" in source
     w = _wrapper(spec)
     _plan(w, [3, 300], [3, 400])
     impl = w._impl
     assert impl.tile_lists and impl._params.values()["tiles"] == impl._tile_buffer.address != 0
+    if variant.mask_tile is not None:
+        assert "prefill_sm90_tiles" not in source
+        return
+    assert f"plan_tiles<PrefillSM90Config, {'true' if per_head else 'false'}>(p)" in source
+    assert f"__launch_bounds__({TILE_HOOK_THREADS}) prefill_sm90_tiles" in source
     items = impl.last_plan.info.capacity * (HEADS["num_kv_heads"] if per_head else 1)
-    assert impl._tiles_block == (block, 1, 1)
-    if variant.mask_tile is None:
-        assert impl._tiles_grid == (items, 1, 1)
-    else:
-        warps = impl._tiles_grid[0] * block // 32
-        assert items <= warps < items + 4
+    assert impl._tiles_block == (TILE_HOOK_THREADS, 1, 1) and impl._tiles_grid == (items, 1, 1)
 
 
 def test_classify_tiles_off_gives_no_lists_and_its_own_key(hopper):
@@ -205,9 +213,11 @@ def test_a_cuda_graph_wrapper_keeps_its_lists_in_place_and_names_the_limit(hoppe
 # ---------------------------------------------------------------------------------------------- compile
 
 COMPILE = [("prefill_sm90", spec, "sm_90a") for spec in (
-    AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), variant=DOC),
+    AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), variant=DOC),  # the list warp beside TMA Q
+    AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=DOC_CUDA),
     AttentionSpec(128, kv_layout=Paged(48), mask=NoMask(), variant=PREFIX_CUDA),
     AttentionSpec(64, kv_layout=Ragged(), mask=SlidingWindow(100), variant=DOC_CUDA),
+    AttentionSpec(64, kv_layout=Paged(5), mask=Causal(), variant=DOC),  # gathered pages
     AttentionSpec(128, kv_layout=Paged(16), mask=Causal(), variant=EXAMPLES["document"][0]),  # by the mask hook
     AttentionSpec(64, kv_layout=Paged(5), mask=SlidingWindow(40), variant=EXAMPLES["document"][1]),
     AttentionSpec(128, kv_layout=Ragged(), mask=NoMask(), variant=HEAD_MASK),  # per kv head
@@ -219,7 +229,9 @@ prefetch(__name__, COMPILE)
 @pytest.mark.nvcc
 def test_the_pre_pass_and_the_listed_prefill_compile_without_spills(shared_cache):
     for (_, spec, _), (entry, report) in zip(COMPILE, build_all(COMPILE)):
-        for function in ("prefill_sm90_tiles", "prefill_sm90"):
+        prepass = spec.variant.mask_tile is None
+        assert ("prefill_sm90_tiles" in report) is prepass, entry.uri
+        for function in ("prefill_sm90_tiles", "prefill_sm90") if prepass else ("prefill_sm90",):
             part = report.split(f"Function properties for {function}\n", 1)[1]
             spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", part.split("Compile time")[0])]
             assert spills == [0, 0], f"{entry.uri} {function}: {report}"

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <flashgen/common/fastdiv.cuh>
 #include <flashgen/common/tile_entry.cuh>
+#include <flashgen/sm90/tile_scheduler.cuh>
 
 namespace flashgen::sm90 {
 
@@ -26,9 +27,11 @@ struct TileList {
   // whether an item's tiles come from a list: a custom mask's (planned on the host) or a variant tile
   // predicate's (C::TILE_LIST: written by the pre-pass, sm90/tile_lists.cuh)
   static constexpr bool LISTED = C::CUSTOM_MASK || C::TILE_LIST;
-  // entry t of the item's list, else 0 (nothing to read)
+  // entry t of the item's list, else 0 (nothing to read); lists the kernel's own list warp writes (list_warp) by a
+  // coherent load, after the barriers that order them (the non-coherent path may not see writes of the kernel)
   __device__ __forceinline__ static int entry(const int32_t* tiles, int t) {
-    if constexpr (LISTED) return __ldg(tiles + t);
+    if constexpr (list_warp<C>()) return load_relaxed(tiles + t);
+    else if constexpr (LISTED) return __ldg(tiles + t);
     else return 0;
   }
   // the first KV position of the item's t-th tile (a custom mask's entries count tiles from key 0, a tile

@@ -10,6 +10,12 @@ namespace flashgen::sm90 {
 
 constexpr int Q_LOADERS = 64;  // warps 2-3 of the producer warpgroup (a multiple of a Q row's 16-byte chunks)
 
+// The threads that copy Q by cp.async where it does not come by TMA: warps 2-3, or warp 2 beside the list warp
+template <class C>
+constexpr int q_loaders() {
+  return list_warp<C>() ? 32 : Q_LOADERS;
+}
+
 template <class C>
 struct Layout {
   static constexpr int D = C::HEAD_DIM, BLOCKS = D / 64;  // 64-column blocks of 128-byte rows
@@ -39,12 +45,12 @@ struct Layout {
   static_assert(D % 64 == 0 && sizeof(typename C::DTypeQ) == 2, "rows of whole 128-byte blocks of 16-bit values");
   static_assert(C::TILE_KV % 16 == 0 && C::TILE_KV <= 256 && (C::TILE_KV == 64 || C::TILE_KV == 128 || C::TILE_KV == 256),
                 "wgmma N of S");
-  static_assert((4 * C::STAGES + 2 * C::Q_BUFFERS + 2 * WORK_SLOTS + 2 * C::KV8_STAGES) * 8 <= BAR_BYTES,
+  static_assert((4 * C::STAGES + 2 * C::Q_BUFFERS + 3 * WORK_SLOTS + 2 * C::KV8_STAGES) * 8 <= BAR_BYTES,
                 "barriers fit their region");
   static_assert(FP8 ? C::KV8_STAGES >= 1 && !C::GATHER && sizeof(typename C::DTypeMMA) == 2 : C::KV8_STAGES == 0,
                 "fp8 K/V: TMA staging stages (no gathered pages); 16-bit K/V: none");
   static_assert(C::Q_BUFFERS == 1 || C::Q_BUFFERS == 2, "one or two Q buffers");
-  static_assert(Q_LOADERS % (D / 8) == 0, "the Q loaders cover whole rows of 16-byte chunks");
+  static_assert(q_loaders<C>() % (D / 8) == 0, "the Q loaders cover whole rows of 16-byte chunks");
   // a variant's kernel: each slot's request (the hooks' batch) after the slots, so that Work, and with it every
   // other kernel's code, stays as it is
   static constexpr int REQUEST_OFFSET = WORK_OFFSET + WORK_SLOTS * int(sizeof(Work));
@@ -53,7 +59,7 @@ struct Layout {
 };
 
 // The barrier ring: full and empty barriers of K and V for each stage, then Q's full and empty, then the Work
-// slots' full and empty; 8 bytes each.
+// slots' full and empty, fp8's staging barriers and the list warp's; 8 bytes each.
 template <class C>
 struct Barriers {
   uint32_t base;
@@ -75,15 +81,20 @@ struct Barriers {
   __device__ __forceinline__ uint32_t full_v8(int s) const {
     return base + 8 * (4 * C::STAGES + 2 * C::Q_BUFFERS + 2 * WORK_SLOTS + C::KV8_STAGES + s);
   }
-  // q_tma: Q by TMA (one arrival + the tile's bytes), else by the Q_LOADERS threads' cp.async (each arrives)
+  // the list warp (list_warp): item j's tile list is written (one arrival), before the scheduler reads its count
+  __device__ __forceinline__ uint32_t list_full(int j) const {
+    return base + 8 * (4 * C::STAGES + 2 * C::Q_BUFFERS + 2 * WORK_SLOTS + 2 * C::KV8_STAGES + j);
+  }
+  // q_tma: Q by TMA (one arrival + the tile's bytes), else by the q_loaders threads' cp.async (each arrives)
   __device__ __forceinline__ void init(bool q_tma) const {
     for (int b = 0; b < C::Q_BUFFERS; ++b) {
-      mbarrier_init(q_full(b), q_tma ? 1 : Q_LOADERS);
+      mbarrier_init(q_full(b), q_tma ? 1 : q_loaders<C>());
       mbarrier_init(q_empty(b), 256);
     }
     for (int j = 0; j < WORK_SLOTS; ++j) {
       mbarrier_init(work_full(j), 1);
       mbarrier_init(work_empty(j), WORK_READERS);
+      if constexpr (list_warp<C>()) mbarrier_init(list_full(j), 1);
     }
     for (int s = 0; s < C::KV8_STAGES; ++s) {
       mbarrier_init(full_k8(s), 1);

@@ -10,6 +10,7 @@
 #include <flashgen/sm90/fp8.cuh>
 #include <flashgen/sm90/kv_gather.cuh>
 #include <flashgen/sm90/layout.cuh>
+#include <flashgen/sm90/tile_lists.cuh>
 #include <flashgen/sm90/tile_scheduler.cuh>
 #include <flashgen/sm90/tma.cuh>
 
@@ -189,6 +190,8 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
   };
   for (int x = blockIdx.x; x < p.num_items * p.num_kv_heads; x += gridDim.x) {
     wait_slot();
+    // a tile predicate's list: written by the list warp (produce_lists), its count read here (work_of)
+    if constexpr (list_warp<C>()) mbarrier_wait(bars.list_full(k % WORK_SLOTS), (k / WORK_SLOTS) & 1);
     const Work w = work_of<C>(p, x);
     if (!w.valid) continue;
     if constexpr (C::Variant::ANY) {  // the item's request, for the hooks (read after work_full, as the slot)
@@ -210,11 +213,11 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
     } else {
       // every chunk in flight at once (cp.async, no registers held): one memory round trip, where loads through
       // registers (40 of them) kept two in flight and took ~16 round trips for the tile. Chunk c of row r is job
-      // r * CHUNKS + c, a thread's jobs tid, + Q_LOADERS, ... (everything but tid recomputed a job: column
+      // r * CHUNKS + c, a thread's jobs tid, + q_loaders, ... (everything but tid recomputed a job: column
       // invariants held across the items' work_of spilled in 40 registers)
       const auto* src0 = p.q + (int64_t(w.token0) * p.num_qo_heads + w.kv_head * group.d) * L::D;
 #pragma unroll 1
-      for (int job = tid; job < C::TILE_Q * CHUNKS; job += Q_LOADERS) {
+      for (int job = tid; job < C::TILE_Q * CHUNKS; job += q_loaders<C>()) {
         const int r = job / CHUNKS, c = job % CHUNKS, prow = w.row0 + r;
         const bool past = prow >= w.rows_total;  // rows past the request: zeros, the source not read
         int token, head;
@@ -238,9 +241,16 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
   mbarrier_arrive(bars.q_full(k % C::Q_BUFFERS));
 }
 
-// WG0 warps 2-3: Q by TMA from one thread (the rest are done), or by cp.async from all 64
+// WG0 warps 2-3: Q by TMA from one thread (the rest are done), or by cp.async from all 64; with a tile predicate
+// (list_warp) warp 3 writes the items' tile lists and warp 2 alone copies Q where TMA does not
 template <class C, class Params>
 __device__ __forceinline__ void produce_q_warps(const Params& p, uint8_t* smem, const Barriers<C>& bars) {
+  if constexpr (list_warp<C>()) {
+    if (threadIdx.x >= 96) {
+      produce_lists<C>(p, bars);
+      return;
+    }
+  }
   if (!p.q_tma) produce_q<C, false>(p, smem, bars);
   else if (threadIdx.x == 64) produce_q<C, true>(p, smem, bars);
 }

@@ -35,10 +35,27 @@ __device__ __forceinline__ FastDiv group_of(const Params& p) {
 // 64 threads of the K and V warps and the 256 consumer threads (WORK_READERS arrivals on work_empty)
 constexpr int WORK_SLOTS = 4, WORK_READERS = 64 + 256;
 
-// A variant tile predicate's list of (item, kv head) (C::TILE_LIST): written by the pre-pass (sm90/tile_lists.cuh)
-// at p.tiles + num_kv_heads * tile_indptr[item] + kv_head * (tile_indptr[item + 1] - tile_indptr[item]), the
-// count first, then the entries. tile_indptr (planned on the host) gives an item one more int a kv head than its
-// KV range has tiles.
+// Whether producer warp 3 writes the items' tile lists in the kernel (sm90/tile_lists.cuh produce_lists): a
+// variant's tile predicate (C::TILE_LIST with mask_tile). A mask hook without one keeps its pre-pass kernel, a CTA
+// an item.
+template <class C>
+constexpr bool list_warp() {
+  return C::TILE_LIST && C::Variant::MASK_TILE;
+}
+
+// A coherent 32-bit load (ld.relaxed.cta): for what another warp of the CTA wrote to global memory during the
+// kernel, read after the barrier wait that orders the two (a plain const load may be issued as a non-coherent
+// one, which need not see it; volatile, so that it stays after the wait, itself volatile asm)
+__device__ __forceinline__ int load_relaxed(const int32_t* at) {
+  int v;
+  asm volatile("ld.relaxed.cta.global.b32 %0, [%1];\n" : "=r"(v) : "l"(at));
+  return v;
+}
+
+// A variant tile predicate's list of (item, kv head) (C::TILE_LIST): written by the list warp or the pre-pass
+// (sm90/tile_lists.cuh) at p.tiles + num_kv_heads * tile_indptr[item] + kv_head * (tile_indptr[item + 1] -
+// tile_indptr[item]), the count first, then the entries. tile_indptr (planned on the host) gives an item one more
+// int a kv head than its KV range has tiles.
 template <class Params>
 __device__ __forceinline__ const int32_t* tile_list_of(const Params& p, int item, int kv_head) {
   const int first = p.tile_indptr[item], size = p.tile_indptr[item + 1] - first;
@@ -79,7 +96,7 @@ __device__ __forceinline__ Work work_of(const Params& p, int x) {
   }
   if constexpr (C::TILE_LIST && LISTED) {  // the tiles of the range the tile predicate did not call empty
     const int32_t* list = tile_list_of(p, item, w.kv_head);
-    w.num_tiles = list[0];
+    w.num_tiles = list_warp<C>() ? load_relaxed(list) : list[0];
     w.tiles = list + 1;
   }
   if constexpr (C::PAGED) {
