@@ -190,8 +190,12 @@ __device__ __forceinline__ void produce_q(const Params& p, uint8_t* q_smem, cons
   };
   for (int x = blockIdx.x; x < p.num_items * p.num_kv_heads; x += gridDim.x) {
     wait_slot();
-    // a tile predicate's list: written by the list warp (produce_lists), its count read here (work_of)
-    if constexpr (list_warp<C>()) mbarrier_wait(bars.list_full(k % WORK_SLOTS), (k / WORK_SLOTS) & 1);
+    // a tile predicate's list: written by the list warp (produce_lists), its count read here (work_of); a padding
+    // item has none (the list warp skips it alike), and waiting for it would wait for the next item's, or forever
+    if constexpr (list_warp<C>()) {
+      if (p.request_idx[p.num_items - 1 - x % p.num_items] < 0) continue;
+      mbarrier_wait(bars.list_full(k % WORK_SLOTS), (k / WORK_SLOTS) & 1);
+    }
     const Work w = work_of<C>(p, x);
     if (!w.valid) continue;
     if constexpr (C::Variant::ANY) {  // the item's request, for the hooks (read after work_full, as the slot)
