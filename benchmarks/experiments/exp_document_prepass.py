@@ -3,7 +3,9 @@
 The ``document_tiled`` example (a mask hook with its tile predicate) runs two launches a call, the pre-pass that
 writes each work item's tile list (``prefill_sm90_tiles``) and the prefill (``prefill_sm90``). Beside it, on the
 same attention (1k-token documents, causal, 32 q / 8 kv heads, d128, bf16, ragged): the built-in ``CustomMask``
-with the same mask as host-classified tiles (one launch), and the built-in causal mask over whole sequences. Each
+with the same mask as host-classified tiles (one launch), the built-in causal mask over each document as a
+sequence of its own (the same pairs without a mask: the floor of this attention on this kernel), and the built-in
+causal mask over whole sequences. Each
 kernel's device time comes from the profiler's CUDA activity (median over the calls); the call's time from CUDA
 events (median, no L2 flush: the question is the split, not the absolute).
 
@@ -46,6 +48,10 @@ def contenders(batch: int, seqlen: int, doc_len: int, q, k, v) -> dict:
     causal = BatchPrefillWrapper(AttentionSpec(D, kv_layout=Ragged(), mask=Causal()), backend="sm90")
     causal.plan(qo_indptr=indptr, kv_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV)
     calls["causal, whole sequences"] = lambda: causal.run(q, (k, v), out=out)
+    docs = np.arange(batch * seqlen // doc_len + 1) * doc_len
+    varlen = BatchPrefillWrapper(AttentionSpec(D, kv_layout=Ragged(), mask=Causal()), backend="sm90")
+    varlen.plan(qo_indptr=docs, kv_indptr=docs, num_qo_heads=HQ, num_kv_heads=HKV)
+    calls["causal, documents as seqs"] = lambda: varlen.run(q, (k, v), out=out)
     return calls
 
 
