@@ -1,7 +1,8 @@
 """Where the document mask's time goes on the Hopper prefill: the tile-list pre-pass and the prefill apart.
 
-The ``document_tiled`` example (a mask hook with its tile predicate) runs two launches a call, the pre-pass that
-writes each work item's tile list (``prefill_sm90_tiles``) and the prefill (``prefill_sm90``). Beside it, on the
+The ``document_tiled`` example (a mask hook with its tile predicate) runs one launch, its lists written by the
+prefill itself; the ``document`` example (the mask hook alone) two, the pre-pass that classifies each work item's
+tiles by the hook and writes its tile list (``prefill_sm90_tiles``) and the prefill (``prefill_sm90``). Beside them, on the
 same attention (1k-token documents, causal, 32 q / 8 kv heads, d128, bf16, ragged): the built-in ``CustomMask``
 with the same mask as host-classified tiles (one launch), the built-in causal mask over each document as a
 sequence of its own (the same pairs without a mask: the floor of this attention on this kernel), and the built-in
@@ -41,6 +42,8 @@ def contenders(batch: int, seqlen: int, doc_len: int, q, k, v) -> dict:
     out = torch.empty_like(q)
     inputs = example_inputs("document_tiled", batch, seqlen, doc_len, 0)
     calls = {"document_tiled (variant)": flashgen_call("document_tiled", "sm90", q, k, v, batch, seqlen, inputs)}
+    calls["document (lists by hook)"] = flashgen_call("document", "sm90", q, k, v, batch, seqlen,
+                                                      example_inputs("document", batch, seqlen, doc_len, 0))
     custom = BatchPrefillWrapper(AttentionSpec(D, kv_layout=Ragged(), mask=CustomMask()), backend="sm90")
     custom.plan(qo_indptr=indptr, kv_indptr=indptr, num_qo_heads=HQ, num_kv_heads=HKV,
                 custom_mask=pack_custom_mask(document_masks(batch, seqlen, doc_len)))
