@@ -127,20 +127,44 @@ __device__ __forceinline__ void hide_inside(float (&s)[C::TILE_KV / 2], const Ro
   }
 }
 
+// The mask hook over a tile's pairs as bits (bit i: pair i kept), eight pairs a step (two rows, keys 2 q4 + {0, 1,
+// 8, 9} of 16) in a loop that is not unrolled: the hook's code is instantiated eight times a call site, not once a
+// pair (TILE_KV / 2 times), which was most of a mask-hook kernel's code and of its compile time (ptxas). Each key
+// is clamped to kv_hi - 1, so that the hook only ever sees real pairs (what it says of a key past kv_hi is
+// discarded). A row's loads (doc_ids[qo_idx], prefix_len[batch]) are the same in every step.
+template <class C, class Params>
+__device__ __forceinline__ uint64_t mask_hook_bits(const RowState& rs, const LogitsParams& lg, int t0, const Params& p,
+                                                   const HookItem& hi, const float (&row_dist)[2]) {
+  using V = typename C::Variant;
+  static_assert(C::TILE_KV / 2 <= 64, "a tile's pairs a thread fit the bits");
+  const int first = t0 + 2 * (threadIdx.x % 4);
+  uint64_t keep = 0;
+#pragma unroll 1
+  for (int j = 0; j < C::TILE_KV / 16; ++j) {
+    uint32_t step = 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int offset = 16 * j + 8 * (e / 4) + e % 2, h = (e / 2) % 2;  // pair 8 j + e
+      const bool kept = V::mask(p.variant, hi.batch, rs.q_pos[h], min(first + offset, lg.kv_hi - 1), rs.qo_head[h],
+                                hi.kv_head, flashgen::variant::pair_distance<V>(row_dist[h], offset));
+      step |= uint32_t(kept) << e;
+    }
+    keep |= uint64_t(step) << (8 * j);
+  }
+  return keep;
+}
+
 // The pair hooks after the spec's mask (a pair it hid is -inf), every pair evaluated and the hidden ones
-// discarded, so that what the hooks read for a row is read once a tile: on a tile inside the item as it is, on
-// others a key past kv_hi taken as the last before it (the hooks only ever see real pairs). A branch a pair
-// instead with explicit positions (a key past kv_hi has no position to read) and, off the inside tiles, for a
-// mask hook without a tile predicate (evaluated on every pair there, the document mask spilled 24 bytes at sm_90a,
-// nvcc 13.0). A tile its predicate calls full, without a score hook, calls none.
+// discarded, so that what the hooks read for a row is read once a tile, a key past kv_hi taken as the last before
+// it (the hooks only ever see real pairs). A mask hook's verdicts come from mask_hook_bits (none on a tile its list
+// or predicate calls full), then any score hook runs pair by pair. With explicit positions a branch a pair instead
+// (a key past kv_hi has no position to read). A tile its list calls full, without a score hook, calls none.
 template <class C, class KP, class Params>
 __device__ __forceinline__ void hooks_by_pair(float (&s)[C::TILE_KV / 2], const RowState& rs, const LogitsParams& lg,
-                                              int t0, const KP& kp, const Params& p, const HookItem& hi, int cls,
-                                              bool inside) {
+                                              int t0, const KP& kp, const Params& p, const HookItem& hi, int cls) {
   using V = typename C::Variant;
   constexpr bool RAW = !C::ALIBI && !C::SOFT_CAP;
   constexpr float HIDDEN = V::SOFTMAX ? -INFINITY : 0.f;
-  constexpr bool BY_BRANCH = C::POSITIONS || (V::MASK && !V::MASK_TILE);
   const int q4 = threadIdx.x % 4;
   // a tile full by its list: nothing to evaluate; a raw S keeps its scale for the exponent (fold_full_scale),
   // else takes it here
@@ -153,26 +177,28 @@ __device__ __forceinline__ void hooks_by_pair(float (&s)[C::TILE_KV / 2], const 
   const bool use_mask = cls != flashgen::variant::TILE_FULL;
   float row_dist[2];
   row_distances<V>(row_dist, rs, t0);
-  if (inside) {  // (never with positions or a tile predicate; TILE_FULL only from lists the mask hook wrote)
+  if constexpr (V::MASK && !C::POSITIONS) {
+    uint64_t keep = ~uint64_t(0);  // (a tile its predicate calls empty keeps nothing)
+    if (cls == flashgen::variant::TILE_EMPTY) keep = 0;
+    else if (use_mask) keep = mask_hook_bits<C>(rs, lg, t0, p, hi, row_dist);
 #pragma unroll
     for (int i = 0; i < C::TILE_KV / 2; ++i) {
-      const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
-      s[i] = flashgen::variant::pair_value<V>(p, s[i] == -INFINITY, RAW ? s[i] * lg.mul : s[i], hi.batch,
-                                              rs.q_pos[h], place, rs.qo_head[h], hi.kv_head,
-                                              key_distance<V>(row_dist, i), use_mask);
+      const int place = min(t0 + 8 * (i / 4) + 2 * q4 + i % 2, lg.kv_hi - 1), h = (i / 2) % 2;
+      float x = RAW ? s[i] * lg.mul : s[i];
+      if constexpr (V::SCORE)
+        x = V::score(p.variant, x, hi.batch, rs.q_pos[h], place, rs.qo_head[h], hi.kv_head,
+                     key_distance<V>(row_dist, i));
+      s[i] = s[i] == -INFINITY || !((keep >> i) & 1) ? HIDDEN : x;
     }
-  } else if constexpr (BY_BRANCH) {
+  } else if constexpr (C::POSITIONS) {
 #pragma unroll
     for (int i = 0; i < C::TILE_KV / 2; ++i) {
-      const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
-      int pos = place;
-      if constexpr (C::POSITIONS) pos = kp.at(t0, i);
+      const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2, pos = kp.at(t0, i);
       const bool hidden = place >= lg.kv_hi || s[i] == -INFINITY || cls == flashgen::variant::TILE_EMPTY;
-      const float dist = C::POSITIONS ? flashgen::variant::distance_at<V>(rs.q_pos[h], pos)
-                                      : key_distance<V>(row_dist, i);
       s[i] = hidden ? HIDDEN
                     : flashgen::variant::pair_logit<V>(p, RAW ? s[i] * lg.mul : s[i], hi.batch, rs.q_pos[h], pos,
-                                                       rs.qo_head[h], hi.kv_head, dist, use_mask);
+                                                       rs.qo_head[h], hi.kv_head,
+                                                       flashgen::variant::distance_at<V>(rs.q_pos[h], pos), use_mask);
     }
   } else {
 #pragma unroll
@@ -274,7 +300,7 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
         }
       }
     }
-    if constexpr (HOOKED) hooks_by_pair<C>(s, rs, lg, t0, kp, p, hi, cls, inside);
+    if constexpr (HOOKED) hooks_by_pair<C>(s, rs, lg, t0, kp, p, hi, cls);
   }
   if constexpr (!V::SOFTMAX) {  // the weights are P: nothing to rescale or sum
     o_scale[0] = o_scale[1] = 1.f;
