@@ -131,7 +131,7 @@ __device__ __forceinline__ void hide_inside(float (&s)[C::TILE_KV / 2], const Ro
 // 8, 9} of 16) in a loop that is not unrolled: the hook's code is instantiated eight times a call site, not once a
 // pair (TILE_KV / 2 times), which was most of a mask-hook kernel's code and of its compile time (ptxas). Each key
 // is clamped to kv_hi - 1, so that the hook only ever sees real pairs (what it says of a key past kv_hi is
-// discarded). A row's loads (doc_ids[qo_idx], prefix_len[batch]) are the same in every step.
+// discarded). A row's loads (doc_ids[qo_idx], ancestors[qo_idx]) are the same in every step.
 template <class C, class Params>
 __device__ __forceinline__ uint64_t mask_hook_bits(const RowState& rs, const LogitsParams& lg, int t0, const Params& p,
                                                    const HookItem& hi, const float (&row_dist)[2]) {
