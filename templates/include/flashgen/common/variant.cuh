@@ -16,9 +16,9 @@ constexpr int TILE_PARTIAL = 1;  // evaluate the mask per pair
 constexpr int TILE_FULL = 2;     // every pair kept: the tile runs unmasked
 
 // One element of a declared tensor by ld.global.nc. No kernel writes a declared tensor, so the load is stated as
-// a pure function of its address (asm without volatile or a memory clobber; __ldg's asm is volatile): the
-// compiler may merge identical loads and move them across the kernel's own stores and barriers, so that a per-row
-// value (slopes[qo_head], doc_ids[qo_idx]) is read once, not once per (query, key) pair.
+// a pure function of its address (asm without volatile or a memory clobber). Neither cicc nor ptxas merges such
+// loads of one address, though (nvcc 13.0: benchmarks/experiments/exp_load_cse.py, where a plain load is merged):
+// a per-row value (slopes[qo_head], doc_ids[qo_idx]) is read once a pair that reads it.
 template <typename T>
 __device__ __forceinline__ T load_input(const T* ptr) {
   if constexpr (sizeof(T) == 1) {  // bool, uint8_t
