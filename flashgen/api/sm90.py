@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ..kernels import (TILE_HOOK_CTAS_AN_SM, TILE_HOOK_THREADS, prepass_threads, rotates, sm90_qo_tma,
-                       sm90_tile_heads, sm90_tile_lists, sm90_tile_prepass)
+from ..kernels import (TILE_HOOK_THREADS, prepass_threads, rotates, sm90_qo_tma, sm90_tile_heads, sm90_tile_lists,
+                       sm90_tile_prepass)
 from ..plan import plan_prefill
 from ..plan.mask_tiles import plan_mask_tiles, tile_list_indptr
 from ..spec import AttentionSpec, CustomMask, Paged, RoPE
@@ -159,15 +159,13 @@ class SM90Prefill:
         self.variant = None  # the variant's run() keywords (variant_args), once the kernel is loaded
         self.params_buffer = None
         # a variant's mask: the items' tile lists, their buffer, and for a mask hook without a tile predicate the
-        # pre-pass that writes them (a warp a tile of each kv head's lists, or of kv head 0's alone where one list
-        # serves every kv head, sm90_tile_heads) with its arrival counts (zeroed once; the pass leaves them 0); a
-        # predicate's lists are written in the kernel (sm90_tile_prepass)
+        # pre-pass that writes them (a CTA a work item: each kv head's, or kv head 0's alone where one list serves
+        # every kv head, sm90_tile_heads); a predicate's lists are written in the kernel (sm90_tile_prepass)
         self.tile_lists = sm90_tile_lists(self.kernel_spec, self.positions)
         self._tile_prepass = sm90_tile_prepass(self.kernel_spec, self.positions)
         self._tile_heads = self.tile_lists and sm90_tile_heads(self.kernel_spec)
         self._tiles_block = (TILE_HOOK_THREADS, 1, 1)
         self._tile_buffer = DeviceBuffer(torch.int32, core.device, core.fixed) if self.tile_lists else None
-        self._arrivals = DeviceBuffer(torch.int32, core.device, core.fixed, zeroed=True) if self._tile_prepass else None
         self._tiles_fn = None
 
     def _load(self) -> None:
@@ -264,9 +262,6 @@ class SM90Prefill:
             fields.update(rope_rcp_scale=runtime.rope_rcp_scale, rope_log2_theta=runtime.rope_log2_theta,
                           **rope_scaling_params(self.kernel_spec, runtime))
         tiles = base if custom else self._tile_lists_at(extras, num_kv_heads, plan.info.capacity)
-        if self._tile_prepass:  # an arrival count a list (a work index, or an item where its list serves every head)
-            fields["tile_arrivals"] = self._arrivals.address_of(
-                plan.info.capacity * (num_kv_heads if self._tile_heads else 1), "tile lists", TILE_LISTS_HINT)
         fields.update(custom_mask=(self._mask_held.data_ptr() if self._mask_held is not None else base) if custom else 0,
                       mask_offset=addresses["mask_offset"] if custom else 0,
                       tile_indptr=addresses["tile_indptr"] if custom or self.tile_lists else 0, tiles=tiles)
@@ -282,19 +277,13 @@ class SM90Prefill:
 
     def _tile_lists_at(self, extras: dict, num_kv_heads: int, capacity: int) -> int:
         """The address of the tile-list buffer of a variant's mask (0 without lists), sized for this plan's items;
-        with the mask hook's pre-pass its grid: a warp a slot of the lists it writes (kv head 0's alone where its
-        list serves every kv head), at most ``TILE_HOOK_CTAS_AN_SM`` CTAs an SM, the warps striding over the rest.
-        In CUDA-graph mode always that many (a graph keeps the first plan's grid; the lists do not depend on it)."""
+        with the mask hook's pre-pass its grid, a CTA a work item, of kv head 0 only where its list serves every
+        kv head."""
         if not self.tile_lists:
             return 0
-        slots = int(extras["tile_indptr"][-1])
-        if self._tile_prepass:
-            ctas = self.num_sms * TILE_HOOK_CTAS_AN_SM
-            if not self.core.fixed:
-                warps = TILE_HOOK_THREADS // 32
-                ctas = min(ctas, -(-slots * (num_kv_heads if self._tile_heads else 1) // warps))
-            self._tiles_grid = (max(1, ctas), 1, 1)
-        return self._tile_buffer.address_of(num_kv_heads * slots, "tile lists", TILE_LISTS_HINT)
+        self._tiles_grid = (max(1, capacity * (num_kv_heads if self._tile_heads else 1)), 1, 1)
+        return self._tile_buffer.address_of(num_kv_heads * int(extras["tile_indptr"][-1]), "tile lists",
+                                            TILE_LISTS_HINT)
 
     def _head_fields(self, num_qo_heads: int, num_kv_heads: int) -> tuple[dict, tuple]:
         """The params that follow from the head counts (memoised per wrapper: a loop plans with the same ones),

@@ -33,11 +33,10 @@ def extra_offsets(plan_numel: int, sizes: dict[str, int]) -> tuple[dict[str, int
 
 class DeviceBuffer:
     """A device buffer that grows on demand, or (CUDA-graph mode) is sized once and never moves. Its size and
-    address are kept as ints (``numel``, ``address``): a plan reads them without a torch call. ``zeroed``: each
-    allocation is zero-filled (a buffer whose kernels leave it as they found it)."""
+    address are kept as ints (``numel``, ``address``): a plan reads them without a torch call."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, fixed: bool, zeroed: bool = False):
-        self.dtype, self.device, self.fixed, self.tensor, self.zeroed = dtype, device, fixed, None, zeroed
+    def __init__(self, dtype: torch.dtype, device: torch.device, fixed: bool):
+        self.dtype, self.device, self.fixed, self.tensor = dtype, device, fixed, None
         self.numel = self.address = 0
 
     def get(self, numel: int, what: str, hint: str = "raise max_batch_size") -> torch.Tensor:
@@ -56,8 +55,7 @@ class DeviceBuffer:
         if self.tensor is not None and self.fixed:
             raise PlanError(f"{what}: needs {numel} elements, more than the {self.numel} sized by the "
                             f"first plan of this CUDA-graph wrapper ({hint})")
-        # zeroed: filled on torch's current stream, as plan()'s uploads are, ahead of run()'s launches
-        self.tensor = (torch.zeros if self.zeroed else torch.empty)(max(numel, 1), dtype=self.dtype, device=self.device)
+        self.tensor = torch.empty(max(numel, 1), dtype=self.dtype, device=self.device)
         self.numel, self.address = self.tensor.numel(), self.tensor.data_ptr()
 
 

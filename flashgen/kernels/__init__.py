@@ -13,8 +13,8 @@ from .family import (ROPE_SCALING_FIELDS, EntryPoint, KernelFamily, LaunchConfig
 from .merge import MergeStatesFamily
 from .params import BoundParams, Param, ParamsLayout
 from .prefill import PrefillFamily
-from .prefill_sm90 import (TILE_HOOK_CTAS_AN_SM, TILE_HOOK_THREADS, PrefillSM90Family, sm90_qo_tma, sm90_tile_heads,
-                           sm90_tile_lists, sm90_tile_prepass)
+from .prefill_sm90 import (TILE_HOOK_THREADS, PrefillSM90Family, sm90_qo_tma, sm90_tile_heads, sm90_tile_lists,
+                           sm90_tile_prepass)
 from .render import TemplateError, include_dir, render_template, templates_dir
 from .rope_gather import RopeGatherFamily, prepass, prepass_threads, prepass_variant, ragged_twin, rotates
 from .variant import VARIANT_FIELD, hook_signature, render_variant, variant_layout
@@ -27,7 +27,7 @@ del _family
 __all__ = [
     "EntryPoint", "KernelFamily", "LaunchConfig", "family", "launch_config", "ops", "register", "BoundParams",
     "Param", "ParamsLayout", "TemplateError", "include_dir", "render_template", "templates_dir", "sm90_qo_tma",
-    "sm90_tile_lists", "sm90_tile_heads", "sm90_tile_prepass", "TILE_HOOK_THREADS", "TILE_HOOK_CTAS_AN_SM",
+    "sm90_tile_lists", "sm90_tile_heads", "sm90_tile_prepass", "TILE_HOOK_THREADS",
     "ragged_twin", "prepass", "prepass_threads", "prepass_variant", "rotates", "rows_per_block",
     "APPEND_RUNTIME_FIELDS", "ROPE_SCALING_FIELDS", "hook_signature", "render_variant", "variant_layout",
     "VARIANT_FIELD", "dequantises_k",

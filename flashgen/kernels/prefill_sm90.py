@@ -41,8 +41,7 @@ GATHER_PRODUCER_REGS, GATHER_CONSUMER_REGS = 56, 224
 THREADS = 384
 O_WARP_ROWS = 16  # packed rows of a consumer warp: one TMA store box of O
 SMEM_LIMIT = 227 * 1024
-TILE_HOOK_THREADS = 256  # the tile-list pre-pass by the mask hook: a warp a tile (tile_lists.cuh TILE_HOOK_WARPS)
-TILE_HOOK_CTAS_AN_SM = 4  # its grid: at most this many CTAs an SM (its launch bounds; api/sm90.py)
+TILE_HOOK_THREADS = 256  # the tile-list pre-pass by the mask hook: a CTA a work item (tile_lists.cuh TILE_HOOK_WARPS)
 
 
 def sm90_registers(head_dim: int, gathered: bool, fp8: bool = False) -> tuple[int, int, int]:
@@ -153,7 +152,7 @@ def sm90_tile_lists(spec: AttentionSpec, positions: bool = False) -> bool:
 def sm90_tile_heads(spec: AttentionSpec) -> bool:
     """Whether the tile-list pre-pass of ``spec`` (``sm90_tile_lists``) classifies each kv head's tiles on their
     own: with a tile predicate (which is given the heads), or a mask hook whose text names ``qo_head`` or
-    ``kv_head``. Otherwise the pre-pass classifies kv head 0's tiles over each item's distinct query tokens
+    ``kv_head``. Otherwise one CTA an item classifies kv head 0's tiles over the item's distinct query tokens
     (a GQA group's rows of one token get the same answer) and writes the list for every kv head: the pre-pass
     then evaluates ``1 / (num_kv_heads * group)`` of the pairs (``TILE_HEADS``; its grid, api/sm90.py)."""
     variant = spec.variant
@@ -162,10 +161,9 @@ def sm90_tile_heads(spec: AttentionSpec) -> bool:
 
 def sm90_tile_prepass(spec: AttentionSpec, positions: bool = False) -> bool:
     """Whether the tile lists of ``spec`` (``sm90_tile_lists``) come from a pre-pass kernel, ``prefill_sm90_tiles``
-    (a warp a tile, its grid striding over every item's tiles): for a mask hook without a tile predicate,
-    classified by the hook over each tile's pairs. A predicate's lists are written in the prefill itself, by its
-    producer warp 3 a few items ahead of the scheduler (``sm90/tile_lists.cuh`` ``produce_lists``): no second
-    launch."""
+    (a CTA of ``TILE_HOOK_THREADS`` a work item): for a mask hook without a tile predicate, classified by the hook
+    over each tile's pairs. A predicate's lists are written in the prefill itself, by its producer warp 3 a few
+    items ahead of the scheduler (``sm90/tile_lists.cuh`` ``produce_lists``): no second launch."""
     return sm90_tile_lists(spec, positions) and spec.variant.mask_tile is None
 
 
@@ -286,7 +284,6 @@ class PrefillSM90Family(AttentionFamily):
             "TILE_LIST": "true" if sm90_tile_lists(spec, self.positions) else "false",
             "TILE_PREPASS": "true" if sm90_tile_prepass(spec, self.positions) else "false",
             "TILE_LIST_THREADS": TILE_HOOK_THREADS,
-            "TILE_LIST_CTAS": TILE_HOOK_CTAS_AN_SM,
             "TILE_HEADS": "true" if sm90_tile_lists(spec, self.positions) and sm90_tile_heads(spec) else "false",
         }
 
@@ -324,8 +321,6 @@ class PrefillSM90Family(AttentionFamily):
             # tiles[tile_indptr[item] ..]: tile << 2 | kind); a tile predicate's lists (sm90_tile_lists): per
             # (item, kv head), written by the pre-pass (tile_list_of in sm90/tile_scheduler.cuh); null otherwise
             ("const uint8_t*", "custom_mask"), ("const int64_t*", "mask_offset"), (i32, "tile_indptr"), (i32, "tiles"),
-            # the mask hook's pre-pass: a count of classified tiles a list, 0 between launches (tile_lists.cuh)
-            *((("int32_t*", "tile_arrivals"),) if sm90_tile_prepass(spec, self.positions) else ()),
             *(POSITION_FIELDS if self.positions else ()), *variant_fields(spec),
             *((("float", "v_scale"),) if _kv8(spec) else ()),  # fp8 V's per-tensor scale, applied to the output
             *(ROPE_FIELDS + (ROPE_SCALING_FIELDS if rope_scaled(spec) else ())  # q's rotation

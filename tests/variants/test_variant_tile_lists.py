@@ -17,8 +17,7 @@ import torch
 import flashgen
 from flashgen.api import sm90
 from compile_checks import build_all, prefetch
-from flashgen.kernels import (TILE_HOOK_CTAS_AN_SM, TILE_HOOK_THREADS, family, sm90_tile_heads, sm90_tile_lists,
-                              sm90_tile_prepass)
+from flashgen.kernels import TILE_HOOK_THREADS, family, sm90_tile_heads, sm90_tile_lists, sm90_tile_prepass
 from flashgen.plan import PlanError
 from flashgen.plan.mask_tiles import tile_list_indptr
 from flashgen.spec import (AttentionSpec, Causal, CustomMask, NoMask, Paged, Ragged, SlidingWindow, SpecError,
@@ -111,8 +110,7 @@ def _plan(w, qo_lens, kv_lens):
 @pytest.mark.parametrize("variant", [DOC, EXAMPLES["document"][0]], ids=["predicate", "hook"])
 def test_plan_sizes_the_lists_and_run_launches_the_pre_pass_first(hopper, variant):
     """Both kinds of lists get their buffer at plan(); the mask hook's pre-pass runs first, with the prefill's
-    params, a warp a slot of the lists (at most TILE_HOOK_CTAS_AN_SM CTAs an SM), its arrival counts zeroed; a
-    predicate's lists need no launch of their own."""
+    params, a CTA an item; a predicate's lists need no launch of their own."""
     spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=variant)
     w = _wrapper(spec)
     total_q, total_kv = _plan(w, [1, 300, 40], [5, 1000, 40])
@@ -141,18 +139,14 @@ def test_plan_sizes_the_lists_and_run_launches_the_pre_pass_first(hopper, varian
     assert [c[0] for c in calls] == ["tiles", "prefill"]
     assert calls[0][3] == calls[1][3]  # one params struct
     assert calls[0][2] == (TILE_HOOK_THREADS, 1, 1)
-    warps = TILE_HOOK_THREADS // 32  # kv head 0's slots alone: its list is written for every kv head
-    assert calls[0][1] == (min(132 * TILE_HOOK_CTAS_AN_SM, -(-int(indptr[-1]) // warps)), 1, 1)
-    assert fields["tile_arrivals"] == impl._arrivals.address != 0
-    assert impl._arrivals.numel >= plan.info.capacity and not impl._arrivals.tensor.any()
+    assert calls[0][1] == (plan.info.capacity, 1, 1)  # a CTA an item, its list written for every kv head
 
 
 @pytest.mark.parametrize("variant,per_head", [(EXAMPLES["document"][0], False), (EXAMPLES["document"][1], False),
                                                (HEAD_MASK, True), (DOC, True)])
 def test_a_mask_hook_alone_gets_lists_one_cta_an_item_unless_it_names_a_head(hopper, variant, per_head):
-    """By the mask hook a pre-pass, a warp a slot of the lists (kv head 0's alone unless the hook names a head),
-    its grid at most TILE_HOOK_CTAS_AN_SM CTAs an SM, and any grid in CUDA-graph mode; by a tile predicate (given
-    the heads) the kernel's list warp, each kv head's list."""
+    """By the mask hook a pre-pass CTA of TILE_HOOK_THREADS a work item (kv head 0's alone unless the hook names a
+    head); by a tile predicate (given the heads) the kernel's list warp, each kv head's list."""
     spec = AttentionSpec(128, kv_layout=Ragged(), mask=Causal(), variant=variant)
     assert sm90_tile_heads(spec) is per_head
     source = family("prefill_sm90").render(spec)
@@ -164,16 +158,9 @@ def test_a_mask_hook_alone_gets_lists_one_cta_an_item_unless_it_names_a_head(hop
         assert "prefill_sm90_tiles" not in source
         return
     assert f"plan_tiles<PrefillSM90Config, {'true' if per_head else 'false'}>(p)" in source
-    assert f"__launch_bounds__({TILE_HOOK_THREADS}, {TILE_HOOK_CTAS_AN_SM}) prefill_sm90_tiles" in source
-    plan = impl.last_plan
-    slots = int(tile_list_indptr(plan.numpy("kv_start"), plan.numpy("kv_end"), 128)[-1])
-    lists = slots * (HEADS["num_kv_heads"] if per_head else 1)
-    assert impl._tiles_block == (TILE_HOOK_THREADS, 1, 1)
-    assert impl._tiles_grid == (-(-lists // (TILE_HOOK_THREADS // 32)), 1, 1)  # a warp a slot: fewer than 4 an SM
-    assert impl._arrivals.numel >= plan.info.capacity * (HEADS["num_kv_heads"] if per_head else 1)
-    graphed = _wrapper(spec, use_cuda_graph=True, max_batch_size=4, max_total_q=512)
-    _plan(graphed, [3, 300], [3, 400])
-    assert graphed._impl._tiles_grid == (132 * TILE_HOOK_CTAS_AN_SM, 1, 1)
+    assert f"__launch_bounds__({TILE_HOOK_THREADS}) prefill_sm90_tiles" in source
+    items = impl.last_plan.info.capacity * (HEADS["num_kv_heads"] if per_head else 1)
+    assert impl._tiles_block == (TILE_HOOK_THREADS, 1, 1) and impl._tiles_grid == (items, 1, 1)
 
 
 def test_classify_tiles_off_gives_no_lists_and_its_own_key(hopper):

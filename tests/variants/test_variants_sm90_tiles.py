@@ -3,8 +3,8 @@
 alone (the document example, its lists classified on and off, per kv head and shared), uneven batches, ragged,
 paged by TMA boxes and gathered pages, GQA groups, a sliding window, and CUDA-graph replays after re-planning;
 fresh random inputs, NaN-poisoned outputs, dtype-aware tolerance (test_variants_gpu.py's checks). The lists the
-mask hook gives equal a CPU classification of the document mask (an item of over a thousand tiles, spread over
-the pre-pass's warps, too) and refine the predicate's; replays show its arrival counts back at 0."""
+mask hook gives equal a CPU classification of the document mask (an item longer than the pre-pass's chunk of
+tiles too) and refine the predicate's."""
 
 from __future__ import annotations
 
@@ -193,10 +193,10 @@ def test_the_hook_lists_are_exact_and_refine_the_predicate(how, mask):
 
 
 @pytest.mark.parametrize("how", ["traced", "heads"])
-def test_the_hook_lists_of_a_long_item(how):
-    """One query against 140k keys of 300-token runs of three document ids: the pre-pass's warps classify the
-    item's 1094 tiles (full, partial and empty ones) across the grid, and the last to arrive compacts them in 35
-    ballots; its lists equal a CPU classification, its output the reference."""
+def test_the_hook_lists_of_an_item_longer_than_a_chunk(how):
+    """One query against 140k keys of 300-token runs of three document ids: the pre-pass's CTA classifies the item's
+    1094 tiles in two chunks (HOOK_CHUNK_TILES = 1024), full, partial and empty ones in each; its lists equal a
+    CPU classification, its output the reference."""
     n = 140_000
     doc_ids = (torch.arange(n) // 300 % 3).int()
     hook = _lists(_run("document", 0, Ragged(), Causal(), [1], [n], args={"doc_ids": doc_ids}, variant=DOC_HOOK[how]))

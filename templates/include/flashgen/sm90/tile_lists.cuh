@@ -7,14 +7,13 @@
 // (mask_tile) producer warp 3 of the prefill itself writes the lists (produce_lists; list_warp in
 // sm90/tile_scheduler.cuh), a work index at a time, lane l classifying tiles l, l + 32, ... over the item's rows
 // (every q head of the kv head's group, the queries of its tokens), a few items ahead of the scheduler. Without
-// one a pre-pass kernel, launched ahead of the prefill on its stream, classifies the tiles by the mask hook itself
-// (plan_tiles_by_hook, mask_hook_class), a warp a tile, every warp of its grid striding over the slots of all the
-// lists at once, so that an item's tiles spread over the SMs (one item's are all a CTA's where a CTA takes an
-// item: at 1x16384 causal the last q tile's 128 tiles, ~50 us of one SM's issue). Each class goes into the tile's
-// own slot of its list, and the warp that classifies an item's last tile (an arrival count a list, back to 0 for
-// the next launch) compacts the list in place by ballots, in ascending order, as entries t << ENTRY_SHIFT | kind
-// (ENTRY_FULL where every pair is kept, else ENTRY_BITS: the consumers then run the mask hook per pair), the
-// count written before them (tile_list_of). Padding items are left alone: no warp of the prefill reads them.
+// one a pre-pass kernel, launched ahead of the prefill on its stream, takes a CTA of TILE_HOOK_WARPS warps a work
+// index (plan_tiles_by_hook): warp w classifies tiles w, w + TILE_HOOK_WARPS, ... of a chunk of HOOK_CHUNK_TILES
+// by the mask hook itself (mask_hook_class) into shared memory, a byte a tile. The non-empty tiles are compacted
+// by a ballot, in ascending order, as entries t << ENTRY_SHIFT | kind (ENTRY_FULL where every pair is kept, else
+// ENTRY_BITS: the consumers then run the mask hook per pair, after classifying the tile again over their own 64
+// rows where there is a predicate), the count written before them (tile_list_of). Padding items are left alone:
+// no warp of the prefill reads them.
 //
 // PER_HEAD = false (a mask hook that names neither qo_head nor kv_head: kernels/prefill_sm90.py
 // sm90_tile_heads): only kv head 0's work indices run, each classifying over its item's distinct query tokens,
@@ -31,7 +30,8 @@
 
 namespace flashgen::sm90 {
 
-constexpr int TILE_HOOK_WARPS = 8;  // warps a CTA of the mask hook's pre-pass, a warp a tile at a time
+constexpr int TILE_HOOK_WARPS = 8;  // warps a CTA of the mask hook's pre-pass, a CTA a work index
+constexpr int HOOK_CHUNK_TILES = 1024;  // tiles the mask hook's CTA classifies between two compactions
 constexpr int HOOK_ROWS_A_VOTE = 8;  // rows a lane evaluates between two votes of mask_hook_class
 
 // The pre-pass's block (kernels/prefill_sm90.py: TILE_HOOK_THREADS)
@@ -95,99 +95,48 @@ __device__ __forceinline__ int mask_hook_class(const Params& p, const Work& w, c
   return __any_sync(0xffffffff, kept) ? flashgen::variant::TILE_FULL : flashgen::variant::TILE_EMPTY;
 }
 
-// An item's arrivals (PTX memory model): each warp's lane 0 writes its tile's class, then adds 1 to the item's
-// count with release semantics (no other write of the warp needs publishing); the adds form one release sequence,
-// so the warp that reads the last of them and then fences (acquire) sees every class. No warp but the last
-// invalidates its SM's L1: __threadfence() does (fence.sc: MEMBAR.SC.GPU, CCTL.IVALL), and after each tile it
-// sent the other warps' doc_ids reads to L2 (55 / 95 us at 4x4096 / 1x16384 against 27 / 58 a CTA an item).
-__device__ __forceinline__ int arrive_release(int32_t* count) {
-  int old;
-  asm volatile("atom.release.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(count) : "memory");
-  return old;
-}
-__device__ __forceinline__ void fence_acquire() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
-
-// The item that slot s of kv head 0's lists belongs to: the last item with tile_indptr[item] <= s (the offsets
-// strictly increase: an item's list holds its count's slot). A 32-way search, uniform over the warp: a step
-// narrows [lo, hi) to one of 32 spans by a ballot.
-template <class Params>
-__device__ __forceinline__ int item_of_slot(const Params& p, int s, int lane) {
-  int lo = 0, hi = p.num_items;  // tile_indptr[lo] <= s < tile_indptr[hi]
-  while (hi - lo > 1) {  // (uniform over the warp)
-    const int step = (hi - lo + 31) / 32, i = lo + lane * step;
-    const uint32_t below = __ballot_sync(0xffffffff, i < hi && p.tile_indptr[i] <= s);  // lanes 0 .. k
-    lo += (31 - __clz(below)) * step;
-    hi = min(hi, lo + step);
-  }
-  return lo;
-}
-
-// The item's list compacted in place by the warp that classified its last tile: slot 1 + t holds tile t's class
-// (written by the warps of any SM, each before its arrival: read through L2, after the fence that follows the
-// last arrival). 32 slots are read before the ballot and written after it, at or below their own (count <= the
-// chunk's first tile), so no class is overwritten before it is read. PER_HEAD = false: the entries and the count
-// go into every kv head's list.
-template <bool PER_HEAD, class Params>
-__device__ __forceinline__ void compact_tile_list(const Params& p, int32_t* list, int item, int num_tiles, int lane) {
-  using namespace flashgen::variant;
-  const int64_t stride = p.tile_indptr[item + 1] - p.tile_indptr[item];
-  const int heads = PER_HEAD ? 1 : p.num_kv_heads;
-  int count = 0;
-  for (int b = 0; b < num_tiles; b += 32) {  // (uniform over the warp)
-    const int t = b + lane, cls = t < num_tiles ? __ldcg(list + 1 + t) : TILE_EMPTY;
-    const uint32_t kept = __ballot_sync(0xffffffff, cls != TILE_EMPTY);
-    if (cls != TILE_EMPTY) {
-      const int at = 1 + count + __popc(kept & ((1u << lane) - 1u));
-      const int entry = t << ENTRY_SHIFT | (cls == TILE_FULL ? ENTRY_FULL : ENTRY_BITS);
-      for (int h = 0; h < heads; ++h) list[h * stride + at] = entry;
-    }
-    count += __popc(kept);
-  }
-  for (int h = lane; h < heads; h += 32) list[h * stride] = count;
-}
-
-// The mask hook's pre-pass: warp g of the grid (TILE_HOOK_WARPS a CTA) takes slots g, g + the grid's warps, ...
-// of the lists (kv head 0's, then PER_HEAD each kv head's: tile_indptr[num_items] slots a head). Slot
-// tile_indptr[item] + 1 + t is tile t of work index x = (kv head, item): the warp classifies it (mask_hook_class)
-// into that slot and arrives on x's count (p.tile_arrivals: x, or the item where one list serves every kv head);
-// the arrival that completes the item's tiles compacts its list and sets the count back to 0. An item without a
-// tile (its range empty under causal or the window) has its count written by the warp of its count's slot. The
-// lists do not depend on the grid: any grid covers every slot (a CUDA graph keeps its first plan's).
+// The mask hook's pre-pass: CTA x (a work index) classifies its item's tiles, TILE_HOOK_WARPS warps a chunk of
+// HOOK_CHUNK_TILES at a time, and compacts each chunk as the predicate's warp does its 32 tiles. Every warp walks
+// the chunk's ballots alike (so every thread holds the count) and writes the entries of its kv heads' lists:
+// PER_HEAD, warp 0 its work index's; else warp w kv heads w, w + TILE_HOOK_WARPS, ... (the lists of an item
+// follow kv head 0's at a stride of its size: tile_list_of).
 template <class C, bool PER_HEAD, class Params>
 __device__ __forceinline__ void plan_tiles_by_hook(const Params& p) {
   using namespace flashgen::variant;
-  const int lane = threadIdx.x % 32;
-  const int slots = p.tile_indptr[p.num_items];  // a kv head's
-  const int64_t total = int64_t(slots) * (PER_HEAD ? p.num_kv_heads : 1);
+  __shared__ uint8_t classes[HOOK_CHUNK_TILES];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, x = blockIdx.x;
+  if (x >= p.num_items * (PER_HEAD ? p.num_kv_heads : 1)) return;  // (uniform over the CTA)
+  const Work w = work_of<C, false>(p, x);
+  if (!w.valid) return;
+  const int item = p.num_items - 1 - x % p.num_items, request = p.request_idx[item];
+  // the prefill's plan-owned buffer, read-only to the prefill itself (hence const in the params)
+  int32_t* list = const_cast<int32_t*>(tile_list_of(p, item, w.kv_head));
+  const int64_t stride = p.tile_indptr[item + 1] - p.tile_indptr[item];
+  const int heads = PER_HEAD ? 1 : p.num_kv_heads;
   const FastDiv group = group_of(p);
-  for (int64_t g = int64_t(blockIdx.x) * TILE_HOOK_WARPS + threadIdx.x / 32; g < total;
-       g += int64_t(gridDim.x) * TILE_HOOK_WARPS) {  // (uniform over the warp)
-    const int kv_head = PER_HEAD ? int(g / slots) : 0, s = int(g - int64_t(kv_head) * slots);
-    const int item = item_of_slot(p, s, lane), x = kv_head * p.num_items + p.num_items - 1 - item;
-    const Work w = work_of<C, false>(p, x);
-    if (!w.valid) continue;
-    // the prefill's plan-owned buffer, read-only to the prefill itself (hence const in the params)
-    int32_t* list = const_cast<int32_t*>(tile_list_of(p, item, w.kv_head));
-    const int t = s - p.tile_indptr[item] - 1;  // -1: the count's slot
-    if (t < 0) {
-      if (w.num_tiles == 0) compact_tile_list<PER_HEAD>(p, list, item, 0, lane);  // the count alone: 0
-      continue;
+  int count = 0;
+  for (int c0 = 0; c0 < w.num_tiles; c0 += HOOK_CHUNK_TILES) {  // (uniform over the CTA)
+    const int n = min(HOOK_CHUNK_TILES, w.num_tiles - c0);
+    for (int t = warp; t < n; t += TILE_HOOK_WARPS) {  // (uniform over the warp)
+      const int kv_begin = w.kv_lo + (c0 + t) * C::TILE_KV;
+      const int cls = mask_hook_class<C, PER_HEAD>(p, w, group, request, lane, kv_begin,
+                                                   min(kv_begin + C::TILE_KV, w.kv_hi));
+      if (lane == 0) classes[t] = cls;
     }
-    if (t >= w.num_tiles) continue;  // past the range clipped by causal or the window
-    const int kv_begin = w.kv_lo + t * C::TILE_KV;
-    const int cls = mask_hook_class<C, PER_HEAD>(p, w, group, p.request_idx[item], lane, kv_begin,
-                                                 min(kv_begin + C::TILE_KV, w.kv_hi));
-    int32_t* arrivals = p.tile_arrivals + (PER_HEAD ? x : item);
-    int arrived = 0;
-    if (lane == 0) {
-      list[1 + t] = cls;
-      arrived = arrive_release(arrivals) + 1;  // the class published by the arrival
+    __syncthreads();
+    for (int b = 0; b < n; b += 32) {  // (uniform over the CTA)
+      const int t = b + lane, cls = t < n ? classes[t] : TILE_EMPTY;
+      const uint32_t kept = __ballot_sync(0xffffffff, cls != TILE_EMPTY);
+      if (cls != TILE_EMPTY) {
+        const int at = 1 + count + __popc(kept & ((1u << lane) - 1u));
+        const int entry = (c0 + t) << ENTRY_SHIFT | (cls == TILE_FULL ? ENTRY_FULL : ENTRY_BITS);
+        for (int h = warp; h < heads; h += TILE_HOOK_WARPS) list[h * stride + at] = entry;
+      }
+      count += __popc(kept);
     }
-    if (__shfl_sync(0xffffffff, arrived, 0) < w.num_tiles) continue;
-    fence_acquire();  // every arrival's class before the reads of the compaction
-    compact_tile_list<PER_HEAD>(p, list, item, w.num_tiles, lane);
-    if (lane == 0) *arrivals = 0;  // for the next launch
+    __syncthreads();  // the chunk's classes are read before the next chunk's overwrite them
   }
+  for (int h = threadIdx.x; h < heads; h += TILE_HOOK_WARPS * 32) list[h * stride] = count;
 }
 
 // A tile list by the tile predicate, into `list` (tile_list_of): a warp, lane l classifying tiles l, l + 32, ... of
