@@ -16,9 +16,10 @@ constexpr int TILE_PARTIAL = 1;  // evaluate the mask per pair
 constexpr int TILE_FULL = 2;     // every pair kept: the tile runs unmasked
 
 // One element of a declared tensor by ld.global.nc. No kernel writes a declared tensor, so the load is stated as
-// a pure function of its address (asm without volatile or a memory clobber). Neither cicc nor ptxas merges such
-// loads of one address, though (nvcc 13.0: benchmarks/experiments/exp_load_cse.py, where a plain load is merged):
-// a per-row value (slopes[qo_head], doc_ids[qo_idx]) is read once a pair that reads it.
+// a pure function of its address (asm without volatile or a memory clobber). Loads of one address in straight-line
+// code are merged by ptxas (a per-row value, slopes[qo_head] or doc_ids[qo_idx], read once for the pairs of a row),
+// though the arithmetic on them is kept once a call, where a plain load would let cicc fold it too (nvcc 13.0:
+// benchmarks/experiments/exp_load_cse.py); loads under a branch or a predicate a pair stay one a pair.
 template <typename T>
 __device__ __forceinline__ T load_input(const T* ptr) {
   if constexpr (sizeof(T) == 1) {  // bool, uint8_t
