@@ -46,7 +46,9 @@ constexpr int tile_list_threads() {
 // Lane l takes keys kv_begin + l + 32 j. A step takes HOOK_ROWS_A_VOTE rows (past the last row it repeats that
 // one: the same pairs again) in one straight line, with no branch between the hook's calls, so that their loads
 // are in flight together; where every row of the step sees every key of the tile (a whole tile, causal: its
-// first row sees the last key, window: its last row the first key) the pairs go unbounded. After each step the
+// first row sees the last key, window: its last row the first key) the pairs go unbounded, and where the step's
+// rows are all the item's its rows go unclamped (r0 + u: the hook's row addresses then step by the tensor's stride,
+// ~110 SASS a step for the document mask against ~175 with min(r0 + u, last) a row). After each step the
 // warp votes on "some pair kept" and "some pair dropped": both seen -> TILE_PARTIAL at once; at the end
 // TILE_FULL where some pair was kept (and none dropped), else TILE_EMPTY (also where the spec's mask hides every
 // pair: the prefill's tile would add nothing). The result is uniform over the warp.
@@ -59,10 +61,10 @@ __device__ __forceinline__ int mask_hook_class(const Params& p, const Work& w, c
   const int first = PER_HEAD ? w.row0 : group.div(w.row0), last = PER_HEAD ? w.last_row : group.div(w.last_row);
   auto q_pos_of = [&](int r) { return w.q_base + (PER_HEAD ? group.div(r) : r); };
   bool kept = false, dropped = false;  // this lane's pairs so far
-  auto step = [&](int r0, auto bounded) {
+  auto step = [&](int r0, auto bounded, auto clamped) {
 #pragma unroll
     for (int u = 0; u < HOOK_ROWS_A_VOTE; ++u) {
-      const int r = min(r0 + u, last);
+      const int r = decltype(clamped)::value ? min(r0 + u, last) : r0 + u;
       int token = r, head = 0;
       if constexpr (PER_HEAD) group.divmod(r, token, head);
       const int q_pos = w.q_base + token, qo_head = w.kv_head * group.d + head;
@@ -85,10 +87,12 @@ __device__ __forceinline__ int mask_hook_class(const Params& p, const Work& w, c
     const int r1 = min(r0 + HOOK_ROWS_A_VOTE - 1, last);
     const bool whole = kv_end - kv_begin == C::TILE_KV && (!C::CAUSAL || q_pos_of(r0) + 1 >= kv_end) &&
                        (!C::WINDOW || q_pos_of(r1) - p.window_left <= kv_begin);
-    if (whole) {
-      step(r0, std::false_type{});
+    if (whole && r1 == r0 + HOOK_ROWS_A_VOTE - 1) {
+      step(r0, std::false_type{}, std::false_type{});
+    } else if (whole) {
+      step(r0, std::false_type{}, std::true_type{});
     } else {
-      step(r0, std::true_type{});
+      step(r0, std::true_type{}, std::true_type{});
     }
     if (__any_sync(0xffffffff, kept) && __any_sync(0xffffffff, dropped)) return flashgen::variant::TILE_PARTIAL;
   }
