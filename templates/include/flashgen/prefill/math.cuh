@@ -208,67 +208,6 @@ __device__ __forceinline__ void logits(float (&s)[C::MMA_Q][C::TILE_KV / 8][4], 
     }
 }
 
-// hook_logits for heavy pair hooks (V::HEAVY, kernels/variant.py heavy_pair_hooks: T5's bucket, a logf and a
-// division a pair): the same values, by rolled loops over the thread's rows and key pairs, so that the hooks are
-// instantiated twice a kernel, not at each of the MMA_Q * TILE_KV / 2 pairs of the unrolled tile (T5 at d128: 9016
-// -> 4632 SASS instructions, the built-in causal kernel's 4232). The logits go through a local copy that the loops
-// index (a row's two keys of an 8-key block a float2 load and store; 256 bytes of stack at d128).
-template <class C, class Params>
-__device__ __forceinline__ void hook_logits_rolled(const Params& p, float (&s)[C::MMA_Q][C::TILE_KV / 8][4],
-                                                   const RowInfo<C>& ri, const HookRowsOf<C>& hr,
-                                                   LogitsTransform<C::ALIBI, C::SOFT_CAP>& transform,
-                                                   int tile_start, int warp, int lane, const int32_t* page_pos,
-                                                   bool use_mask) {
-  using V = typename C::Variant;
-  constexpr int NT = C::TILE_KV / 8;
-  constexpr float UNITS = V::SOFTMAX ? LOG2E : 1.f;
-  const MaskInfo& mi = ri.mi;
-  const int base = tile_start + 2 * (lane % 4), batch = hr.batch, kv_head = hr.kv_head;
-  float2 buf[C::MMA_Q * 2][NT];  // [row slot mq * 2 + h][nt]: s[mq][nt][2 h], s[mq][nt][2 h + 1]
-#pragma unroll
-  for (int mq = 0; mq < C::MMA_Q; ++mq)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) buf[mq * 2 + h][nt] = make_float2(s[mq][nt][2 * h], s[mq][nt][2 * h + 1]);
-#pragma unroll 1
-  for (int slot = 0; slot < C::MMA_Q * 2; ++slot) {
-    const int r = RowInfo<C>::row(warp, lane, slot / 2, slot % 2);
-    int q_pos = ri.q_pos[r];
-    if constexpr (!C::POSITIONS) q_pos = min(q_pos, mi.q_base + mi.qo_len - 1);
-    const int qo_head = hr.qo_head[r];
-    if constexpr (C::ALIBI) transform.slope = ri.slope[r];
-    const float row_dist = flashgen::variant::row_distance<V>(base, q_pos);
-#pragma unroll 1
-    for (int nt = 0; nt < NT; ++nt) {
-      const float2 in = buf[slot][nt];
-      float x[2] = {in.x, in.y};
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int t = base + nt * 8 + e;
-        int k_pos = min(t, mi.kv_hi - 1);
-        if constexpr (C::POSITIONS) k_pos = key_position<C::PAGE_SIZE>(page_pos, k_pos);
-        const bool hidden = t >= mi.kv_hi || x[e] == -INFINITY;
-        const float dist = C::POSITIONS ? flashgen::variant::distance_at<V>(q_pos, k_pos)
-                                        : flashgen::variant::pair_distance<V>(row_dist, nt * 8 + e);
-        x[e] = flashgen::variant::pair_value<V>(p, hidden, transform.natural(x[e], k_pos - q_pos), batch, q_pos,
-                                                k_pos, qo_head, kv_head, dist, use_mask) *
-               UNITS;
-      }
-      buf[slot][nt] = make_float2(x[0], x[1]);
-    }
-  }
-#pragma unroll
-  for (int mq = 0; mq < C::MMA_Q; ++mq)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        s[mq][nt][2 * h] = buf[mq * 2 + h][nt].x;
-        s[mq][nt][2 * h + 1] = buf[mq * 2 + h][nt].y;
-      }
-}
-
 // A variant's pair hooks (common/variant.cuh) on every tile, after the spec's mask: each pair the mask left
 // visible gets its natural-log logit (the spec's ALiBi and soft-cap applied here, not in logits()) through the
 // hooks, and leaves in base 2; a hidden pair is -inf (softmax=False: weight 0). Every pair is evaluated and the
@@ -285,36 +224,31 @@ __device__ __forceinline__ void hook_logits(const Params& p, float (&s)[C::MMA_Q
   const MaskInfo& mi = ri.mi;
   const int base = tile_start + 2 * (lane % 4), batch = hr.batch, kv_head = hr.kv_head;
   constexpr float UNITS = V::SOFTMAX ? LOG2E : 1.f;
-  if constexpr (V::HEAVY) {
-    hook_logits_rolled<C>(p, s, ri, hr, transform, tile_start, warp, lane, page_pos, use_mask);
-  } else {
 #pragma unroll
-    for (int mq = 0; mq < C::MMA_Q; ++mq)
+  for (int mq = 0; mq < C::MMA_Q; ++mq)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = RowInfo<C>::row(warp, lane, mq, h);
-        int q_pos = ri.q_pos[r];
-        if constexpr (!C::POSITIONS) q_pos = min(q_pos, mi.q_base + mi.qo_len - 1);
-        const int qo_head = hr.qo_head[r];
-        if constexpr (C::ALIBI) transform.slope = ri.slope[r];
-        const float row_dist = flashgen::variant::row_distance<V>(base, q_pos);
+    for (int h = 0; h < 2; ++h) {
+      const int r = RowInfo<C>::row(warp, lane, mq, h);
+      int q_pos = ri.q_pos[r];
+      if constexpr (!C::POSITIONS) q_pos = min(q_pos, mi.q_base + mi.qo_len - 1);
+      const int qo_head = hr.qo_head[r];
+      if constexpr (C::ALIBI) transform.slope = ri.slope[r];
+      const float row_dist = flashgen::variant::row_distance<V>(base, q_pos);
 #pragma unroll
-        for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
+      for (int nt = 0; nt < C::TILE_KV / 8; ++nt)
 #pragma unroll
-          for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            const int t = base + nt * 8 + e % 2;
-            int k_pos = min(t, mi.kv_hi - 1);
-            if constexpr (C::POSITIONS) k_pos = key_position<C::PAGE_SIZE>(page_pos, k_pos);
-            const bool hidden = t >= mi.kv_hi || s[mq][nt][e] == -INFINITY;
-            const float dist = C::POSITIONS ? flashgen::variant::distance_at<V>(q_pos, k_pos)
-                                            : flashgen::variant::pair_distance<V>(row_dist, nt * 8 + e % 2);
-            const float x = transform.natural(s[mq][nt][e], k_pos - q_pos);
-            s[mq][nt][e] = flashgen::variant::pair_value<V>(p, hidden, x, batch, q_pos, k_pos, qo_head, kv_head, dist,
-                                                            use_mask) *
-                           UNITS;
-          }
-      }
-  }
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          const int t = base + nt * 8 + e % 2;
+          int k_pos = min(t, mi.kv_hi - 1);
+          if constexpr (C::POSITIONS) k_pos = key_position<C::PAGE_SIZE>(page_pos, k_pos);
+          const bool hidden = t >= mi.kv_hi || s[mq][nt][e] == -INFINITY;
+          const float dist = C::POSITIONS ? flashgen::variant::distance_at<V>(q_pos, k_pos)
+                                          : flashgen::variant::pair_distance<V>(row_dist, nt * 8 + e % 2);
+          s[mq][nt][e] = flashgen::variant::pair_value<V>(p, hidden, transform.natural(s[mq][nt][e], k_pos - q_pos),
+                                                          batch, q_pos, k_pos, qo_head, kv_head, dist, use_mask) *
+                         UNITS;
+        }
+    }
 }
 
 // The tile predicate's class of the warp's rows against keys [tile_start, tile_start + TILE_KV) (cut at kv_hi),

@@ -77,7 +77,10 @@ __device__ __forceinline__ float key_distance(const float (&row)[2], int i) {
 // nvcc 13.0). A score hook alone (or weights without softmax): a mask hook's per-key reads held across the mask
 // spilled (the document mask, 12 bytes). Logits in the kernel's units (natural log with pair hooks: see
 // LogitsParams).
-template <class C, class Params>
+// ANY_TILE (heavy hooks, V::HEAVY): any tile of the item, each key past kv_hi taken as the last before it (a clamp a
+// pair), so that the hooks' code is instantiated once a softmax, not again in hooks_by_pair; hide_inside<C, true>
+// then hides the keys past kv_hi.
+template <class C, bool ANY_TILE = false, class Params>
 __device__ __forceinline__ void hooks_inside(float (&s)[C::TILE_KV / 2], const RowState& rs, const LogitsParams& lg,
                                              int t0, const Params& p, const HookItem& hi) {
   using V = typename C::Variant;
@@ -87,47 +90,11 @@ __device__ __forceinline__ void hooks_inside(float (&s)[C::TILE_KV / 2], const R
   row_distances<V>(row_dist, rs, t0);
 #pragma unroll
   for (int i = 0; i < C::TILE_KV / 2; ++i) {
-    const int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2, h = (i / 2) % 2;
+    int place = t0 + 8 * (i / 4) + 2 * q4 + i % 2;
+    if constexpr (ANY_TILE) place = min(place, lg.kv_hi - 1);
+    const int h = (i / 2) % 2;
     s[i] = flashgen::variant::pair_logit<V>(p, RAW ? s[i] * lg.mul : s[i], hi.batch, rs.q_pos[h], place,
                                             rs.qo_head[h], hi.kv_head, key_distance<V>(row_dist, i));
-  }
-}
-
-// The pair hooks of heavy hooks (V::HEAVY), on any tile of the item, before the spec's mask (hide_inside<C, true>
-// then hides the keys past kv_hi too): as hooks_inside, each key past kv_hi taken as the last before it, by a
-// rolled loop over the thread's 8-key blocks, so that the hooks are instantiated at the four pairs of a block, not
-// at each of the TILE_KV / 2 pairs of the unrolled tile nor again in hooks_by_pair (T5: 8784 -> 4392 SASS
-// instructions, the built-in causal kernel's 4776). The logits go through a local copy that the loop indexes (a
-// block's four a float4 load and store; 256 bytes of stack at TILE_KV 128).
-template <class C, class Params>
-__device__ __forceinline__ void hooks_rolled(float (&s)[C::TILE_KV / 2], const RowState& rs, const LogitsParams& lg,
-                                             int t0, const Params& p, const HookItem& hi) {
-  using V = typename C::Variant;
-  constexpr bool RAW = !C::ALIBI && !C::SOFT_CAP;
-  constexpr int BLOCKS = C::TILE_KV / 8;
-  const int first = t0 + 2 * (threadIdx.x % 4);
-  float row_dist[2];
-  row_distances<V>(row_dist, rs, t0);
-  float4 buf[BLOCKS];  // block b: s[4 b .. 4 b + 3], keys 8 b + {0, 1} of rows h = 0, 1
-#pragma unroll
-  for (int b = 0; b < BLOCKS; ++b) buf[b] = make_float4(s[4 * b], s[4 * b + 1], s[4 * b + 2], s[4 * b + 3]);
-#pragma unroll 1
-  for (int b = 0; b < BLOCKS; ++b) {
-    const float4 in = buf[b];
-    float x[4] = {in.x, in.y, in.z, in.w};
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int h = u / 2, offset = 8 * b + u % 2, place = min(first + offset, lg.kv_hi - 1);
-      x[u] = flashgen::variant::pair_logit<V>(p, RAW ? x[u] * lg.mul : x[u], hi.batch, rs.q_pos[h], place,
-                                              rs.qo_head[h], hi.kv_head,
-                                              flashgen::variant::pair_distance<V>(row_dist[h], offset));
-    }
-    buf[b] = make_float4(x[0], x[1], x[2], x[3]);
-  }
-#pragma unroll
-  for (int b = 0; b < BLOCKS; ++b) {
-    s[4 * b] = buf[b].x, s[4 * b + 1] = buf[b].y;
-    s[4 * b + 2] = buf[b].z, s[4 * b + 3] = buf[b].w;
   }
 }
 
@@ -301,12 +268,12 @@ __device__ __forceinline__ void softmax(float (&s)[C::TILE_KV / 2], RowState& rs
   }
   // a tile whose keys all lie inside the item (uniform over the warpgroup); with a score hook alone (or weights
   // without softmax) its hooks come before the mask (hooks_inside), else after it (hooks_by_pair)
-  // and heavy hooks (V::HEAVY) take one path on every tile, clamped and rolled (hooks_rolled)
+  // and heavy hooks (V::HEAVY) take the same path on every tile, clamped, for one instantiation a softmax
   constexpr bool HOOKS_FIRST = HOOKED && !C::POSITIONS && !V::MASK && !V::MASK_TILE;
   constexpr bool ONE_SITE = HOOKS_FIRST && V::HEAVY;
   const bool inside = !C::POSITIONS && !V::MASK_TILE && t0 + C::TILE_KV <= lg.kv_hi;
   if constexpr (ONE_SITE) {
-    hooks_rolled<C>(s, rs, lg, t0, p, hi);
+    hooks_inside<C, true>(s, rs, lg, t0, p, hi);
     if (masked) hide_inside<C, true>(s, rs, lg, t0, bits);  // always on a tile past kv_hi (mainloop.cuh)
   } else if (HOOKS_FIRST && inside) {
     hooks_inside<C>(s, rs, lg, t0, p, hi);
